@@ -29,6 +29,15 @@ class DecodeSetupError(ValueError):
     """The decode config asks for something that cannot be run; the message says what to change."""
 
 
+def alias_heads_override(args: list[str]) -> list[str]:
+    """Command-line overrides with ``heads=PATH`` spelled as the config key ``heads_path=PATH``.
+
+    conf/heads/ is the config group training composes, so Hydra would read ``heads=PATH`` as a choice from it; decoding
+    has no use for that group, and ``heads=`` is the natural way to name the heads to decode with.
+    """
+    return ["heads_path=" + a[len("heads="):] if a.startswith("heads=") else a for a in args]
+
+
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
     value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
     return default if value == "???" else value

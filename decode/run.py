@@ -31,7 +31,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "decode":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from decode.pipeline import run  # noqa: E402
+from decode.pipeline import alias_heads_override, run  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
@@ -40,4 +40,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = alias_heads_override(sys.argv[1:])
     main()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from decode.bench import compare_on_prompts, format_comparison, format_cost_curve, verify_cost_curve  # noqa: E402
-from decode.pipeline import DecodeSetupError, load_session, read_questions  # noqa: E402
+from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, read_questions  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--curve-only", action="store_true", help="skip the prompt comparison")
     args, overrides = parser.parse_known_args(argv)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="decode", overrides=overrides)
+        cfg = compose(config_name="decode", overrides=alias_heads_override(overrides))
     if not args.curve_only and not cfg.prompts:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form), or --curve-only.")
     session = load_session(cfg)

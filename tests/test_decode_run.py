@@ -13,7 +13,7 @@ import torch
 
 from conftest import CONF, compose
 from decode.drafters import MedusaDrafter, VanillaDrafter
-from decode.pipeline import DecodeSetupError, load_session, run
+from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, run
 from decode.tree import TreeError
 
 TINY = ["model=tiny", "max_new_tokens=12"]
@@ -107,10 +107,15 @@ def test_entry_script_runs(tmp_path, monkeypatch, capsys):
     import runpy
 
     script = CONF.parent / "decode" / "run.py"
-    monkeypatch.setattr(sys, "argv", [str(script), *TINY, "prompt=hi", f"run_dir={tmp_path}", "decode=vanilla"])
+    # heads=... names the heads to decode with (an alias of heads_path=; conf/heads/ is training's config group)
+    argv = [str(script), *TINY, "heads=random", "prompt=hi", f"run_dir={tmp_path}", "decode=vanilla"]
+    monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(script), run_name="__main__")
     assert "tau 1.00" in capsys.readouterr().out
-    assert (tmp_path / ".hydra" / "config.yaml").exists()
+    saved = (tmp_path / ".hydra" / "config.yaml").read_text()
+    assert "heads_path: random" in saved
+    assert alias_heads_override(["heads=out/h", "heads.x=1", "model=tiny"]) == ["heads_path=out/h", "heads.x=1",
+                                                                              "model=tiny"]
 
 
 def test_bad_input_fails_clearly(tmp_path):

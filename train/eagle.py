@@ -19,8 +19,8 @@ checkpoints/, config.yaml, metrics.jsonl.
 import sys
 from pathlib import Path
 
-# Run as a script, Python puts train/ first on sys.path, where train/logging.py would shadow the standard library's
-# logging module; put the repository root there instead (before anything imports logging).
+# Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
+# installed packages of those names and `train` would not import without an install; put the repository root there.
 _ROOT = Path(__file__).resolve().parents[1]
 if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
     sys.path[0] = str(_ROOT)

@@ -77,21 +77,37 @@ def format_cost_curve(rows: list[dict], cache_length: int) -> str:
     return "\n".join(lines)
 
 
-def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = True) -> dict[str, dict]:
-    """First turns of ``questions`` decoded three ways with the same settings; per way: tokens, time, tau, tokens/s."""
+def _new_way(steps: bool = True) -> dict:
+    way = {"new_tokens": 0, "total_s": 0.0}
+    if steps:
+        way.update(steps=0, step_tokens=0, draft_s=0.0, verify_s=0.0, same_as_hf=0)
+    return way
+
+
+def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = True,
+                       others: dict[str, Session] | None = None) -> dict[str, dict]:
+    """First turns of ``questions`` decoded with the same settings by the session's drafter ("tree"), by each of
+    ``others`` (sessions with other heads on the same target, named by their keys), by plain decoding in the same
+    engine ("vanilla") and by HF generate ("hf"), prompt by prompt in that order. Per way: tokens, time, tau,
+    tokens/s, speedup over HF, and on how many prompts the tokens equal HF's."""
     s, tokenizer = session.settings, session.target.tokenizer
     vanilla = SpeculativeDecoder(session.target.model, VanillaDrafter(), eos_token_ids=session.decoder.eos_token_ids,
                                  decode=session.decoder.decode)
+    others = dict(others or {})
+    clash = {"tree", "vanilla", "hf", "agreement"} & set(others)
+    if clash:
+        raise ValueError(f"Names {sorted(clash)} are taken by the built-in ways; name the other heads differently.")
     if warmup:
         warm_up(session, baseline=True)
-    ways = {"tree": {"new_tokens": 0, "steps": 0, "step_tokens": 0, "total_s": 0.0, "draft_s": 0.0, "verify_s": 0.0},
-            "vanilla": {"new_tokens": 0, "steps": 0, "step_tokens": 0, "total_s": 0.0, "draft_s": 0.0, "verify_s": 0.0},
-            "hf": {"new_tokens": 0, "total_s": 0.0}}
-    same_tree_hf = same_vanilla_hf = 0
+        for other in others.values():
+            warm_up(other, baseline=False)
+    decoders = {"tree": session.decoder, **{name: o.decoder for name, o in others.items()}, "vanilla": vanilla}
+    ways = {name: _new_way() for name in decoders}
+    ways["hf"] = _new_way(steps=False)
     for q in questions:
         ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
         outputs = {}
-        for name, decoder in (("tree", session.decoder), ("vanilla", vanilla)):
+        for name, decoder in decoders.items():
             res = decoder.generate(ids, max_new_tokens=s["max_new_tokens"], sampling=session.sampling, stop=s["stop"],
                                    seed=s["seed"])
             w = ways[name]
@@ -105,8 +121,8 @@ def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = T
         hf_tokens, hf_s = hf_generate(session, ids)
         ways["hf"]["new_tokens"] += len(hf_tokens)
         ways["hf"]["total_s"] += hf_s
-        same_tree_hf += outputs["tree"] == hf_tokens
-        same_vanilla_hf += outputs["vanilla"] == hf_tokens
+        for name, tokens in outputs.items():
+            ways[name]["same_as_hf"] += tokens == hf_tokens
     for name, w in ways.items():
         w["tokens_per_s"] = w["new_tokens"] / w["total_s"] if w["total_s"] else 0.0
         if "steps" in w:
@@ -114,22 +130,24 @@ def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = T
     hf_rate = ways["hf"]["tokens_per_s"]
     for w in ways.values():
         w["speedup_vs_hf"] = w["tokens_per_s"] / hf_rate if hf_rate else 0.0
-    ways["agreement"] = {"prompts": len(questions), "tree_equals_hf": same_tree_hf,
-                         "vanilla_equals_hf": same_vanilla_hf}
+    ways["agreement"] = {"prompts": len(questions), "tree_equals_hf": ways["tree"]["same_as_hf"],
+                         "vanilla_equals_hf": ways["vanilla"]["same_as_hf"],
+                         **{f"{name}_equals_hf": ways[name]["same_as_hf"] for name in others}}
     return ways
 
 
 def format_comparison(ways: dict[str, dict], acceptance: str) -> str:
+    names = [n for n in ways if n != "agreement"]
     lines = [f"{'decoding':<10} {'tau':>6} {'tokens/s':>10} {'vs HF':>7} {'draft s':>8} {'verify s':>9} {'tokens':>7}"]
-    for name in ("tree", "vanilla", "hf"):
+    for name in names:
         w = ways[name]
         tau = f"{w['tau']:.2f}" if "tau" in w else "1.00"
         draft = f"{w['draft_s']:.2f}" if "draft_s" in w else "-"
         verify = f"{w['verify_s']:.2f}" if "verify_s" in w else "-"
         lines.append(f"{name:<10} {tau:>6} {w['tokens_per_s']:>10.1f} {w['speedup_vs_hf']:>6.2f}x {draft:>8} "
                      f"{verify:>9} {w['new_tokens']:>7}")
-    a = ways["agreement"]
+    prompts = ways["agreement"]["prompts"]
     note = "" if acceptance == "greedy" else " (sampling: outputs differ by design; compare distributions, not tokens)"
-    lines.append(f"same tokens as HF generate: tree {a['tree_equals_hf']}/{a['prompts']}, "
-                 f"vanilla {a['vanilla_equals_hf']}/{a['prompts']}{note}")
+    same = ", ".join(f"{name} {ways[name]['same_as_hf']}/{prompts}" for name in names if "same_as_hf" in ways[name])
+    lines.append(f"same tokens as HF generate: {same}{note}")
     return "\n".join(lines)

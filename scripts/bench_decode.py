@@ -1,4 +1,5 @@
-"""Benchmark decoding: the verify cost curve, then tree decoding vs plain decoding vs HF generate on MT-bench prompts.
+"""Benchmark decoding: the verify cost curve, then tree decoding (one or more heads) vs plain decoding vs HF generate
+on MT-bench prompts.
 
 Takes the overrides of conf/decode.yaml (heads_path, model, tree, decode, device, dtype, max_new_tokens, acceptance,
 ...) plus a few flags of its own. Uses the first turn of each question.
@@ -6,13 +7,17 @@ Takes the overrides of conf/decode.yaml (heads_path, model, tree, decode, device
     # quick check on CPU (2 questions, short answers)
     python scripts/bench_decode.py prompts=../shared/data/mt_bench/question.jsonl max_questions=2 max_new_tokens=32
     # trained heads on a GPU, a longer run
-    python scripts/bench_decode.py heads_path=outputs/medusa-smollm2/heads device=cuda dtype=bfloat16 \
+    python scripts/bench_decode.py heads=outputs/medusa-smollm2/heads device=cuda dtype=bfloat16 \
         prompts=../shared/data/mt_bench/question.jsonl max_questions=80 max_new_tokens=256
+    # Medusa and EAGLE heads of one target, vanilla and HF generate, prompt by prompt in one run; figures as JSON
+    python scripts/bench_decode.py heads=outputs/medusa-smollm2/heads --also eagle=outputs/eagle-smollm2/heads \
+        prompts=../shared/data/mt_bench/question.jsonl --out outputs/bench/decode.json
     # only the verify cost curve (cache of 256 tokens, trees of 1..64 nodes)
     python scripts/bench_decode.py --curve-only model=smollm2 --cache-length 256
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +28,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from decode.bench import compare_on_prompts, format_comparison, format_cost_curve, verify_cost_curve  # noqa: E402
 from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, read_questions  # noqa: E402
+from heads.target import check_fingerprint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64", help="tree sizes (nodes) for the cost curve")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per size (median reported)")
     parser.add_argument("--curve-only", action="store_true", help="skip the prompt comparison")
+    parser.add_argument("--also", action="append", default=[], metavar="[NAME=]HEADS",
+                        help="other heads on the same target decoded in the same run (repeatable; NAME defaults to "
+                             "the heads' type), e.g. --also eagle=outputs/eagle-smollm2/heads")
+    parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="decode", overrides=alias_heads_override(overrides))
@@ -43,11 +53,28 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats)
     print(format_cost_curve(rows, args.cache_length))
-    if args.curve_only:
-        return
-    questions = read_questions(cfg.prompts, cfg.max_questions)
-    print(f"\n{len(questions)} prompts (first turns), max_new_tokens={cfg.max_new_tokens}")
-    print(format_comparison(compare_on_prompts(session, questions), cfg.acceptance))
+    report = {"target": session.target.name, "device": str(device), "heads": str(cfg.heads_path),
+              "tree": str(cfg.tree), "cost_curve": rows}
+    if not args.curve_only:
+        others = {}
+        for spec in args.also:
+            name, _, path = spec.rpartition("=")
+            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+                other_cfg = compose(config_name="decode", overrides=alias_heads_override(overrides)
+                                    + [f"heads_path={path}"])
+            other = load_session(other_cfg)
+            if other.heads_config:  # heads for another target are refused (TargetMismatchError)
+                check_fingerprint(other.heads_config["target_fingerprint"], session.target.model, f"--also {spec}")
+            others[name or (other.heads_config or {}).get("head_type", "random")] = other
+        questions = read_questions(cfg.prompts, cfg.max_questions)
+        print(f"\n{len(questions)} prompts (first turns), max_new_tokens={cfg.max_new_tokens}")
+        ways = compare_on_prompts(session, questions, others=others)
+        print(format_comparison(ways, cfg.acceptance))
+        report.update(prompts=len(questions), max_new_tokens=cfg.max_new_tokens, acceptance=cfg.acceptance,
+                      others={name: str(spec) for name, spec in zip(others, args.also)}, ways=ways)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

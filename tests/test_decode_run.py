@@ -147,9 +147,21 @@ def test_bench_script_runs(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.main(["--sizes", "1,4", "--repeats", "1", "model=tiny", f"prompts={questions}", "max_questions=2",
-                "max_new_tokens=6", "tree=small_16"])
+                "max_new_tokens=6", "tree=small_16", "--also", "second=random", "--out", str(tmp_path / "b.json")])
     out = capsys.readouterr().out
     assert "verify cost" in out and "\n     4 " in out
-    assert "same tokens as HF generate: tree 2/2, vanilla 2/2" in out
-    for way in ("tree", "vanilla", "hf"):
+    assert "same tokens as HF generate: tree 2/2, second 2/2, vanilla 2/2" in out
+    for way in ("tree", "second", "vanilla", "hf"):
         assert f"\n{way} " in out
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [r["nodes"] for r in report["cost_curve"]] == [1, 4] and report["prompts"] == 2
+    assert report["ways"]["second"]["new_tokens"] == report["ways"]["hf"]["new_tokens"] > 0
+    # heads of another target are refused
+    from heads.io import save_heads
+    from heads.target import TargetMismatchError
+
+    other = load_session(compose("decode", ["model=tiny_qwen2"]))
+    save_heads(tmp_path / "qwen_heads", other.heads, "medusa", other.heads.config.to_dict(), other.target)
+    with pytest.raises(TargetMismatchError):
+        bench.main(["--sizes", "1", "--repeats", "1", "model=tiny", f"prompts={questions}", "max_questions=1",
+                    "max_new_tokens=4", "--also", str(tmp_path / "qwen_heads")])

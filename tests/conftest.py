@@ -20,6 +20,16 @@ def _seed_and_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): the tiny
+    matmuls of decoding tests run far faster on one thread than on two contended ones on a small shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     from heads.target import build_tiny

@@ -19,12 +19,7 @@ from decode.tree import TreeError
 TINY = ["model=tiny", "max_new_tokens=12"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def decode_options() -> list[str]:

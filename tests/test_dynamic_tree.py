@@ -12,13 +12,7 @@ from decode.dynamic_tree import Candidates, DraftTreeExpander, grow_dynamic_tree
 VOCAB = 7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine run far faster on one thread than on two contended ones.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def fake_logprobs(path: tuple[int, ...], peaked: bool = False) -> torch.Tensor:

@@ -38,13 +38,7 @@ from heads.eagle import (
 from heads.target import build_tiny
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine run far faster on one thread than on two contended ones.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(model, variant, **kw):

@@ -41,13 +41,7 @@ DEEP_NARROW = [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0,
 TREES = {"default": "mc_sim_7b_63", "chain": "chain-4", "single": "single", "deep_narrow": DEEP_NARROW}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine run ~100x faster on one thread than on two contended ones.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -58,14 +58,9 @@ class EagleSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "EagleSettings":
-        from train.loop import _to_dict
+        from train.loop import settings_from_cfg
 
-        data = _to_dict(cfg)
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown heads option(s) {unknown}; known: {sorted(known)}.")
-        out = cls(**data)
+        out = settings_from_cfg(cls, cfg)
         problems = []
         if out.type not in HEAD_TYPES:
             problems.append(f"heads.type={out.type!r}: train/eagle.py trains eagle or eagle3 (heads=eagle|eagle3)")

@@ -195,6 +195,15 @@ def _to_dict(cfg: Any) -> dict:
     return dict(cfg)
 
 
+def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
+    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)."""
+    data = _to_dict(cfg)
+    unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}.")
+    return cls(**data)
+
+
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
 

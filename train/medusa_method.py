@@ -61,14 +61,9 @@ class MedusaSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "MedusaSettings":
-        from train.loop import _to_dict
+        from train.loop import settings_from_cfg
 
-        data = _to_dict(cfg)
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown heads option(s) {unknown}; known: {sorted(known)}.")
-        out = cls(**data)
+        out = settings_from_cfg(cls, cfg)
         problems = []
         if out.type not in ("medusa", "medusa2"):
             problems.append(f"heads.type={out.type!r}: use medusa or medusa2")

@@ -151,3 +151,53 @@ def format_comparison(ways: dict[str, dict], acceptance: str) -> str:
     same = ", ".join(f"{name} {ways[name]['same_as_hf']}/{prompts}" for name in names if "same_as_hf" in ways[name])
     lines.append(f"same tokens as HF generate: {same}{note}")
     return "\n".join(lines)
+
+
+def sweep_drafters(session: Session, drafters: dict[str, object], questions: list[dict],
+                   warmup: bool = True) -> dict[str, dict]:
+    """First turns of ``questions`` decoded by the session's target with each of ``drafters`` (name -> drafter, e.g.
+    one set of heads under several trees), prompt by prompt: tau, tokens/s, draft/verify seconds per drafter, and on
+    how many prompts its tokens equal the first drafter's (all of them under greedy acceptance: trees change speed,
+    never the output). What scripts/sweep_trees.py prints to choose a tree."""
+    s, tokenizer = session.settings, session.target.tokenizer
+    decoders = {name: SpeculativeDecoder(session.target.model, drafter, eos_token_ids=session.decoder.eos_token_ids,
+                                         decode=session.decoder.decode) for name, drafter in drafters.items()}
+    if not decoders:
+        raise ValueError("Give at least one drafter to sweep.")
+    if warmup:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"])
+        for decoder in decoders.values():
+            decoder.generate(ids, max_new_tokens=4, sampling=session.sampling)
+    ways = {name: {**_new_way(), "same_as_first": 0} for name in decoders}
+    for way in ways.values():
+        del way["same_as_hf"]
+    first = next(iter(decoders))
+    for q in questions:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
+        reference = None
+        for name, decoder in decoders.items():
+            res = decoder.generate(ids, max_new_tokens=s["max_new_tokens"], sampling=session.sampling, stop=s["stop"],
+                                   seed=s["seed"])
+            w = ways[name]
+            w["new_tokens"] += res.stats.new_tokens
+            w["steps"] += res.stats.steps
+            w["step_tokens"] += sum(res.stats.accept_lengths)
+            w["total_s"] += res.stats.total_s
+            w["draft_s"] += res.stats.draft_s
+            w["verify_s"] += res.stats.verify_s
+            if name == first:
+                reference = res.tokens
+            w["same_as_first"] += res.tokens == reference
+    for w in ways.values():
+        w["tokens_per_s"] = w["new_tokens"] / w["total_s"] if w["total_s"] else 0.0
+        w["tau"] = w["step_tokens"] / w["steps"] if w["steps"] else 0.0
+        w["prompts"] = len(questions)
+    return ways
+
+
+def format_sweep(ways: dict[str, dict]) -> str:
+    lines = [f"{'drafter':<22} {'tau':>6} {'tokens/s':>10} {'draft s':>8} {'verify s':>9} {'same as first':>14}"]
+    for name, w in ways.items():
+        lines.append(f"{name:<22} {w['tau']:>6.2f} {w['tokens_per_s']:>10.1f} {w['draft_s']:>8.2f} "
+                     f"{w['verify_s']:>9.2f} {w['same_as_first']:>10}/{w['prompts']}")
+    return "\n".join(lines)

@@ -160,3 +160,37 @@ def test_bench_script_runs(tmp_path, capsys):
     with pytest.raises(TargetMismatchError):
         bench.main(["--sizes", "1", "--repeats", "1", "model=tiny", f"prompts={questions}", "max_questions=1",
                     "max_new_tokens=4", "--also", str(tmp_path / "qwen_heads")])
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, CONF.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tree_sweep_script(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [f"Question {i}?"]})
+                                   for i in range(3)) + "\n")
+    sweep = _load_script("sweep_trees")
+    ways = sweep.main(["model=tiny", f"prompts={questions}", "max_questions=3", "max_new_tokens=10",
+                       "--trees", "single,chain-2,small_16", "--out", str(tmp_path / "s.json")])
+    assert list(ways) == ["tree single", "tree chain-2", "tree small_16", "vanilla"]
+    # greedy: every tree gives the first tree's tokens on every prompt
+    assert all(w["same_as_first"] == 3 and w["prompts"] == 3 for w in ways.values())
+    assert ways["tree single"]["tau"] == ways["vanilla"]["tau"] == 1.0  # a one-node tree drafts nothing
+    assert all(w["new_tokens"] == ways["vanilla"]["new_tokens"] > 0 for w in ways.values())
+    assert ways["tree chain-2"]["steps"] <= ways["vanilla"]["steps"]
+    assert "tree small_16" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["ways"]["vanilla"]["prompts"] == 3
+    # EAGLE heads under dynamic trees: the same tokens as plain decoding
+    ways = sweep.main(["model=tiny", "decode=eagle", f"prompts={questions}", "max_questions=2", "max_new_tokens=8",
+                       "--eagle", "2:2:3,3:4:8"])
+    assert all(w["same_as_first"] == 2 for w in ways.values())
+    with pytest.raises(DecodeSetupError, match="--eagle depth:top_k:total_tokens"):
+        sweep.main(["model=tiny", "decode=eagle", f"prompts={questions}", "--trees", "chain"])
+    with pytest.raises(DecodeSetupError, match="depth:top_k:total_tokens, e.g."):
+        sweep.main(["model=tiny", "decode=eagle", f"prompts={questions}", "--eagle", "5:8"])

@@ -1,0 +1,88 @@
+"""Choose a tree by measurement: decode the same prompts with one set of heads under several trees, and print tau,
+tokens/s and the draft/verify split of each (greedy by default, so every tree must give the same tokens; the last
+column checks it). A bigger tree accepts more tokens per step but costs more per verify forward; which wins depends
+on the heads and on the machine (scripts/bench_decode.py --curve-only prints the verify cost curve).
+
+    # Medusa heads: static trees (names in conf/trees/, chain-K, single, or a tree YAML file)
+    python scripts/sweep_trees.py heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \\
+        max_questions=8 max_new_tokens=64 --trees single,chain-1,chain-2,chain,small_16,mc_sim_7b_63
+    # EAGLE heads: dynamic trees as depth:top_k:total_tokens
+    python scripts/sweep_trees.py heads=outputs/eagle-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \\
+        max_questions=8 max_new_tokens=64 --eagle 4:4:8,5:8:16,5:8:32,6:10:60
+
+Takes the overrides of conf/decode.yaml (heads, model, device, dtype, max_new_tokens, acceptance, ...). Uses the first
+turn of each question. ``--out`` also writes the figures as JSON.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from decode.bench import format_sweep, sweep_drafters  # noqa: E402
+from decode.drafters import MedusaDrafter, VanillaDrafter  # noqa: E402
+from decode.eagle_drafter import EagleTreeDrafter  # noqa: E402
+from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, read_questions  # noqa: E402
+from heads.eagle import EagleDrafter  # noqa: E402
+
+
+def parse_eagle(spec: str) -> dict:
+    try:
+        depth, top_k, total = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise DecodeSetupError(f"--eagle {spec!r}: give depth:top_k:total_tokens, e.g. 5:8:16.") from None
+    return {"depth": depth, "top_k": top_k, "total_tokens": total}
+
+
+def build_drafters(heads, trees: list[str], eagle: list[str], vanilla: bool) -> dict:
+    drafters = {}
+    if isinstance(heads, EagleDrafter):
+        if trees:
+            raise DecodeSetupError("These are EAGLE heads: sweep dynamic trees with --eagle depth:top_k:total_tokens.")
+        for spec in eagle:
+            drafters[f"eagle {spec}"] = EagleTreeDrafter(heads, **parse_eagle(spec))
+    else:
+        if eagle:
+            raise DecodeSetupError("These are Medusa heads: sweep static trees with --trees NAME,...")
+        for tree in trees:
+            drafters[f"tree {tree}"] = MedusaDrafter(heads, tree=tree)
+    if not drafters:
+        raise DecodeSetupError("Nothing to sweep: give --trees (Medusa heads) or --eagle (EAGLE heads).")
+    if vanilla:
+        drafters["vanilla"] = VanillaDrafter()
+    return drafters
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", default="", help="comma-separated static trees for Medusa heads")
+    parser.add_argument("--eagle", default="", help="comma-separated depth:top_k:total_tokens for EAGLE heads")
+    parser.add_argument("--no-vanilla", action="store_true", help="leave out plain decoding (one token per step)")
+    parser.add_argument("--out", help="also write the figures as JSON here")
+    args, overrides = parser.parse_known_args(argv)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="decode", overrides=alias_heads_override(overrides))
+    if not cfg.prompts:
+        raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")
+    session = load_session(cfg)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    drafters = build_drafters(session.heads, split(args.trees), split(args.eagle), not args.no_vanilla)
+    questions = read_questions(cfg.prompts, cfg.max_questions)
+    print(f"target {session.target.name}, heads {cfg.heads_path}; {len(questions)} prompts (first turns), "
+          f"max_new_tokens={cfg.max_new_tokens}, acceptance {cfg.acceptance}")
+    ways = sweep_drafters(session, drafters, questions)
+    print(format_sweep(ways))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"heads": str(cfg.heads_path), "prompts": len(questions),
+                                              "max_new_tokens": cfg.max_new_tokens, "ways": ways}, indent=2) + "\n")
+    return ways
+
+
+if __name__ == "__main__":
+    main()

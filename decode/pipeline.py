@@ -152,7 +152,8 @@ def load_session(cfg: Any) -> Session:
         if func is EagleTreeDrafter and head_type not in EAGLE_HEAD_TYPES:
             raise DecodeSetupError(f"{heads_path} holds {head_type!r} heads; decode=eagle drafts with EAGLE heads.")
         if "heads" in needs and func is MedusaDrafter and head_type in EAGLE_HEAD_TYPES:
-            factory = eagle_tree_factory(heads_config)  # EAGLE heads draft dynamic trees (their saved settings)
+            # EAGLE heads draft dynamic trees: their saved settings, unless eagle_tree.* overrides them
+            factory = eagle_tree_factory(heads_config, **(_plain(_get(cfg, "eagle_tree")) or {}))
         elif "heads" in needs and func is MedusaDrafter and head_type != "medusa":
             raise DecodeSetupError(
                 f"{heads_path} holds {heads_config['head_type']!r} heads; decode=tree|chain drafts with Medusa heads."

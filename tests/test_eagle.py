@@ -631,6 +631,9 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     ids = [5, 6, 7, 8, 9]
     ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=8).tokens == ref[0, 5:].tolist()
+    # eagle_tree.* overrides the saved settings one by one
+    tuned = load_session(compose("decode", ["eagle_tree.total_tokens=6", f"heads_path={tmp_path / 'run' / 'heads'}"]))
+    assert (tuned.decoder.drafter.depth, tuned.decoder.drafter.total_tokens) == (3, 6)
     # decode=eagle: its own tree settings; with Medusa heads a clear error.
     chosen = load_session(compose("decode", ["decode=eagle", "drafter.top_k=3", f"heads_path={tmp_path / 'run' / 'heads'}"]))
     assert chosen.decoder.drafter.top_k == 3 and chosen.decoder.drafter.depth == 5

@@ -13,6 +13,7 @@ import time
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from decode.cache import crop, new_cache
 from decode.drafters import VanillaDrafter
@@ -85,7 +86,7 @@ def _new_way(steps: bool = True) -> dict:
 
 
 def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = True,
-                       others: dict[str, Session] | None = None) -> dict[str, dict]:
+                       others: dict[str, Session] | None = None, progress: bool = True) -> dict[str, dict]:
     """First turns of ``questions`` decoded with the same settings by the session's drafter ("tree"), by each of
     ``others`` (sessions with other heads on the same target, named by their keys), by plain decoding in the same
     engine ("vanilla") and by HF generate ("hf"), prompt by prompt in that order. Per way: tokens, time, tau,
@@ -104,7 +105,7 @@ def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = T
     decoders = {"tree": session.decoder, **{name: o.decoder for name, o in others.items()}, "vanilla": vanilla}
     ways = {name: _new_way() for name in decoders}
     ways["hf"] = _new_way(steps=False)
-    for q in questions:
+    for q in tqdm(questions, desc="prompts", unit="prompt", disable=not progress):
         ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
         outputs = {}
         for name, decoder in decoders.items():
@@ -154,7 +155,7 @@ def format_comparison(ways: dict[str, dict], acceptance: str) -> str:
 
 
 def sweep_drafters(session: Session, drafters: dict[str, object], questions: list[dict],
-                   warmup: bool = True) -> dict[str, dict]:
+                   warmup: bool = True, progress: bool = True) -> dict[str, dict]:
     """First turns of ``questions`` decoded by the session's target with each of ``drafters`` (name -> drafter, e.g.
     one set of heads under several trees), prompt by prompt: tau, tokens/s, draft/verify seconds per drafter, and on
     how many prompts its tokens equal the first drafter's (all of them under greedy acceptance: trees change speed,
@@ -172,7 +173,7 @@ def sweep_drafters(session: Session, drafters: dict[str, object], questions: lis
     for way in ways.values():
         del way["same_as_hf"]
     first = next(iter(decoders))
-    for q in questions:
+    for q in tqdm(questions, desc="prompts", unit="prompt", disable=not progress):
         ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
         reference = None
         for name, decoder in decoders.items():

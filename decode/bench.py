@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from decode.cache import crop, new_cache
 from decode.drafters import VanillaDrafter
 from decode.engine import Draft, DecodeState, SpeculativeDecoder, tree_forward
+from decode.kernels import small_batch_linears, use_small_batch
 from decode.pipeline import Session, hf_generate, prompt_ids, warm_up
 from decode.tree import Tree, load_tree
 
@@ -34,10 +35,17 @@ def verify_cost_curve(
     sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
     repeats: int = 5,
     tree: Tree | None = None,
+    linear_kernel: str = "torch",
 ) -> list[dict]:
     """Median time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default mc_sim_7b_63 and
-    chains beyond its size) over a ``cache_length`` cache. Returns [{"nodes", "ms", "ms_per_node"}]."""
+    chains beyond its size) over a ``cache_length`` cache, with the linear layers of ``linear_kernel`` (see
+    decode.kernels). Returns [{"nodes", "ms", "ms_per_node"}]."""
     device = next(model.parameters()).device
+    with small_batch_linears(model, enabled=use_small_batch(linear_kernel, device)):
+        return _verify_cost_curve(model, device, cache_length, sizes, repeats, tree)
+
+
+def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> list[dict]:
     vocab = model.config.get_text_config(decoder=True).vocab_size
     shape = tree or load_tree("mc_sim_7b_63")
     g = torch.Generator().manual_seed(0)
@@ -93,7 +101,7 @@ def compare_on_prompts(session: Session, questions: list[dict], warmup: bool = T
     tokens/s, speedup over HF, and on how many prompts the tokens equal HF's."""
     s, tokenizer = session.settings, session.target.tokenizer
     vanilla = SpeculativeDecoder(session.target.model, VanillaDrafter(), eos_token_ids=session.decoder.eos_token_ids,
-                                 decode=session.decoder.decode)
+                                 decode=session.decoder.decode, linear_kernel=session.decoder.linear_kernel)
     others = dict(others or {})
     clash = {"tree", "vanilla", "hf", "agreement"} & set(others)
     if clash:
@@ -162,7 +170,8 @@ def sweep_drafters(session: Session, drafters: dict[str, object], questions: lis
     never the output). What scripts/sweep_trees.py prints to choose a tree."""
     s, tokenizer = session.settings, session.target.tokenizer
     decoders = {name: SpeculativeDecoder(session.target.model, drafter, eos_token_ids=session.decoder.eos_token_ids,
-                                         decode=session.decoder.decode) for name, drafter in drafters.items()}
+                                         decode=session.decoder.decode, linear_kernel=session.decoder.linear_kernel)
+                for name, drafter in drafters.items()}
     if not decoders:
         raise ValueError("Give at least one drafter to sweep.")
     if warmup:

@@ -101,6 +101,6 @@ class MedusaDrafter(DrafterBase):
             return Draft(tokens=root, tree=tree)
         hidden = state.hidden.to(next(self.heads.parameters()).dtype)  # [H]
         features = self.heads.features(hidden)  # K x [H]
-        logits = torch.stack([self.heads.project(k, features[k]) for k in range(tree.max_depth)])  # [D, V]
+        logits = self.heads.project_first(tree.max_depth, features)  # [D, V]
         candidates = logits.topk(self.top_k, dim=-1).indices.reshape(-1)  # [D * top_k]
         return Draft(tokens=torch.cat([root, candidates[index]]), tree=tree)

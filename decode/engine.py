@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from decode.cache import commit_kv, new_cache
+from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
 from decode.verify import Sampling, Verdict, verify
 
@@ -324,6 +325,8 @@ class SpeculativeDecoder:
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
     :class:`decode.drafters.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
+    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
+    ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs.
     """
 
     def __init__(
@@ -332,6 +335,7 @@ class SpeculativeDecoder:
         drafter: "Drafter",
         eos_token_ids: Sequence[int] | None = None,
         decode: Callable[[list[int]], str] | None = None,
+        linear_kernel: str = "auto",
     ):
         check_tree_attention(model)
         self.model = model
@@ -339,6 +343,8 @@ class SpeculativeDecoder:
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model)
         self.decode = decode
         self.device = next(model.parameters()).device
+        self.linear_kernel = linear_kernel
+        self.small_batch = use_small_batch(linear_kernel, self.device)
 
     def prompt_tensor(self, prompt_ids: "Sequence[int] | torch.Tensor") -> torch.Tensor:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -369,6 +375,11 @@ class SpeculativeDecoder:
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> DecodeResult:
         """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted."""
+        drafter_modules = [m for m in vars(self.drafter).values() if isinstance(m, torch.nn.Module)]
+        with small_batch_linears(self.model, *drafter_modules, enabled=self.small_batch):
+            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
+
+    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) -> DecodeResult:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if stop and self.decode is None:

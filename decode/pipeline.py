@@ -20,6 +20,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from decode.engine import DecodeResult, SpeculativeDecoder
+from decode.kernels import KERNELS
 from decode.verify import Sampling
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import SMOLLM2_ID, Target, load_target
@@ -173,7 +174,10 @@ def load_session(cfg: Any) -> Session:
         acceptance=str(_get(cfg, "acceptance", "greedy")), temperature=float(_get(cfg, "temperature", 1.0)),
         top_k=int(_get(cfg, "top_k", 0)), top_p=float(_get(cfg, "top_p", 1.0)),
     )
-    decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode)
+    kernel = str(_get(cfg, "linear_kernel", "auto"))
+    if kernel not in KERNELS:
+        raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
+    decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel)
     settings = {
         "max_new_tokens": int(_get(cfg, "max_new_tokens", 256)),
         "stop": [str(s) for s in (_plain(_get(cfg, "stop")) or [])],

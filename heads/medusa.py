@@ -80,6 +80,13 @@ class MedusaHeads(nn.Module):
             raise RuntimeError("shared_lm_head heads need the target's LM head: call attach_target_lm_head(...).")
         return lm_head(feature.to(lm_head.weight.dtype))
 
+    def project_first(self, depth: int, features: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [depth, ..., V] of heads 0..depth-1 from their features. With the shared LM head the heads go
+        through it as one batch of rows (one pass over the LM head's weight instead of one per head)."""
+        if self.lm_heads is not None or depth <= 1:
+            return torch.stack([self.project(k, features[k]) for k in range(depth)])
+        return self.project(0, torch.stack(features[:depth]))
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [K, ..., V]."""
         return torch.stack([self.project(k, f) for k, f in enumerate(self.features(hidden))])

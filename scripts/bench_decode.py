@@ -12,6 +12,9 @@ Takes the overrides of conf/decode.yaml (heads_path, model, tree, decode, device
     # Medusa and EAGLE heads of one target, vanilla and HF generate, prompt by prompt in one run; figures as JSON
     python scripts/bench_decode.py heads=outputs/medusa-smollm2/heads --also eagle=outputs/eagle-smollm2/heads \
         prompts=../shared/data/mt_bench/question.jsonl --out outputs/bench/decode.json
+    # the engine with PyTorch's own linear layers instead of the small-batch ones it uses on a CPU (decode/kernels.py)
+    python scripts/bench_decode.py heads=outputs/medusa-smollm2/heads linear_kernel=torch \
+        prompts=../shared/data/mt_bench/question.jsonl
     # only the verify cost curve (cache of 256 tokens, trees of 1..64 nodes)
     python scripts/bench_decode.py --curve-only model=smollm2 --cache-length 256
 """
@@ -52,9 +55,14 @@ def main(argv: list[str] | None = None) -> None:
           f"drafter {type(session.decoder.drafter).__name__}, tree {cfg.tree}, acceptance {cfg.acceptance}")
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats)
-    print(format_cost_curve(rows, args.cache_length))
+    print("linear layers: PyTorch's own (what HF generate runs)\n" + format_cost_curve(rows, args.cache_length))
     report = {"target": session.target.name, "device": str(device), "heads": str(cfg.heads_path),
-              "tree": str(cfg.tree), "cost_curve": rows}
+              "tree": str(cfg.tree), "linear_kernel": str(cfg.linear_kernel), "cost_curve": rows}
+    if session.decoder.small_batch:  # what the engine runs (linear_kernel=auto on a CPU)
+        rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats,
+                                 linear_kernel="small_batch")
+        print("linear layers: small-batch (what the engine runs here)\n" + format_cost_curve(rows, args.cache_length))
+        report["cost_curve_small_batch"] = rows
     if not args.curve_only:
         others = {}
         for spec in args.also:

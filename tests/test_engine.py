@@ -146,8 +146,9 @@ class OracleDrafter(DrafterBase):
         self.eos_inside_draft += any(t in self.eos for t in accepted)
 
 
-def run_greedy(model, drafter, arch: str, oracle: OracleDrafter | None = None, num_prompts=NUM_PROMPTS) -> list:
-    decoder = SpeculativeDecoder(model, drafter)
+def run_greedy(model, drafter, arch: str, oracle: OracleDrafter | None = None, num_prompts=NUM_PROMPTS,
+               linear_kernel: str = "auto") -> list:
+    decoder = SpeculativeDecoder(model, drafter, linear_kernel=linear_kernel)
     results = []
     for i, ids in enumerate(prompts()[:num_prompts]):
         ref, eos = reference(arch, model, i)
@@ -186,6 +187,17 @@ def test_greedy_equals_hf_with_oracle_drafts(target, tree_name):
     # The max_new_tokens boundary was reached by a step that emitted several tokens (the tree was cut to fit).
     assert any(r.finish_reason == "length" and r.stats.accept_lengths[-1] > 1 for r in results)
     assert sum(r.stats.tau for r in results) / len(results) > 1.5
+
+
+@pytest.mark.parametrize("kernel", ["torch", "small_batch"])
+def test_greedy_equals_hf_under_either_linear_kernel(target, kernel):
+    """The engine's CPU default (small_batch) runs every test here; PyTorch's own linears must verify the same."""
+    arch, model, _ = target
+    tree = load_tree(TREES["default"])
+    oracle = OracleDrafter(tree, model.config.vocab_size, seed=3)
+    run_greedy(model, oracle, arch, oracle, linear_kernel=kernel)
+    assert oracle.longest_accept >= 3
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def test_greedy_equals_hf_with_a_dynamic_tree_drafter(target):

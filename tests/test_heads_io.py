@@ -134,3 +134,15 @@ def test_head_type_registry(tmp_path, tiny_llama):
     loaded = heads.load(tmp_path / "exit", model)
     assert isinstance(loaded.module, Exit) and loaded.config["head_type"] == "test-exit"
     assert torch.equal(loaded.module.proj.weight, exit_head.proj.weight)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_projecting_the_first_heads_at_once_equals_projecting_each(tiny_llama, shared):
+    model, _ = tiny_llama
+    module = trained_heads(model, shared=shared).eval()
+    hidden = torch.randn(64)
+    with torch.no_grad():
+        features = module.features(hidden)
+        each = torch.stack([module.project(k, features[k]) for k in range(3)])
+        for depth in (1, 2, 3):
+            torch.testing.assert_close(module.project_first(depth, features), each[:depth])

@@ -2,9 +2,9 @@
 
 A tree-verify forward runs every linear layer of the target on N rows (the tree's nodes), and a drafter runs its
 layers on a handful of rows per step. With N = 1 PyTorch takes a matrix-vector kernel that reads each weight once;
-from N = 2 on it calls the BLAS ``sgemm`` as ``x @ W.T``, which packs (copies) the large weight operand on every call,
-so on a memory-bound CPU a forward over 2..16 rows costs about twice a one-row forward (docs/benchmarks.md, the cost
-curve). Computing the same product as ``(W @ x.T).T`` makes the small activation the packed operand and streams the
+from N = 2 on it calls the BLAS ``sgemm`` as ``x @ W.T``, and on the CPUs measured (MKL, AVX2) a forward over 2..16
+rows then costs about twice a one-row forward (docs/benchmarks.md, the cost curve): the GEMM handles the large weight
+as the operand it packs, an extra pass over memory the weight-bound forward pays in full. Computing the same product as ``(W @ x.T).T`` makes the small activation the packed operand and streams the
 weight once, and padding the rows to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward
 over 2..4 rows then costs about what one row costs, and one over 16 rows about 1.6x (docs/benchmarks.md).
 

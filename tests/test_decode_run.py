@@ -130,6 +130,8 @@ def test_bad_input_fails_clearly(tmp_path):
         run(compose("decode", TINY + ["prompt=hi", "baseline=vllm"]), io.StringIO())
     with pytest.raises(Exception, match="No heads folder"):
         load_session(compose("decode", TINY + [f"heads_path={tmp_path / 'nowhere'}"]))
+    with pytest.raises(DecodeSetupError, match="linear_kernel='fast'.*auto, torch, small_batch"):
+        load_session(compose("decode", TINY + ["linear_kernel=fast"]))
 
 
 def test_bench_script_runs(tmp_path, capsys):
@@ -150,6 +152,8 @@ def test_bench_script_runs(tmp_path, capsys):
         assert f"\n{way} " in out
     report = json.loads((tmp_path / "b.json").read_text())
     assert [r["nodes"] for r in report["cost_curve"]] == [1, 4] and report["prompts"] == 2
+    # on a CPU the engine's small-batch kernels get their own curve beside PyTorch's
+    assert [r["nodes"] for r in report["cost_curve_small_batch"]] == [1, 4] and report["linear_kernel"] == "auto"
     assert report["ways"]["second"]["new_tokens"] == report["ways"]["hf"]["new_tokens"] > 0
     # heads of another target are refused
     from heads.io import save_heads

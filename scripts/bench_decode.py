@@ -34,6 +34,14 @@ from decode.pipeline import DecodeSetupError, alias_heads_override, load_session
 from heads.target import check_fingerprint  # noqa: E402
 
 
+def tree_name(session, cfg) -> str:
+    """The tree the session drafts: depth:top_k:total_tokens for EAGLE's dynamic trees, else the static tree's name."""
+    drafter = session.decoder.drafter
+    if all(hasattr(drafter, k) for k in ("depth", "top_k", "total_tokens")):
+        return f"{drafter.depth}:{drafter.top_k}:{drafter.total_tokens}"
+    return str(cfg.tree)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cache-length", type=int, default=256, help="KV cache length for the cost curve")
@@ -52,12 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     session = load_session(cfg)
     device = next(session.target.model.parameters()).device
     print(f"target {session.target.name} on {device}, {next(session.target.model.parameters()).dtype}; "
-          f"drafter {type(session.decoder.drafter).__name__}, tree {cfg.tree}, acceptance {cfg.acceptance}")
+          f"drafter {type(session.decoder.drafter).__name__}, tree {tree_name(session, cfg)}, "
+          f"acceptance {cfg.acceptance}")
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats)
     print("linear layers: PyTorch's own (what HF generate runs)\n" + format_cost_curve(rows, args.cache_length))
     report = {"target": session.target.name, "device": str(device), "heads": str(cfg.heads_path),
-              "tree": str(cfg.tree), "linear_kernel": str(cfg.linear_kernel), "cost_curve": rows}
+              "tree": tree_name(session, cfg), "linear_kernel": str(cfg.linear_kernel), "cost_curve": rows}
     if session.decoder.small_batch:  # what the engine runs (linear_kernel=auto on a CPU)
         rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats,
                                  linear_kernel="small_batch")

@@ -4,8 +4,8 @@ A tree-verify forward runs every linear layer of the target on N rows (the tree'
 layers on a handful of rows per step. With N = 1 PyTorch takes a matrix-vector kernel that reads each weight once;
 from N = 2 on it calls the BLAS ``sgemm`` as ``x @ W.T``, and on the CPUs measured (MKL, AVX2) a forward over 2..16
 rows then costs about twice a one-row forward (docs/benchmarks.md, the cost curve): the GEMM handles the large weight
-as the operand it packs, an extra pass over memory the weight-bound forward pays in full. Computing the same product as ``(W @ x.T).T`` makes the small activation the packed operand and streams the
-weight once, and padding the rows to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward
+as the operand it packs, an extra pass over memory the weight-bound forward pays in full. Computing the same product
+as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight once, and padding the rows to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward
 over 2..4 rows then costs about what one row costs, and one over 16 rows about 1.6x (docs/benchmarks.md).
 
 :func:`small_batch_linears` swaps every plain ``nn.Linear`` of the given modules to :class:`SmallBatchLinear` (same
@@ -62,14 +62,12 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True) -> Ite
     """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear`; yields how many
     were swapped. Subclasses of ``nn.Linear`` (quantized, LoRA, ...) are left alone."""
     swapped: list[nn.Module] = []
-    seen: set[int] = set()
     if enabled:
         for module in modules:
             if module is None:
                 continue
             for sub in module.modules():
-                if type(sub) is nn.Linear and id(sub) not in seen:
-                    seen.add(id(sub))
+                if type(sub) is nn.Linear:  # a module reached twice is already swapped: no longer a plain nn.Linear
                     sub.__class__ = SmallBatchLinear
                     swapped.append(sub)
     try:

@@ -5,8 +5,9 @@ layers on a handful of rows per step. With N = 1 PyTorch takes a matrix-vector k
 from N = 2 on it calls the BLAS ``sgemm`` as ``x @ W.T``, and on the CPUs measured (MKL, AVX2) a forward over 2..16
 rows then costs about twice a one-row forward (docs/benchmarks.md, the cost curve): the GEMM handles the large weight
 as the operand it packs, an extra pass over memory the weight-bound forward pays in full. Computing the same product
-as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight once, and padding the rows to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward
-over 2..4 rows then costs about what one row costs, and one over 16 rows about 1.6x (docs/benchmarks.md).
+as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight once, and padding the rows
+to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward over 2..4 rows then costs about what
+one row costs, and one over 16 rows about 1.6x (docs/benchmarks.md).
 
 :func:`small_batch_linears` swaps every plain ``nn.Linear`` of the given modules to :class:`SmallBatchLinear` (same
 parameters, same state dict) for the duration of a ``with`` block and swaps them back after. The results are the

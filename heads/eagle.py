@@ -36,7 +36,9 @@ builds the plain one. The losses below are pure functions.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Union
 
 import torch
 from torch import nn
@@ -464,6 +466,66 @@ class EagleLossWeights:
             raise ValueError(f"token_loss must be 'kl' or 'ce', got {self.token_loss!r}")
 
 
+TeacherLogits = Union[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+
+
+def _teacher_rows(teacher_logits: TeacherLogits, b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Rows (b, p) of the target's logits: a [B, T, V] tensor indexed, or a function (b, p) -> [N, V] called."""
+    return teacher_logits(b, p) if callable(teacher_logits) else teacher_logits[b, p]
+
+
+def _loss_at(
+    b: torch.Tensor,
+    p: torch.Tensor,
+    step_features: list[torch.Tensor],
+    step_logits: list[torch.Tensor] | Callable[[torch.Tensor], torch.Tensor],
+    labels: torch.Tensor,
+    weights: EagleLossWeights,
+    target_features: torch.Tensor | None,
+    teacher: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The unrolled loss over the positions it trains on, given as teacher rows (b, p) [N] (sample, position of the
+    feature / teacher row a draft step predicts; its drafted token is labels[b, p + 1]) with ``teacher`` [N, V'] the
+    target's logits there. Step j reads index t = p - j - 1 of its features (where t >= 0), so each step's logits
+    are computed only at the positions it is scored on."""
+    total = step_features[0].new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for j, feat in enumerate(step_features):
+        keep = p >= j + 1
+        bj, pj = b[keep], p[keep]
+        tj = pj - j - 1
+        if callable(step_logits):
+            logits = step_logits(feat[bj, tj])  # [N_j, V']
+        else:
+            logits = step_logits[j][bj, tj]
+        label_j = labels[bj, pj + 1]
+        count = int(bj.numel())
+        ones = torch.ones(count, dtype=torch.bool, device=feat.device)
+        teacher_j = teacher[keep] if teacher is not None else None
+        step_loss = total.new_zeros(())
+        if weights.regression > 0:
+            reg = feature_regression_loss(feat[bj, tj], target_features[bj, pj], ones)
+            step_loss = step_loss + weights.regression * reg
+            metrics[f"regression_{j}"] = float(reg.detach())
+        if weights.token > 0:
+            if weights.token_loss == "kl":
+                tok = token_kl_loss(logits, teacher_j, ones)
+            else:
+                tok = token_ce_loss(logits.unsqueeze(0), label_j.unsqueeze(0), ones.unsqueeze(0))
+            step_loss = step_loss + weights.token * tok
+            metrics[f"token_{j}"] = float(tok.detach())
+        reference = teacher_j.argmax(-1) if teacher_j is not None else label_j
+        metrics[f"acc_{j}"] = float((logits.argmax(-1) == reference).sum()) / max(count, 1)
+        metrics[f"count_{j}"] = float(count)
+        if count == 0:  # nothing to learn in this batch: keep every parameter in the graph (DDP expects it)
+            first = feat[:, :1]
+            extra = step_logits(first).sum() if callable(step_logits) else step_logits[j].sum()
+            step_loss = step_loss + (extra + first.sum()) * 0.0
+        total = total + (weights.step_decay**j) * step_loss
+    metrics["loss"] = float(total.detach())
+    return total, metrics
+
+
 def eagle_loss(
     step_features: list[torch.Tensor],
     step_logits: list[torch.Tensor],
@@ -481,48 +543,29 @@ def eagle_loss(
     and teacher_logits [B, T, V'] (the target's logits, index t predicting token t+1) are optional;
     teacher_valid [B, T] marks teacher positions usable (eagle3: the target's top token is a draft token).
     Step j at index t is trained where labels[t+j+2] != -100 (the drafted token is an assistant token).
+    Each loss term is a mean over the positions it is trained on; metrics hold per step the loss terms, ``acc_j``
+    (top-1 agreement with the teacher, or with the labels without one) and ``count_j`` (positions).
     """
+    _check_loss_inputs(weights, target_features, teacher_logits)
+    trained = shift_left(labels, 1, fill=-100) != -100  # teacher row p is used when token p + 1 is trained on
+    if teacher_logits is not None and teacher_valid is not None:
+        trained = trained & teacher_valid
+    b, p = trained.nonzero(as_tuple=True)
+    teacher = teacher_logits[b, p] if teacher_logits is not None else None
+    return _loss_at(b, p, step_features, step_logits, labels, weights, target_features, teacher)
+
+
+def _check_loss_inputs(weights: EagleLossWeights, target_features, teacher_logits) -> None:
     if weights.regression > 0 and target_features is None:
         raise ValueError("regression weight > 0 needs target_features (eagle3 has none: set regression weight 0)")
     if weights.token_loss == "kl" and weights.token > 0 and teacher_logits is None:
         raise ValueError("token_loss='kl' needs teacher_logits (the target's logits); or use token_loss='ce'")
-    total = step_logits[0].new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
-    for j, (feat, logits) in enumerate(zip(step_features, step_logits)):
-        label_j = shift_left(labels, j + 2, fill=-100)  # [B, T]
-        mask = label_j != -100
-        teacher_j = None
-        if teacher_logits is not None:
-            teacher_j = shift_left(teacher_logits, j + 1, fill=0.0)
-            if teacher_valid is not None:
-                mask = mask & shift_left(teacher_valid, j + 1, fill=False)
-        step_loss = total.new_zeros(())
-        if weights.regression > 0:
-            reg = feature_regression_loss(feat, shift_left(target_features, j + 1, fill=0.0), mask)
-            step_loss = step_loss + weights.regression * reg
-            metrics[f"regression_{j}"] = float(reg.detach())
-        if weights.token > 0:
-            if weights.token_loss == "kl":
-                tok = token_kl_loss(logits, teacher_j, mask)
-            else:
-                tok = token_ce_loss(logits, label_j, mask)
-            step_loss = step_loss + weights.token * tok
-            metrics[f"token_{j}"] = float(tok.detach())
-        reference = teacher_j.argmax(-1) if teacher_j is not None else label_j
-        hits = (logits.argmax(-1) == reference) & mask
-        metrics[f"acc_{j}"] = float(hits.sum() / mask.sum().clamp(min=1))
-        metrics[f"count_{j}"] = float(mask.sum())
-        if not mask.any():
-            step_loss = step_loss + logits.sum() * 0.0  # keeps the graph; nothing to learn in this batch
-        total = total + (weights.step_decay**j) * step_loss
-    metrics["loss"] = float(total.detach())
-    return total, metrics
 
 
 def drafter_loss(
     drafter: EagleDrafter,
     hidden_states,
-    target_logits: torch.Tensor | None,
+    target_logits: TeacherLogits | None,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     weights: EagleLossWeights,
@@ -531,24 +574,35 @@ def drafter_loss(
     feature_noise: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training loss of one batch, given the frozen target's forward over it.
+    """The training loss of one batch, given the frozen target's forward over it (the same as :func:`eagle_loss`
+    over the drafter's full logits, but the draft's and the target's vocabulary projections, the costliest part of a
+    step, run only at the positions the loss is trained on: assistant tokens, no padding).
 
-    hidden_states: the target's ``out.hidden_states`` (L + 1 tensors [B, T, H]); target_logits [B, T, V] (needed for
-    token_loss='kl'); input_ids / labels / attention_mask [B, T] as collated (labels -100 off the assistant's tokens).
-    Noise goes on the step-0 input features only; regression targets stay clean.
+    hidden_states: the target's ``out.hidden_states`` (L + 1 tensors [B, T, H]); target_logits (needed for
+    token_loss='kl'): the target's logits [B, T, V], or a function (b, p) -> [N, V] computing rows (b, p) only
+    (e.g. the target's LM head over stored last hidden states); input_ids / labels / attention_mask [B, T] as
+    collated (labels -100 off the assistant's tokens). Noise goes on the step-0 input features only; regression
+    targets stay clean.
     """
+    use_teacher = target_logits is not None and weights.token_loss == "kl"
+    _check_loss_inputs(weights, hidden_states[-1] if weights.regression > 0 else None,
+                       target_logits if use_teacher else None)
     features = add_uniform_noise(drafter.target_features(hidden_states), feature_noise, generator)
     steps = drafter.unrolled_forward(features, input_ids, unroll_steps, key_padding=attention_mask)
-    logits = [drafter.logits(s) for s in steps]
-    teacher = valid = None
-    if target_logits is not None and weights.token_loss == "kl":
-        teacher, valid = drafter.teacher_logits(target_logits)
+    draft_labels = drafter.target_to_draft(labels)
+    b, p = (shift_left(draft_labels, 1, fill=-100) != -100).nonzero(as_tuple=True)
+    teacher = None
+    if use_teacher:
+        with torch.no_grad():
+            teacher, in_vocab = drafter.teacher_logits(_teacher_rows(target_logits, b, p))
+        if drafter.variant != "eagle":
+            b, p, teacher = b[in_vocab], p[in_vocab], teacher[in_vocab]
     regression_target = None
     if weights.regression > 0:
         if drafter.variant != "eagle":
             raise ValueError("eagle3 has no feature regression target: set heads.loss.regression=0.")
         regression_target = hidden_states[-1].to(steps[0].dtype)
-    return eagle_loss(steps, logits, drafter.target_to_draft(labels), weights, regression_target, teacher, valid)
+    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher)
 
 
 # --- save / load ------------------------------------------------------------------------------------------------------

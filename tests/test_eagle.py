@@ -230,6 +230,70 @@ def test_loss_trains_the_draft(tiny_llama):
     assert all(p.grad is None for p in model.parameters())
 
 
+def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, weights, steps_n, attention_mask):
+    """The EAGLE loss written the plain way: every step's logits over every position, masks over [B, T]."""
+    steps = drafter.unrolled_forward(drafter.target_features(hidden_states), ids, steps_n, key_padding=attention_mask)
+    draft_labels = drafter.target_to_draft(labels)
+    teacher, valid = drafter.teacher_logits(target_logits)
+    total = torch.zeros(())
+    for j, feat in enumerate(steps):
+        mask = (shift_left(draft_labels, j + 2, fill=-100) != -100) & shift_left(valid, j + 1, fill=False)
+        step = weights.token * token_kl_loss(drafter.logits(feat), shift_left(teacher, j + 1, fill=0.0), mask)
+        if weights.regression > 0:
+            step = step + weights.regression * feature_regression_loss(
+                feat, shift_left(hidden_states[-1], j + 1, fill=0.0), mask)
+        total = total + weights.step_decay**j * step
+    return total
+
+
+@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, variant):
+    """drafter_loss projects only the positions it trains on (assistant tokens, not padding, eagle3: in the draft
+    vocabulary); loss and gradients equal the dense formulation's, with the target's logits given as a tensor or as
+    a function of the rows."""
+    model, _ = tiny_llama
+    ids = sequence(3, 14, seed=4)
+    attention_mask = torch.ones_like(ids, dtype=torch.bool)
+    attention_mask[1, :5] = False  # left padding
+    labels = ids.clone()
+    labels[1:, :4] = -100  # a prompt (row 0 trains from its start: early positions have fewer unrolled steps)
+    labels[~attention_mask] = -100
+    labels[2, 9:] = -100
+    with torch.no_grad():
+        out = model(ids, attention_mask=attention_mask.long(), output_hidden_states=True)
+    # eagle3: a draft vocabulary of the sequence's tokens and the target's top tokens but two (one label, one top
+    # token), so some positions fall outside it both ways.
+    counts = count_tokens(ids, model.config.vocab_size) + count_tokens(out.logits.argmax(-1), model.config.vocab_size)
+    counts[ids[0, 6]] = counts[out.logits[2, 7].argmax()] = 0
+    size = int((counts > 0).sum())
+    torch.manual_seed(0)
+    drafter = make(model, variant, draft_vocab_size=size)
+    if variant == "eagle3":
+        drafter.set_draft_vocab(build_draft_vocab(counts, size)[0], init_lm_head_from=model.lm_head)
+    weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=0.5, step_decay=0.7)
+
+    def grads(loss):
+        drafter.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    dense = dense_reference_loss(drafter, out.hidden_states, out.logits, ids, labels, weights, 3, attention_mask)
+    dense_grads = grads(dense)
+    lm_head = model.lm_head
+    for teacher in (out.logits, lambda b, p: lm_head(out.hidden_states[-1][b, p])):
+        loss, metrics = drafter_loss(drafter, out.hidden_states, teacher, ids, labels, weights, unroll_steps=3,
+                                     attention_mask=attention_mask)
+        assert float(loss.detach()) == pytest.approx(float(dense.detach()), rel=1e-5) and float(loss.detach()) > 0
+        assert metrics["count_0"] > metrics["count_2"] > 0
+        for g_compact, g_dense in zip(grads(loss), dense_grads, strict=True):
+            torch.testing.assert_close(g_compact, g_dense, rtol=1e-4, atol=1e-6)
+    # Nothing trained on: a zero loss that still reaches every parameter.
+    loss, metrics = drafter_loss(drafter, out.hidden_states, out.logits, ids, torch.full_like(labels, -100), weights,
+                                 unroll_steps=2, attention_mask=attention_mask)
+    assert float(loss.detach()) == 0.0 and metrics["count_0"] == 0.0
+    assert all(g is not None and float(g.abs().sum()) == 0.0 for g in grads(loss))
+
+
 def test_uniform_noise_bounds():
     x = torch.zeros(1000)
     noisy = add_uniform_noise(x, 0.2, torch.Generator().manual_seed(0))

@@ -208,7 +208,8 @@ class EagleMethod:
     # --- loss ---------------------------------------------------------------------------------------------------
 
     def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None):
-        """(hidden states indexable by layer id and -1, the target's logits [B, T, V] or None)."""
+        """(hidden states indexable by layer id and -1, the target's logits or None): logits [B, T, V] from an online
+        forward, or from a feature store a function (b, p) -> [N, V] applying the LM head to those rows only."""
         model = target.model
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         with torch.no_grad():
@@ -216,9 +217,12 @@ class EagleMethod:
                 hidden_states = {-1: batch["hidden"]}
                 for j, i in enumerate(layer_ids or []):
                     hidden_states[i] = batch["aux"][:, :, j]
-                lm_head = model.get_output_embeddings()
-                logits = lm_head(batch["hidden"].to(lm_head.weight.dtype)) if need_logits else None
-                return hidden_states, logits
+                lm_head, hidden = model.get_output_embeddings(), batch["hidden"]
+
+                def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
+                    return lm_head(hidden[b, p].to(lm_head.weight.dtype))
+
+                return hidden_states, logits if need_logits else None
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         position_ids=position_ids_from_mask(batch["attention_mask"]), output_hidden_states=True,
                         use_cache=False)

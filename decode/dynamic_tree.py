@@ -154,7 +154,7 @@ class DraftTreeExpander:
 
     def __call__(self, frontier: list[int], cands: Candidates) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.root_feature.device
-        dtype = self.drafter.fc.weight.dtype
+        dtype = self.drafter.dtype
         f = len(frontier)
         entries = len(self.slot)
         inputs = torch.stack(

@@ -17,13 +17,24 @@ Two variants share one module, :class:`EagleDrafter`:
     :func:`build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
     the draft reads its own previous output feature.
 
-Both variants put the token embedding and the feature through ``fc`` over ``[embedding, feature]`` (2H -> H, the
-order EAGLE uses) into ONE unmodified decoder layer of the target's own class, built from the target's config
+The draft layer is ONE decoder layer of the target's own class, built from the target's config
 (``type(target.model.layers[0])(config, layer_idx=0)``), so any Hugging Face decoder that takes a 4D additive mask,
-position ids and precomputed rotary embeddings works without copied modeling code. EAGLE-3 as published (and SGLang's
-``LlamaForCausalLMEagle3``) instead widens the layer's q/k/v projections to 2H and normalises embedding and feature
-separately; we keep the separate norms (``embed_norm``, ``feature_norm``) but project to H before an unmodified layer,
-so weights are not interchangeable with those implementations without conversion.
+position ids and precomputed rotary embeddings works without copied modeling code. Two layouts put the token
+embedding and the feature into it (``EagleConfig.layout``):
+
+``fc`` (the default, both variants)
+    ``fc`` over ``[embedding, feature]`` (2H -> H, the order EAGLE uses) feeds the unmodified layer (its own input
+    norm, attention, residual over the projected input). eagle3 first normalises embedding and feature separately
+    (``embed_norm``, ``feature_norm``).
+
+``midlayer`` (eagle3 only: EAGLE-3 as published, SGLang's ``LlamaForCausalLMEagle3``, vLLM speculators'
+``Eagle3Speculator``)
+    The layer's q/k/v projections are widened to read ``[embed_norm(embedding), feature_norm(feature)]`` (2H) and the
+    residual stream is the feature itself: ``h = feature + attn(...)``, ``out = h + mlp(post_attention_layernorm(h))``
+    (the layer's own input norm is dropped: ``embed_norm`` and ``feature_norm`` take its place). Weights map one to
+    one onto those implementations' checkpoints (:mod:`heads.export`). Not the default: with the same steps it has
+    learned more slowly than ``fc`` in our small runs (tests/test_eagle.py trains it longer to reach the same kind of
+    acceptance), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
 Used, not owned: the target's token embedding, its rotary embedding and (``eagle``) its LM head are reached through
 a reference kept out of ``state_dict()`` and ``parameters()``.
@@ -36,6 +47,7 @@ builds the plain one. The losses below are pure functions.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Union
@@ -45,6 +57,7 @@ from torch import nn
 from torch.nn import functional as F
 
 VARIANTS = ("eagle", "eagle3")
+LAYOUTS = ("fc", "midlayer")
 
 
 @dataclass
@@ -56,12 +69,17 @@ class EagleConfig:
     draft_vocab_size: int | None = None  # eagle3: size of the draft LM head's vocabulary (None = the target's)
     fc_bias: bool = True  # bias of the 2H -> H input projection (EAGLE-1 has one)
     init_layer_from: int | None = None  # copy the weights of this target layer into the draft layer (None = random)
+    layout: str = "fc"  # "fc" | "midlayer" (eagle3 only): how embedding and feature enter the layer
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"Unknown EAGLE variant {self.variant!r}; use one of {VARIANTS}.")
         if self.layer_ids is not None:
             self.layer_ids = [int(i) for i in self.layer_ids]
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Unknown EAGLE layout {self.layout!r}; use one of {LAYOUTS}.")
+        if self.layout == "midlayer" and self.variant != "eagle3":
+            raise ValueError("layout='midlayer' (EAGLE-3's widened q/k/v) is for variant='eagle3'; EAGLE-1 uses 'fc'.")
         if self.variant == "eagle3" and self.layer_ids is not None and len(self.layer_ids) != 3:
             raise ValueError(f"eagle3 fuses exactly 3 target layers (low, mid, high); got layer_ids={self.layer_ids}.")
 
@@ -157,6 +175,35 @@ def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype)
     return additive(allowed[:, None], dtype)
 
 
+def _cache_kwarg(module: nn.Module) -> str:
+    """The name a transformers module's forward takes its KV cache by: ``cache`` (transformers >= 5.24, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier 5.x, where ``cache`` would be ignored)."""
+    kind = type(module)
+    if kind not in _CACHE_KWARG:
+        params = inspect.signature(kind.forward).parameters
+        _CACHE_KWARG[kind] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[kind]
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def _widen_qkv(layer: nn.Module, hidden: int) -> None:
+    """``midlayer``: q/k/v projections that read 2H (embedding and feature side by side); the input norm goes."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) or not all(
+        hasattr(layer, n) for n in ("mlp", "post_attention_layernorm", "input_layernorm")
+    ):
+        raise TypeError(
+            f"{type(layer).__name__} is not a pre-norm decoder layer with self_attn.q_proj/k_proj/v_proj, mlp and "
+            "post_attention_layernorm; EAGLE-3's midlayer layout cannot be built from it: use heads.layout=fc."
+        )
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attn, name)
+        setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+    del layer.input_layernorm
+
+
 def cache_length(cache) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
@@ -204,14 +251,17 @@ class EagleDrafter(nn.Module):
             self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
             self.embed_norm = copy.deepcopy(base.norm)
             self.feature_norm = copy.deepcopy(base.norm)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        if config.layout == "fc":
+            self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
 
         layer_config = copy.deepcopy(tcfg)
         layer_config._attn_implementation = tcfg._attn_implementation
         self.layer = type(base.layers[0])(layer_config, layer_idx=0)
+        if config.layout == "midlayer":
+            _widen_qkv(self.layer, hidden)
         self._init_weights(getattr(tcfg, "initializer_range", 0.02))
         if config.init_layer_from is not None:
-            self.layer.load_state_dict(base.layers[config.init_layer_from].state_dict())
+            self._init_layer_from(base.layers[config.init_layer_from])
 
         if config.variant == "eagle3":
             self.norm = copy.deepcopy(base.norm)
@@ -228,6 +278,24 @@ class EagleDrafter(nn.Module):
             p.requires_grad_(True)
         # Used, never owned: kept out of state_dict() and parameters().
         self._target = [target]
+
+    def _init_layer_from(self, source: nn.Module) -> None:
+        """Copy a target layer's weights into the draft layer; ``midlayer``: its q/k/v weights go to the feature half
+        of the widened projections (the embedding half keeps its random init), its input norm is not used."""
+        mine = self.layer.state_dict()
+        with torch.no_grad():
+            for name, value in source.state_dict().items():
+                if name not in mine:
+                    continue
+                if mine[name].shape == value.shape:
+                    mine[name].copy_(value)
+                else:  # [out, 2H] <- [out, H]
+                    mine[name][:, value.shape[1]:].copy_(value)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The draft's parameter dtype."""
+        return self.layer.post_attention_layernorm.weight.dtype
 
     def _init_weights(self, std: float) -> None:
         for module in self.modules():
@@ -307,7 +375,7 @@ class EagleDrafter(nn.Module):
 
     def fuse_features(self, selected: list[torch.Tensor]) -> torch.Tensor:
         """The hidden states at :attr:`feature_layers` (each [B, T, H]) -> step-0 draft features [B, T, H]."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         if self.variant == "eagle":
             return selected[0].to(dtype)
         return self.fuse(torch.cat([h.to(dtype) for h in selected], dim=-1))
@@ -323,22 +391,31 @@ class EagleDrafter(nn.Module):
         """features [B, q, H] (of positions t), input_ids [B, q] (tokens t+1), position_ids [B, q] -> [B, q, H],
         the predicted features of positions t+1. ``attention_mask`` [B|1, 1, q, past + q] additive; None = causal
         over ``cache``. The new keys/values are appended to ``cache`` (a DynamicCache) when one is given."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         emb = self.target.get_input_embeddings()(input_ids).to(dtype)
         features = features.to(dtype)
+        if attention_mask is None:
+            attention_mask = causal_mask(input_ids.shape[1], cache_length(cache), dtype, features.device)
+        attention_mask = attention_mask.to(dtype)
+        position_embeddings = tuple(p.to(dtype) for p in _rotary_of(self.target)(features, position_ids))
+        if self.config.layout == "midlayer":
+            x = torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1)  # [B, q, 2H]
+            attn = self.layer.self_attn(
+                hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                position_ids=position_ids, **{_cache_kwarg(self.layer.self_attn): cache},
+            )[0]
+            h = features + attn
+            return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
         if self.variant == "eagle3":
             emb, features = self.embed_norm(emb), self.feature_norm(features)
         x = self.fc(torch.cat([emb, features], dim=-1))
-        if attention_mask is None:
-            attention_mask = causal_mask(x.shape[1], cache_length(cache), dtype, x.device)
-        position_embeddings = _rotary_of(self.target)(x, position_ids)
         out = self.layer(
             x,
-            attention_mask=attention_mask.to(dtype),
+            attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=cache is not None,
-            position_embeddings=tuple(p.to(dtype) for p in position_embeddings),
+            **{_cache_kwarg(self.layer): cache},
+            position_embeddings=position_embeddings,
         )
         return out[0] if isinstance(out, tuple) else out
 
@@ -374,7 +451,7 @@ class EagleDrafter(nn.Module):
         current = features
         for step in range(steps):
             tokens = shift_left(input_ids, step + 1, fill=0)
-            mask = unrolled_step_mask(key_padding, step, self.fc.weight.dtype)
+            mask = unrolled_step_mask(key_padding, step, self.dtype)
             current = self(current, tokens, positions + step, mask, cache)
             outputs.append(current)
         return outputs
@@ -615,4 +692,4 @@ def build_eagle_drafter(head_config: dict, target_model: nn.Module | None) -> Ea
             "EAGLE heads are rebuilt from the target's own layer class and config: load them with the target, "
             "heads.load(path, target=...)."
         )
-    return EagleDrafter(EagleConfig(**head_config), target_model)
+    return EagleDrafter(EagleConfig(**head_config), target_model)  # heads saved before ``layout`` existed are fc

@@ -41,8 +41,19 @@ from heads.target import build_tiny
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+VARIANTS = ["eagle", "eagle3", "eagle3-mid"]  # eagle3-mid: eagle3 with the midlayer layout (EAGLE-3 as published)
+
+
 def make(model, variant, **kw):
+    """``variant``: one of VARIANTS."""
+    if variant == "eagle3-mid":
+        variant, kw = "eagle3", {"layout": "midlayer", **kw}
     return EagleDrafter(EagleConfig.from_target(model, variant=variant, **kw), model)
+
+
+def heads_overrides(option):
+    """A VARIANTS entry -> the training config overrides that select it."""
+    return ["heads=eagle3", "heads.layout=midlayer"] if option == "eagle3-mid" else [f"heads={option}"]
 
 
 def sequence(batch=2, length=10, seed=0):
@@ -54,7 +65,7 @@ def sequence(batch=2, length=10, seed=0):
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
-@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_shapes_and_ownership(request, arch, variant):
     model, _ = request.getfixturevalue(arch)
     drafter = make(model, variant, draft_vocab_size=100)
@@ -72,10 +83,16 @@ def test_shapes_and_ownership(request, arch, variant):
     assert not any(k.startswith(("embed_tokens", "model.", "_target")) or "embed_tokens" in k for k in drafter.state_dict())
     assert all(p.requires_grad for p in drafter.parameters())
     assert not any(p.requires_grad for p in model.parameters())
-    if variant == "eagle3":
+    if variant.startswith("eagle3"):
         assert drafter.fuse.weight.shape == (64, 192)
         assert {"d2t", "t2d", "lm_head.weight", "norm.weight"} <= set(drafter.state_dict())
+    if variant == "eagle3-mid":  # q/k/v read [embedding, feature]; no fc, no input norm in the layer
+        keys = set(drafter.state_dict())
+        assert drafter.layer.self_attn.q_proj.weight.shape[1] == 128 and "fc.weight" not in keys
+        assert not any("input_layernorm" in k for k in keys)
     else:
+        assert drafter.fc.weight.shape == (64, 128)
+    if variant == "eagle":
         assert "lm_head.weight" not in drafter.state_dict()
 
 
@@ -97,6 +114,10 @@ def test_feature_sources():
         make(model, "eagle3", layer_ids=[1, 2, 6])
     with pytest.raises(ValueError, match="Unknown EAGLE variant"):
         EagleConfig(variant="medusa")
+    with pytest.raises(ValueError, match="Unknown EAGLE layout"):
+        EagleConfig(variant="eagle3", layout="wide")
+    with pytest.raises(ValueError, match="EAGLE-1 uses 'fc'"):
+        EagleConfig(variant="eagle", layout="midlayer")
 
 
 def test_init_layer_from_copies_target_layer(tiny_llama):
@@ -104,9 +125,29 @@ def test_init_layer_from_copies_target_layer(tiny_llama):
     drafter = make(model, "eagle", init_layer_from=-1)
     for k, v in model.model.layers[-1].state_dict().items():
         assert torch.equal(drafter.layer.state_dict()[k], v)
+    # midlayer: the widened q/k/v take the target's weights in their feature half; the input norm is not there.
+    mid = make(model, "eagle3-mid", init_layer_from=-1).layer.state_dict()
+    for k, v in model.model.layers[-1].state_dict().items():
+        if k.startswith("input_layernorm"):
+            assert k not in mid
+        elif k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            assert torch.equal(mid[k][:, 64:], v) and not torch.equal(mid[k][:, :64], v)
+        else:
+            assert torch.equal(mid[k], v), k
 
 
-@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+def test_heads_saved_without_a_layout_load_as_fc(tiny_llama):
+    """Heads saved before ``layout`` existed (all fc layout) rebuild as fc; the layout is saved and rebuilt."""
+    from heads.eagle import build_eagle_drafter
+
+    model, _ = tiny_llama
+    saved = make(model, "eagle3").config.to_dict()
+    del saved["layout"]
+    assert build_eagle_drafter(saved, model).config.layout == "fc"
+    assert build_eagle_drafter(make(model, "eagle3-mid").config.to_dict(), model).config.layout == "midlayer"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_incremental_equals_full_forward(tiny_qwen2, variant):
     model, _ = tiny_qwen2
     drafter = make(model, variant)
@@ -129,7 +170,7 @@ def test_causal_mask_values():
     assert float(m.min()) == torch.finfo(torch.float32).min
 
 
-@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_unrolled_steps_equal_test_time_chain(tiny_llama, variant):
     """Unrolled step j at index t = what the draft computes at test time after reading t+1 real positions and then
     its own j previous guesses (the chain a dynamic-tree branch shows it)."""
@@ -246,7 +287,7 @@ def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, wei
     return total
 
 
-@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, variant):
     """drafter_loss projects only the positions it trains on (assistant tokens, not padding, eagle3: in the draft
     vocabulary); loss and gradients equal the dense formulation's, with the target's logits given as a tensor or as
@@ -268,7 +309,7 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
     size = int((counts > 0).sum())
     torch.manual_seed(0)
     drafter = make(model, variant, draft_vocab_size=size)
-    if variant == "eagle3":
+    if variant != "eagle":
         drafter.set_draft_vocab(build_draft_vocab(counts, size)[0], init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=0.5, step_decay=0.7)
 
@@ -370,8 +411,10 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
     with torch.no_grad():
         out = model(seqs, output_hidden_states=True)
     d2t, _ = build_draft_vocab(count_tokens(seqs, model.config.vocab_size), draft_vocab_size)
+    if variant == "eagle3-mid":
+        steps *= 5  # the midlayer layout learns more slowly (heads.eagle)
     drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=-1)
-    if variant == "eagle3":
+    if variant != "eagle":
         drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=1.0)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
@@ -386,9 +429,9 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
 _TRAINED: dict = {}
 
 
-@pytest.fixture(params=["llama-eagle", "llama-eagle3", "qwen2-eagle", "qwen2-eagle3"])
+@pytest.fixture(params=[f"{arch}-{variant}" for arch in ("llama", "qwen2") for variant in VARIANTS])
 def trained(request):
-    arch, variant = request.param.split("-")
+    arch, variant = request.param.split("-", 1)
     model, _ = request.getfixturevalue(f"tiny_{arch}")
     if request.param not in _TRAINED:
         _TRAINED[request.param] = train_briefly(model, variant)
@@ -465,9 +508,10 @@ def test_greedy_equals_hf_with_dynamic_trees(trained):
         assert all(1 <= n <= 6 for n in res.stats.accept_lengths)
         results.append(res)
     assert tree_drafter.checks > len(results)
-    assert tree_drafter.longest_accept >= 4 and tree_drafter.eos_inside > 0  # long drafts and EOS inside one
+    slow = drafter.config.layout == "midlayer"  # learns more slowly: shorter drafts after the same training
+    assert tree_drafter.longest_accept >= (3 if slow else 4) and tree_drafter.eos_inside > 0  # long drafts, EOS inside
     assert any(r.finish_reason == "eos" for r in results) and any(r.finish_reason == "length" for r in results)
-    assert sum(r.stats.tau for r in results) / len(results) > 1.8  # the trained draft is accepted often
+    assert sum(r.stats.tau for r in results) / len(results) > (1.5 if slow else 1.8)  # drafts are accepted often
 
 
 def test_tree_settings_bound_the_tree(tiny_llama):
@@ -494,7 +538,7 @@ SAMPLING = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)
 SEEDS = 1500
 
 
-@pytest.mark.parametrize("variant", ["eagle", "eagle3"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_sampled_tokens_follow_the_target_distribution(variant):
     """The first three sampled tokens over many seeds follow the target's own distribution (chi-square and total
     variation), with drafts from a dynamic tree accepted often."""
@@ -544,7 +588,7 @@ def saved_weights(run_dir):
     return load_file(str(run_dir / "heads" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("heads_option", ["eagle", "eagle3"])
+@pytest.mark.parametrize("heads_option", VARIANTS)
 def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     import heads
     from test_medusa_train import tiny_datasets, tiny_target
@@ -554,7 +598,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
 
     target = tiny_target()
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
-    cfg = eagle_cfg(tmp_path / "run", f"heads={heads_option}", "heads.draft_vocab_size=64", "trainer.max_steps=12",
+    cfg = eagle_cfg(tmp_path / "run", *heads_overrides(heads_option), "heads.draft_vocab_size=64", "trainer.max_steps=12",
                     "heads.unroll_steps=2")
     method = EagleMethod(cfg)
     initial = {k: v.clone() for k, v in method.build_drafter(target).drafter.state_dict().items()}
@@ -566,11 +610,13 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     assert all(torch.equal(before[k], after[k]) for k in before)  # the target is bit-identical
     trained = saved_weights(result.run_dir)
     moved = [k for k in trained if trained[k].is_floating_point() and not torch.equal(trained[k], initial[k])]
-    assert "fc.weight" in moved and any(k.startswith("layer.self_attn") for k in moved)
+    assert ("fuse.weight" if heads_option == "eagle3-mid" else "fc.weight") in moved
+    assert any(k.startswith("layer.self_attn") for k in moved)
     loaded = heads.load(result.run_dir / "heads", target)
-    assert loaded.config["head_type"] == heads_option and isinstance(loaded.module, EagleDrafter)
+    assert loaded.config["head_type"] == heads_option.split("-")[0] and isinstance(loaded.module, EagleDrafter)
+    assert loaded.module.config.layout == ("midlayer" if heads_option == "eagle3-mid" else "fc")
     assert loaded.config["eval"]["eval/accept_length_chain"] >= 0 and loaded.config["tree"]["top_k"] >= 1
-    if heads_option == "eagle3":
+    if heads_option != "eagle":
         # The draft vocabulary is the 64 most frequent assistant tokens of the training split, saved with the heads.
         from train.eagle_method import draft_vocab_counts
 
@@ -666,6 +712,10 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     for experiment in experiments:  # shared overlays (debug, cpu_1h) and the EAGLE ones
         cfg = compose("eagle", [f"experiment={experiment}", f"run_dir={tmp_path}"])
         assert EagleMethod(cfg).name == cfg.heads.type and TrainerConfig.from_cfg(cfg.trainer).max_steps >= 1
+    with pytest.raises(ValueError, match="heads.layout=midlayer"):
+        EagleMethod(compose("eagle", ["heads.layout=midlayer"]))
+    with pytest.raises(ValueError, match="use fc or midlayer"):
+        EagleMethod(compose("eagle", ["heads=eagle3", "heads.layout=wide"]))
     with pytest.raises(ValueError, match="no feature regression"):
         EagleMethod(compose("eagle", ["heads=eagle3", "heads.loss.regression=1.0"]))
     with pytest.raises(ValueError, match="token_loss"):

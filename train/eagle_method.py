@@ -4,6 +4,8 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
 
 - ``type``: ``eagle`` (feature regression + token loss, the target's LM head) or ``eagle3`` (fused low/mid/high
   features, own LM head over a reduced draft vocabulary, token loss only).
+- ``layout``: ``fc`` (EAGLE-1's input projection before an unmodified target layer) or ``midlayer`` (eagle3 only:
+  EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see heads.export); see heads.eagle;
 - ``fc_bias``, ``init_layer_from`` (copy a target layer into the draft layer), ``layer_ids`` (eagle3),
   ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
 - ``unroll_steps``: test-time steps unrolled in training (the draft reads its own output features);
@@ -49,6 +51,7 @@ class EagleSettings:
     type: str = "eagle"  # eagle | eagle3
     fc_bias: bool = True
     init_layer_from: int | None = None
+    layout: str = "fc"
     layer_ids: list[int] | None = None
     draft_vocab_size: int | None = None
     unroll_steps: int = 1
@@ -70,6 +73,10 @@ class EagleSettings:
             problems.append(f"heads.feature_noise={out.feature_noise} must be >= 0")
         if out.type == "eagle3" and float(out.loss.get("regression", 0.0)) > 0:
             problems.append("heads=eagle3 has no feature regression target: set heads.loss.regression=0")
+        if out.layout not in ("fc", "midlayer"):
+            problems.append(f"heads.layout={out.layout!r}: use fc or midlayer (eagle3 only)")
+        elif out.layout == "midlayer" and out.type != "eagle3":
+            problems.append("heads.layout=midlayer (EAGLE-3's widened q/k/v) is for heads=eagle3; EAGLE-1 uses fc")
         if out.draft_vocab_size is not None and out.draft_vocab_size < 1:
             problems.append(f"heads.draft_vocab_size={out.draft_vocab_size} must be >= 1 (or null: the full vocab)")
         if problems:
@@ -86,6 +93,7 @@ class EagleSettings:
     def eagle_config(self, target_model: nn.Module) -> EagleConfig:
         return EagleConfig.from_target(
             target_model, variant=self.type, fc_bias=self.fc_bias, init_layer_from=self.init_layer_from,
+            layout=self.layout,
             layer_ids=self.layer_ids, draft_vocab_size=self.draft_vocab_size,
         )
 

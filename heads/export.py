@@ -1,0 +1,313 @@
+"""Export trained heads in the formats serving engines load.
+
+==============  ===============================================  ==============================================
+format          loads in                                         heads
+==============  ===============================================  ==============================================
+``vllm``        vLLM's Medusa (``MedusaModel``)                   Medusa-1 (Medusa-2: see below)
+``eagle3``      SGLang and vLLM (``LlamaForCausalLMEagle3``,      eagle3 with ``layout=midlayer`` on a Llama target
+                EAGLE-3's own checkpoint form)
+``speculators`` vLLM speculators (``Eagle3Speculator``)           eagle3 with ``layout=midlayer`` on a Llama target
+``selfspec``    selfspec (``heads.load``); a copy of the folder   all
+==============  ===============================================  ==============================================
+
+``auto`` picks ``vllm`` for Medusa heads, ``eagle3`` for midlayer EAGLE-3 heads and refuses the rest, naming the
+format that fits. Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
+
+Facts the mappings rely on (from those projects' sources):
+
+- vLLM Medusa: config ``model_type: medusa``, ``num_heads``, ``num_hidden_layers`` (residual blocks per head),
+  ``medusa_fc_bias``; weights ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``; with
+  ``original_lm_head: true`` the heads share ``lm_heads.0.weight`` (how our ``shared_lm_head`` is written). vLLM's
+  config reader renames any key holding "num" and "heads" to ``num_heads``, so no other such key is written.
+- EAGLE-3 (SGLang ``LlamaForCausalLMEagle3``): a Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size``,
+  ``tie_word_embeddings: false``; weights ``fc.weight`` [H, 3H], ``midlayer.{input_layernorm (embedding side),
+  hidden_norm (feature side), self_attn.{q,k,v}_proj [., 2H], self_attn.o_proj, post_attention_layernorm, mlp.*}``,
+  ``norm.weight``, ``lm_head.weight``, ``d2t`` (target id = draft id + d2t[id]), ``t2d``. SGLang's
+  ``eagle_aux_hidden_state_layer_ids`` name layer *outputs* (it captures the input of layer id + 1); our
+  ``layer_ids`` name layer inputs, so the ids written are ours minus one (only when they differ from the default
+  [2, L//2, L-3] inputs, which SGLang assumes without them).
+- speculators: ``architectures: [Eagle3Speculator]``, ``speculators_model_type: eagle3``, the layer's Llama config in
+  ``transformer_layer_config``, ``speculators_config`` (algorithm, proposal methods, verifier), top-level
+  ``eagle_aux_hidden_state_layer_ids`` in vLLM's indexing (the input of layer j, as ours), ``norm_before_residual:
+  false`` (the residual is the un-normalised feature, as ours); weights as above with ``layers.0.`` for ``midlayer.``.
+
+The target's token embedding is included as ``embed_tokens.weight`` unless ``include_embeddings=False`` (both
+engines can share the target's instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FORMATS = ("auto", "vllm", "eagle3", "speculators", "selfspec")
+
+
+class ExportError(ValueError):
+    """Heads cannot be exported in the asked format; the message says which format fits or what to retrain."""
+
+
+def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
+    """``auto`` -> the serving format for these heads; an explicit format is checked against them."""
+    if fmt not in FORMATS:
+        raise ExportError(f"format={fmt!r}: use one of {', '.join(FORMATS)}.")
+    midlayer = head_type == "eagle3" and head_config.get("layout", "fc") == "midlayer"
+    if fmt == "auto":
+        if head_type == "medusa":
+            return "vllm"
+        if midlayer:
+            return "eagle3"
+        fmt = "eagle3"  # fall through to the explanation below
+    if fmt == "selfspec":
+        return fmt
+    if fmt == "vllm" and head_type != "medusa":
+        raise ExportError(f"format=vllm is vLLM's Medusa format; these are {head_type} heads (format=eagle3 or "
+                          "speculators for EAGLE-3 heads trained with heads.layout=midlayer).")
+    if fmt in ("eagle3", "speculators") and not midlayer:
+        if head_type == "medusa":
+            raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are Medusa heads: use format=vllm.")
+        raise ExportError(
+            f"These {head_type} heads (layout={head_config.get('layout', 'fc')}) have no serving-engine format: "
+            "SGLang and vLLM load EAGLE-3 as published, which is eagle3 with heads.layout=midlayer. Retrain with "
+            "`python train/eagle.py heads=eagle3 heads.layout=midlayer`, or export format=selfspec (a copy of the "
+            "folder, for selfspec's own decoder)."
+        )
+    return fmt
+
+
+# --- vLLM Medusa ------------------------------------------------------------------------------------------------------
+
+
+def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dict) -> tuple[dict, dict]:
+    """Medusa heads -> (config.json dict, state dict) of vLLM's Medusa model."""
+    cfg = heads.config
+    state = {}
+    for h, block in enumerate(heads.blocks):
+        for i, res in enumerate(block):
+            state[f"blocks.{h}.layers.{i}.weight"] = res.linear.weight
+            state[f"blocks.{h}.layers.{i}.bias"] = res.linear.bias
+    if heads.lm_heads is None:  # shared: the target's LM head, written once
+        state["lm_heads.0.weight"] = target_lm_head.weight
+    else:
+        for h, lm_head in enumerate(heads.lm_heads):
+            state[f"lm_heads.{h}.weight"] = lm_head.weight
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "truncated_vocab_size": cfg.vocab_size,
+        "num_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "medusa_fc_bias": True,
+        "original_lm_head": heads.lm_heads is None,
+    }
+    return config, state
+
+
+# --- EAGLE-3 -----------------------------------------------------------------------------------------------------------
+
+
+def _llama_layer_config(target_config: Any, draft_vocab_size: int, dtype: torch.dtype) -> dict:
+    """The draft layer's Llama config (the target's sizes, one layer) with the rope fields both transformers 4 and 5
+    readers understand."""
+    tc = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
+    if getattr(tc, "model_type", None) != "llama":
+        raise ExportError(
+            f"The target is a {getattr(tc, 'model_type', '?')} model; SGLang's and vLLM's EAGLE-3 drafters are built "
+            "as Llama layers (no q/k/v bias), so only heads for Llama-architecture targets export to them. Use "
+            "format=selfspec."
+        )
+    if getattr(tc, "attention_bias", False) or getattr(tc, "mlp_bias", False):
+        raise ExportError("The target's layers have biases; the EAGLE-3 formats have none. Use format=selfspec.")
+    d = tc.to_dict()
+    rope = dict(d.get("rope_parameters") or {})
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" \
+        else d.get("rope_scaling")
+    head_dim = d.get("head_dim") or tc.hidden_size // tc.num_attention_heads
+    return {
+        "model_type": "llama",
+        "hidden_size": tc.hidden_size,
+        "intermediate_size": tc.intermediate_size,
+        "num_attention_heads": tc.num_attention_heads,
+        "num_key_value_heads": getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+        "head_dim": head_dim,
+        "hidden_act": d.get("hidden_act", "silu"),
+        "rms_norm_eps": tc.rms_norm_eps,
+        "max_position_embeddings": tc.max_position_embeddings,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope or {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": tc.vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "bos_token_id": d.get("bos_token_id"),
+        "eos_token_id": d.get("eos_token_id"),
+        "pad_token_id": d.get("pad_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def eagle3_state(drafter: nn.Module, layer_prefix: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
+    """A midlayer EAGLE-3 drafter's weights under the published names (``layer_prefix``: ``midlayer.`` for
+    SGLang's form, ``layers.0.`` for speculators')."""
+    if getattr(drafter.config, "layout", "fc") != "midlayer":
+        raise ExportError("Only eagle3 drafters with layout=midlayer have the published EAGLE-3 weights.")
+    state = {
+        "fc.weight": drafter.fuse.weight,
+        layer_prefix + "input_layernorm.weight": drafter.embed_norm.weight,
+        layer_prefix + "hidden_norm.weight": drafter.feature_norm.weight,
+        "norm.weight": drafter.norm.weight,
+        "lm_head.weight": drafter.lm_head.weight,
+        "d2t": drafter.d2t,
+        "t2d": drafter.t2d,
+    }
+    for name, value in drafter.layer.state_dict().items():
+        state[layer_prefix + name] = value
+    if include_embeddings:
+        state["embed_tokens.weight"] = drafter.target.get_input_embeddings().weight
+    return state
+
+
+def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
+    """Midlayer EAGLE-3 drafter -> (config, state) of ``LlamaForCausalLMEagle3`` (SGLang, vLLM)."""
+    from heads.eagle import default_layer_ids
+
+    tc = drafter.target.config
+    config = {"architectures": ["LlamaForCausalLMEagle3"],
+              **_llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)}
+    layer_ids = list(drafter.config.layer_ids)
+    if layer_ids != default_layer_ids(tc.num_hidden_layers):
+        if min(layer_ids) < 1:
+            raise ExportError(f"layer_ids {layer_ids} include the embeddings (0), which SGLang cannot capture.")
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids]}
+    return config, eagle3_state(drafter, "midlayer.", include_embeddings)
+
+
+def eagle3_to_speculators(drafter: nn.Module, verifier: str | None, speculative_tokens: int = 3,
+                          include_embeddings: bool = True) -> tuple[dict, dict]:
+    """Midlayer EAGLE-3 drafter -> (config, state) of vLLM speculators' ``Eagle3Speculator``."""
+    tc = drafter.target.config
+    layer = _llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)
+    vd = layer.pop("draft_vocab_size")
+    layer["architectures"] = ["LlamaForCausalLM"]
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": vd,
+        "norm_before_residual": False,
+        "target_hidden_size": tc.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(drafter.config.layer_ids),
+        "torch_dtype": layer["torch_dtype"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(getattr(tc, "architectures", None) or [])},
+        },
+    }
+    return config, eagle3_state(drafter, "layers.0.", include_embeddings)
+
+
+# --- the whole export ---------------------------------------------------------------------------------------------------
+
+
+def export_heads(
+    heads_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    target: Any,
+    fmt: str = "auto",
+    include_embeddings: bool = True,
+    dtype: torch.dtype | None = None,
+) -> tuple[Path, str]:
+    """Export the heads folder ``heads_path`` (trained for ``target``, a ``heads.target.Target`` or HF model) into
+    ``out_dir`` in format ``fmt``; returns (the folder, the format used). Heads of another target are refused."""
+    from heads.io import _unwrap_target, load_heads, read_heads_config
+
+    heads_path = Path(heads_path)
+    meta = read_heads_config(heads_path)
+    fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
+    if fmt == "selfspec":
+        load_heads(heads_path, target=target)  # checks the folder is whole and trained for this target
+        return _write(out_dir, lambda tmp: shutil.copytree(heads_path, tmp, dirs_exist_ok=True)), fmt
+    if meta.get("adapter"):
+        raise ExportError(
+            "These are Medusa-2 heads: they fit the LoRA-adapted target, not the base model a server would load. "
+            "Export format=selfspec (heads and adapter), or merge the adapter into the target and serve that."
+        )
+    loaded = load_heads(heads_path, target=target)
+    module = loaded.module
+    model, name = _unwrap_target(target)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if fmt == "vllm":
+        config, state = medusa_to_vllm(module, base.get_output_embeddings(), meta.get("head_config", {}))
+    elif fmt == "eagle3":
+        config, state = eagle3_to_sglang(module, include_embeddings)
+    else:
+        tree = meta.get("tree") or {}
+        config, state = eagle3_to_speculators(module, meta.get("base_model") or name,
+                                              int(tree.get("depth") or 3), include_embeddings)
+    float_dtype = dtype
+    state = {k: (v.to(float_dtype) if float_dtype is not None and v.is_floating_point() else v).detach().cpu()
+             .contiguous().clone() for k, v in state.items()}
+    if float_dtype is not None:
+        config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    config["selfspec"] = {"head_type": meta["head_type"], "base_model": meta.get("base_model"),
+                          "target_fingerprint": meta.get("target_fingerprint")}
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return _write(out_dir, write), fmt
+
+
+def _write(out_dir: str | os.PathLike, fill) -> Path:
+    """Fill a temporary sibling of ``out_dir`` and move it into place (a reader never sees half a folder)."""
+    from heads.io import _replace_dir
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def push_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False, token: str | None = None,
+                commit_message: str | None = None) -> str:
+    """Upload an exported folder to the Hugging Face Hub (creating the model repo if needed); returns its URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message=commit_message or "Upload drafter heads exported by selfspec")
+    except Exception as err:  # network, auth, permissions: say what to do, keep the local folder
+        raise ExportError(
+            f"Could not push {folder} to the Hub repo {repo_id!r} ({type(err).__name__}: {err}). The exported folder "
+            "is kept; log in with `huggingface-cli login` (or set HF_TOKEN) and check the network, then run again "
+            "or upload the folder by hand."
+        ) from err
+    return str(url)

@@ -1,0 +1,246 @@
+"""Exported heads compute what the trained heads compute, when read the way the serving engines read them.
+
+The references below are written from those engines' published model code (vLLM's Medusa, SGLang's
+LlamaForCausalLMEagle3, speculators' Eagle3Speculator), in plain tensor operations over the exported files only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.nn import functional as F
+
+from heads.eagle import EagleConfig, EagleDrafter, build_draft_vocab, count_tokens
+from heads.export import ExportError, export_heads, push_to_hub, resolve_format
+from heads.io import save_heads
+from heads.medusa import MedusaConfig, MedusaHeads
+from heads.target import build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def read_export(folder):
+    return json.loads((folder / "config.json").read_text()), load_file(str(folder / "model.safetensors"))
+
+
+# --- Medusa -> vLLM ------------------------------------------------------------------------------------------------------
+
+
+def vllm_medusa_logits(config, w, hidden):
+    """vLLM's Medusa: per head, x = x + SiLU(layer(x)) over its blocks, then its LM head (lm_heads.0 for all heads
+    when original_lm_head)."""
+    out = []
+    for h in range(config["num_heads"]):
+        x = hidden
+        for i in range(config["num_hidden_layers"]):
+            x = x + F.silu(x @ w[f"blocks.{h}.layers.{i}.weight"].T + w[f"blocks.{h}.layers.{i}.bias"])
+        head = w["lm_heads.0.weight"] if config["original_lm_head"] else w[f"lm_heads.{h}.weight"]
+        out.append(x @ head.T)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared):
+    model, _ = tiny_llama
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=3, num_layers=2, shared_lm_head=shared), model.lm_head)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # trained-looking: blocks away from zero, heads away from the target's
+    save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), model)
+    folder, fmt = export_heads(tmp_path / "heads", tmp_path / "vllm", model)
+    assert fmt == "vllm"
+    config, w = read_export(folder)
+    assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
+    assert (config["num_heads"], config["num_hidden_layers"], config["original_lm_head"]) == (3, 2, shared)
+    # vLLM renames every config key holding "num" and "heads" to num_heads: only that one may exist.
+    assert [k for k in config if "num" in k and "heads" in k] == ["num_heads"]
+    hidden = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(vllm_medusa_logits(config, w, hidden), heads(hidden), atol=1e-5, rtol=1e-5)
+    assert ("lm_heads.1.weight" in w) == (not shared)
+
+
+# --- EAGLE-3 -> SGLang / speculators ----------------------------------------------------------------------------------
+
+
+def rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate(x, positions, theta):
+    """Llama's rotary embedding on x [B, heads, T, d] (halves rotated)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions[:, None, :, None].float() * inv  # [B, 1, T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def eagle3_reference(config, w, prefix, hidden3, ids, positions):
+    """SGLang's / speculators' EAGLE-3 draft step over a sequence (causal): returns (output feature, target ids of
+    the draft's top tokens). ``hidden3`` [B, T, 3H]: the target's three captured hidden states side by side."""
+    eps, heads, kv = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
+    d, theta = config["head_dim"], config["rope_theta"]
+    b, t, _ = hidden3.shape
+    feature = hidden3 @ w["fc.weight"].T
+    x = torch.cat([rms(w["embed_tokens.weight"][ids], w[prefix + "input_layernorm.weight"], eps),
+                   rms(feature, w[prefix + "hidden_norm.weight"], eps)], -1)
+    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(b, t, heads, d).transpose(1, 2)
+    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
+    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
+    q, k = rotate(q, positions, theta), rotate(k, positions, theta)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = (q @ k.transpose(-1, -2)) / d**0.5
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * d) @ w[prefix + "self_attn.o_proj.weight"].T
+    h = feature + attn
+    m = rms(h, w[prefix + "post_attention_layernorm.weight"], eps)
+    mlp = (F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)) \
+        @ w[prefix + "mlp.down_proj.weight"].T
+    out = h + mlp
+    top = (rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T).argmax(-1)
+    return out, top + w["d2t"][top]
+
+
+def midlayer_drafter(model, layer_ids=None):
+    drafter = EagleDrafter(EagleConfig.from_target(model, variant="eagle3", layout="midlayer", draft_vocab_size=100,
+                                                   layer_ids=layer_ids), model)
+    ids = torch.randint(3, 320, (4, 30), generator=torch.Generator().manual_seed(1))
+    drafter.set_draft_vocab(build_draft_vocab(count_tokens(ids, 320), 100)[0], init_lm_head_from=model.lm_head)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
+    model, _ = tiny_llama
+    torch.manual_seed(0)
+    drafter = midlayer_drafter(model)
+    save_heads(tmp_path / "heads", drafter, "eagle3", drafter.config.to_dict(), model, extra_meta={"tree": {"depth": 4}})
+    folder, used = export_heads(tmp_path / "heads", tmp_path / fmt, model, fmt=fmt)
+    assert used == fmt
+    config, w = read_export(folder)
+    if fmt == "eagle3":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+        assert config["draft_vocab_size"] == 100 and config["tie_word_embeddings"] is False
+        assert "eagle_config" not in config  # default layers: SGLang assumes them
+        layer_cfg, prefix = config, "midlayer."
+    else:
+        assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
+        assert config["eagle_aux_hidden_state_layer_ids"] == drafter.config.layer_ids
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+        assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 100
+        layer_cfg, prefix = config["transformer_layer_config"], "layers.0."
+    assert w["fc.weight"].shape == (64, 192) and w[prefix + "self_attn.q_proj.weight"].shape[1] == 128
+    assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 100
+
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(9)[None].expand(2, 9)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        mine = drafter(drafter.target_features(hs), ids, positions)
+        my_top = drafter.draft_to_target(drafter.logits(mine).argmax(-1))
+        hidden3 = torch.cat([hs[i] for i in drafter.config.layer_ids], -1)
+        ref, ref_top = eagle3_reference(layer_cfg, w, prefix, hidden3, ids, positions)
+    torch.testing.assert_close(ref, mine, atol=1e-5, rtol=1e-4)
+    assert torch.equal(ref_top, my_top)
+
+
+def test_eagle3_export_names_custom_layers_in_sglang_terms(tmp_path, tiny_llama):
+    """SGLang's ids name layer outputs (it captures the input of id + 1); ours name layer inputs."""
+    model, _ = tiny_llama
+    drafter = midlayer_drafter(model, layer_ids=[1, 2, 3])
+    save_heads(tmp_path / "heads", drafter, "eagle3", drafter.config.to_dict(), model)
+    config, _ = read_export(export_heads(tmp_path / "heads", tmp_path / "out", model, include_embeddings=False)[0])
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    _, w = read_export(tmp_path / "out")
+    assert "embed_tokens.weight" not in w
+
+
+def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
+    model, _ = tiny_llama
+    fc = EagleDrafter(EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=50), model)
+    save_heads(tmp_path / "fc", fc, "eagle3", fc.config.to_dict(), model)
+    with pytest.raises(ExportError, match="heads.layout=midlayer"):
+        export_heads(tmp_path / "fc", tmp_path / "out", model)
+    assert not (tmp_path / "out").exists()
+    # ... but selfspec's own format copies any heads folder, checked against the target
+    folder, fmt = export_heads(tmp_path / "fc", tmp_path / "copy", model, fmt="selfspec")
+    assert fmt == "selfspec" and (folder / "model.safetensors").read_bytes() == (
+        tmp_path / "fc" / "model.safetensors").read_bytes()
+    with pytest.raises(ExportError, match="format=vllm"):
+        resolve_format("eagle3", "medusa", {})
+    with pytest.raises(ExportError, match="one of"):
+        resolve_format("onnx", "medusa", {})
+    # a Qwen2 target has q/k/v biases: no Llama-layer EAGLE-3 format fits
+    qwen, _ = tiny_qwen2
+    mid = EagleDrafter(EagleConfig.from_target(qwen, variant="eagle3", layout="midlayer", draft_vocab_size=50), qwen)
+    save_heads(tmp_path / "qwen", mid, "eagle3", mid.config.to_dict(), qwen)
+    with pytest.raises(ExportError, match="Llama"):
+        export_heads(tmp_path / "qwen", tmp_path / "q", qwen)
+    # heads trained for another target are refused by the fingerprint check
+    from heads.target import TargetMismatchError
+
+    other, _ = build_tiny("llama", seed=7)
+    with pytest.raises(TargetMismatchError):
+        export_heads(tmp_path / "fc", tmp_path / "x", other, fmt="selfspec")
+
+
+def test_push_to_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, **kw):
+            calls.append(("create", repo_id, kw["private"], kw["exist_ok"]))
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, folder_path, repo_id, **kw):
+            calls.append(("upload", folder_path, repo_id))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    url = push_to_hub(tmp_path, "org/heads", private=True)
+    assert url.endswith("org/heads")
+    assert calls[1:] == [("create", "org/heads", True, True), ("upload", str(tmp_path), "org/heads")]
+
+    class Offline(FakeApi):
+        def create_repo(self, repo_id, **kw):
+            raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    with pytest.raises(ExportError, match="exported folder is kept"):
+        push_to_hub(tmp_path, "org/heads")
+
+
+def test_export_script_writes_beside_the_heads(tmp_path):
+    """scripts/export.py's run: the target comes from the heads' own record; the default folder is <heads>-<format>."""
+    import sys
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from export import run_export
+
+    from heads.target import Target
+
+    model, tokenizer = build_tiny("llama")
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2), model.lm_head)
+    save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), Target(model, tokenizer, "tiny-llama"))
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("export", [f"heads_path={tmp_path / 'heads'}"])
+    result = run_export(cfg)
+    assert result == {"out": str(tmp_path / "heads-vllm"), "format": "vllm", "url": None}
+    config, w = read_export(tmp_path / "heads-vllm")
+    assert config["num_heads"] == 2 and torch.equal(w["lm_heads.1.weight"], heads.lm_heads[1].weight)

@@ -244,3 +244,29 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     assert result == {"out": str(tmp_path / "heads-vllm"), "format": "vllm", "url": None}
     config, w = read_export(tmp_path / "heads-vllm")
     assert config["num_heads"] == 2 and torch.equal(w["lm_heads.1.weight"], heads.lm_heads[1].weight)
+
+
+def test_speculators_loads_the_export_and_drafts_the_same_tokens(tmp_path, tiny_llama):
+    """With vLLM's speculators installed (not a dependency: `pip install speculators`), its own EAGLE-3 model loads
+    the exported folder (missing only the verifier parts it takes from the target for training) and drafts the same
+    tokens as the drafter."""
+    pytest.importorskip("speculators")
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    model, _ = tiny_llama
+    torch.manual_seed(0)
+    drafter = midlayer_drafter(model)
+    save_heads(tmp_path / "heads", drafter, "eagle3", drafter.config.to_dict(), model)
+    folder, _ = export_heads(tmp_path / "heads", tmp_path / "spec", model, fmt="speculators")
+    theirs = Eagle3DraftModel(Eagle3SpeculatorConfig.from_pretrained(str(folder))).eval()
+    result = theirs.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    assert not result.unexpected_keys and all(k.startswith("verifier_") for k in result.missing_keys)
+    ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        mine = drafter.logits(drafter(drafter.target_features(hs), ids, torch.arange(12)[None])).argmax(-1)
+        drafted = theirs(hidden_states=torch.cat([hs[i] for i in drafter.config.layer_ids], -1), input_ids=ids,
+                         position_ids=torch.arange(12)[None], document_ids=torch.zeros(1, 12, dtype=torch.long),
+                         ttt_steps=1)
+    assert torch.equal(drafted[0], mine)

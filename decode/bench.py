@@ -21,6 +21,7 @@ from decode.engine import Draft, DecodeState, SpeculativeDecoder, tree_forward
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.pipeline import Session, hf_generate, prompt_ids, warm_up
 from decode.tree import Tree, load_tree
+from heads.target import cache_kwarg
 
 
 def _sync(device: torch.device) -> None:
@@ -51,7 +52,7 @@ def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> lis
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (cache_length,), generator=g).to(device)
     cache = new_cache()
-    model(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+    model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
     for n in (max(sizes), min(sizes)):  # warm up kernels and allocator on both ends of the curve
         state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length, next_token=0,
                             hidden=torch.empty(0, device=device))

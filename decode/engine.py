@@ -33,6 +33,7 @@ from decode.cache import commit_kv, new_cache
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
 from decode.verify import Sampling, Verdict, verify
+from heads.target import cache_kwarg
 
 if TYPE_CHECKING:
     from decode.drafters import Drafter
@@ -165,7 +166,7 @@ def check_tree_attention(model: torch.nn.Module) -> None:
     try:
         with torch.no_grad():
             cache = new_cache()
-            model(input_ids=prefix[None], past_key_values=cache, use_cache=True)
+            model(input_ids=prefix[None], use_cache=True, **{cache_kwarg(model): cache})
             state = DecodeState(cache=cache, prompt_ids=prefix, length=2, next_token=int(tokens[0]),
                                 hidden=torch.empty(0))
             out = tree_forward(model, state, Draft(tokens=tokens, tree=tree))
@@ -200,8 +201,8 @@ def prefill(
     """prompt_ids [T] -> state with the prompt cached and the first token chosen; and the prompt's forward output
     (logits [1, V] of the last position, hidden states [T, H] of every position)."""
     cache = new_cache()
-    out = model(input_ids=prompt_ids[None], past_key_values=cache, use_cache=True, output_hidden_states=True,
-                logits_to_keep=1)
+    out = model(input_ids=prompt_ids[None], use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                **{cache_kwarg(model): cache})
     fwd = ForwardOutput(logits=out.logits[0], hidden_states=tuple(h[0] for h in out.hidden_states))
     root = torch.zeros(1, dtype=torch.long, device=prompt_ids.device)
     first = verify(fwd.logits, root, single_node_tree().to(prompt_ids.device), sampling, generator=generator)
@@ -220,8 +221,8 @@ def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft) -> Fo
         input_ids=draft.tokens[None],  # [1, N]
         attention_mask=mask,  # [1, 1, N, length + N]
         position_ids=tree_position_ids(draft.tree, state.length),  # [1, N]
-        past_key_values=state.cache,
         use_cache=True,
+        **{cache_kwarg(model): state.cache},
         output_hidden_states=True,
     )
     return ForwardOutput(logits=out.logits[0], hidden_states=tuple(h[0] for h in out.hidden_states))

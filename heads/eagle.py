@@ -47,7 +47,6 @@ builds the plain one. The losses below are pure functions.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Union
@@ -55,6 +54,8 @@ from typing import Union
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from heads.target import cache_kwarg
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -173,19 +174,6 @@ def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype)
     diag = torch.eye(length, dtype=torch.bool, device=key_padding.device).expand(bsz, length, length)
     allowed = torch.cat([causal] + [diag] * step, dim=-1)  # [B, T, (step+1) T]
     return additive(allowed[:, None], dtype)
-
-
-def _cache_kwarg(module: nn.Module) -> str:
-    """The name a transformers module's forward takes its KV cache by: ``cache`` (transformers >= 5.24, where
-    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier 5.x, where ``cache`` would be ignored)."""
-    kind = type(module)
-    if kind not in _CACHE_KWARG:
-        params = inspect.signature(kind.forward).parameters
-        _CACHE_KWARG[kind] = "cache" if "cache" in params else "past_key_values"
-    return _CACHE_KWARG[kind]
-
-
-_CACHE_KWARG: dict[type, str] = {}
 
 
 def _widen_qkv(layer: nn.Module, hidden: int) -> None:
@@ -402,7 +390,7 @@ class EagleDrafter(nn.Module):
             x = torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1)  # [B, q, 2H]
             attn = self.layer.self_attn(
                 hidden_states=x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                position_ids=position_ids, **{_cache_kwarg(self.layer.self_attn): cache},
+                position_ids=position_ids, **{cache_kwarg(self.layer.self_attn): cache},
             )[0]
             h = features + attn
             return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
@@ -414,7 +402,7 @@ class EagleDrafter(nn.Module):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=cache is not None,
-            **{_cache_kwarg(self.layer): cache},
+            **{cache_kwarg(self.layer): cache},
             position_embeddings=position_embeddings,
         )
         return out[0] if isinstance(out, tuple) else out

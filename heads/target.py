@@ -16,6 +16,7 @@ The target is always returned frozen (``requires_grad=False``) and in eval mode.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -52,6 +53,21 @@ class Target:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     name: str  # what the heads record as their base model (hub id, folder or "tiny-llama")
+
+
+def cache_kwarg(module: Any) -> str:
+    """The keyword a transformers module's ``forward`` takes its KV cache by: ``cache`` (transformers >= 5.24, where
+    ``past_key_values`` is deprecated and goes in 5.40) or ``past_key_values`` (earlier 5.x, which would silently
+    ignore ``cache``). A peft wrapper is asked about the model it wraps (it passes the keyword on)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    kind = type(base)
+    if kind not in _CACHE_KWARG:
+        params = inspect.signature(kind.forward).parameters
+        _CACHE_KWARG[kind] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[kind]
+
+
+_CACHE_KWARG: dict[type, str] = {}
 
 
 def cache_dir() -> Path:

@@ -47,7 +47,7 @@ def test_commit_rejects_unsorted_paths():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_commit_equals_fresh_forward(attn):
-    from heads.target import build_tiny
+    from heads.target import build_tiny, cache_kwarg
 
     model, _ = build_tiny("llama", attn_implementation=attn)
     g = torch.Generator().manual_seed(0)
@@ -56,7 +56,7 @@ def test_commit_equals_fresh_forward(attn):
     tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g)
     with torch.no_grad():
         cache = new_cache()
-        model(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+        model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
         state = DecodeState(cache=cache, prompt_ids=prompt, length=9, next_token=int(tokens[0]), hidden=torch.empty(0))
         tree_forward(model, state, Draft(tokens=tokens, tree=tree))
         assert layer_lengths(cache) == [9 + tree.num_nodes] * 4
@@ -65,7 +65,7 @@ def test_commit_equals_fresh_forward(attn):
         assert path != list(range(len(path)))
         commit_kv(cache, 9, path)
         fresh = new_cache()
-        model(input_ids=torch.cat([prompt, tokens[path]])[None], past_key_values=fresh, use_cache=True)
+        model(input_ids=torch.cat([prompt, tokens[path]])[None], use_cache=True, **{cache_kwarg(model): fresh})
     assert layer_lengths(cache) == [9 + len(path)] * 4
     for mine, ref in zip(cache.layers, fresh.layers):
         assert torch.allclose(mine.keys, ref.keys, atol=1e-5) and torch.allclose(mine.values, ref.values, atol=1e-5)

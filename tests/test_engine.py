@@ -32,7 +32,7 @@ from decode.cache import new_cache
 from decode.tree import Tree, TreeError, load_tree
 from decode.verify import Sampling, Verdict, target_probs
 from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import build_tiny
+from heads.target import build_tiny, cache_kwarg
 
 NUM_PROMPTS = 20
 MAX_NEW = 20
@@ -228,7 +228,7 @@ class CacheCheck(DrafterBase):
         assert len(committed) == state.length
         fresh = new_cache()
         with torch.no_grad():
-            ref = self.model(input_ids=committed[None], past_key_values=fresh, use_cache=True,
+            ref = self.model(input_ids=committed[None], **{cache_kwarg(self.model): fresh}, use_cache=True,
                              output_hidden_states=True)
         for mine, theirs in zip(state.cache.layers, fresh.layers):
             assert mine.keys.shape[-2] == mine.values.shape[-2] == state.length
@@ -262,7 +262,7 @@ def test_every_tree_node_gets_the_logits_of_its_own_branch(attn):
     tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g)
     with torch.no_grad():
         cache = new_cache()
-        model(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+        model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
         state = DecodeState(cache=cache, prompt_ids=prompt, length=7, next_token=int(tokens[0]), hidden=torch.empty(0))
         out = tree_forward(model, state, Draft(tokens=tokens, tree=tree))
         for leaf_path in tree.leaf_paths:

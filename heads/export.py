@@ -238,9 +238,11 @@ def export_heads(
     fmt: str = "auto",
     include_embeddings: bool = True,
     dtype: torch.dtype | None = None,
+    repo: str | None = None,
 ) -> tuple[Path, str]:
     """Export the heads folder ``heads_path`` (trained for ``target``, a ``heads.target.Target`` or HF model) into
-    ``out_dir`` in format ``fmt``; returns (the folder, the format used). Heads of another target are refused."""
+    ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
+    commands); returns (the folder, the format used). Heads of another target are refused."""
     from heads.io import _unwrap_target, load_heads, read_heads_config
 
     heads_path = Path(heads_path)
@@ -248,7 +250,12 @@ def export_heads(
     fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
     if fmt == "selfspec":
         load_heads(heads_path, target=target)  # checks the folder is whole and trained for this target
-        return _write(out_dir, lambda tmp: shutil.copytree(heads_path, tmp, dirs_exist_ok=True)), fmt
+
+        def copy(tmp: Path) -> None:
+            shutil.copytree(heads_path, tmp, dirs_exist_ok=True)
+            (tmp / "README.md").write_text(model_card(meta, fmt, repo))
+
+        return _write(out_dir, copy), fmt
     if meta.get("adapter"):
         raise ExportError(
             "These are Medusa-2 heads: they fit the LoRA-adapted target, not the base model a server would load. "
@@ -279,8 +286,45 @@ def export_heads(
 
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(meta, fmt, repo))
 
     return _write(out_dir, write), fmt
+
+
+def model_card(meta: dict, fmt: str, repo: str | None = None) -> str:
+    """A README.md for the exported folder (the Hub shows it): what the heads are, for which target, how they were
+    trained and evaluated, and how to serve them."""
+    base = meta.get("base_model") or "the target model"
+    where = repo or "<this folder or Hub repo>"
+    depth = int((meta.get("tree") or {}).get("depth") or 3)
+    serve = {
+        "vllm": f"""vllm serve {base} --speculative-config '{{"method": "medusa", "model": "{where}", "num_speculative_tokens": {meta.get("num_heads") or 4}}}'""",
+        "eagle3": f"""vllm serve {base} --speculative-config '{{"method": "eagle3", "model": "{where}", "num_speculative_tokens": {depth}}}'
+python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\
+    --speculative-draft-model-path {where} --speculative-num-steps {depth}""",
+        "speculators": f"""vllm serve {where}""",
+        "selfspec": f'python decode/run.py heads={where} prompt="Write a haiku about the sea."',
+    }[fmt]
+    lines = [
+        "---",
+        "tags: [speculative-decoding, selfspec, " + ("medusa" if meta["head_type"] == "medusa" else "eagle") + "]",
+        f"base_model: {base}" if meta.get("base_model") else None,
+        "---",
+        "",
+        f"# {meta['head_type']} drafter for {base}",
+        "",
+        f"Trained with selfspec on the frozen target `{base}` and exported as `{fmt}`. Drafts are verified by the "
+        "target, so its output does not change.",
+        "",
+        "```bash",
+        serve,
+        "```",
+        "",
+    ]
+    facts = {k: meta[k] for k in ("steps", "data", "eval", "draft_vocab_coverage") if meta.get(k) is not None}
+    if facts:
+        lines += ["## Training", "", "```json", json.dumps(facts, indent=2, default=str), "```", ""]
+    return "\n".join(line for line in lines if line is not None)
 
 
 def _write(out_dir: str | os.PathLike, fill) -> Path:

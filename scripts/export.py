@@ -44,12 +44,13 @@ def run_export(cfg) -> dict:
 
     fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
     out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
+    repo = str(cfg.push_to_hub) if cfg.get("push_to_hub") else None
     folder, fmt = export_heads(heads_path, out, target, fmt=fmt, include_embeddings=bool(cfg.include_embeddings),
-                               dtype=dtype)
+                               dtype=dtype, repo=repo)
     print(f"[selfspec] exported {meta['head_type']} heads as {fmt}: {folder}")
     url = None
-    if cfg.get("push_to_hub"):
-        url = push_to_hub(folder, str(cfg.push_to_hub), private=bool(cfg.private))
+    if repo:
+        url = push_to_hub(folder, repo, private=bool(cfg.private))
         print(f"[selfspec] pushed to {url}")
     return {"out": str(folder), "format": fmt, "url": url}
 

@@ -137,6 +137,8 @@ def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
         assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
         assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 100
         layer_cfg, prefix = config["transformer_layer_config"], "layers.0."
+    card = (folder / "README.md").read_text()  # a model card naming the format and how to serve it
+    assert f"exported as `{fmt}`" in card and ("vllm serve" in card)
     assert w["fc.weight"].shape == (64, 192) and w[prefix + "self_attn.q_proj.weight"].shape[1] == 128
     assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 100
 
@@ -242,6 +244,8 @@ def test_export_script_writes_beside_the_heads(tmp_path):
         cfg = compose("export", [f"heads_path={tmp_path / 'heads'}"])
     result = run_export(cfg)
     assert result == {"out": str(tmp_path / "heads-vllm"), "format": "vllm", "url": None}
+    card = (tmp_path / "heads-vllm" / "README.md").read_text()
+    assert "base_model: tiny-llama" in card and '"method": "medusa"' in card
     config, w = read_export(tmp_path / "heads-vllm")
     assert config["num_heads"] == 2 and torch.equal(w["lm_heads.1.weight"], heads.lm_heads[1].weight)
 

@@ -33,8 +33,8 @@ embedding and the feature into it (``EagleConfig.layout``):
     residual stream is the feature itself: ``h = feature + attn(...)``, ``out = h + mlp(post_attention_layernorm(h))``
     (the layer's own input norm is dropped: ``embed_norm`` and ``feature_norm`` take its place). Weights map one to
     one onto those implementations' checkpoints (:mod:`heads.export`). Not the default: with the same steps it has
-    learned more slowly than ``fc`` in our small runs (tests/test_eagle.py trains it longer to reach the same kind of
-    acceptance), so it is the layout to choose when the heads must be served by SGLang or vLLM.
+    learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/benchmarks.md; the tests' tiny
+    models likewise), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
 Used, not owned: the target's token embedding, its rotary embedding and (``eagle``) its LM head are reached through
 a reference kept out of ``state_dict()`` and ``parameters()``.

@@ -243,9 +243,9 @@ def export_heads(
     """Export the heads folder ``heads_path`` (trained for ``target``, a ``heads.target.Target`` or HF model) into
     ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
     commands); returns (the folder, the format used). Heads of another target are refused."""
-    from heads.io import _unwrap_target, load_heads, read_heads_config
+    from heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
 
-    heads_path = Path(heads_path)
+    heads_path = heads_dir(heads_path)
     meta = read_heads_config(heads_path)
     fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
     if fmt == "selfspec":

@@ -201,9 +201,18 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def read_heads_config(path: str | os.PathLike) -> dict[str, Any]:
-    """config.json of a heads folder, with clear errors for a missing or broken folder."""
+def heads_dir(path: str | os.PathLike) -> Path:
+    """The heads folder ``path`` names: itself, or the ``heads/`` folder of a training run's folder
+    (``outputs/<run_name>`` for ``outputs/<run_name>/heads``)."""
     path = Path(path)
+    if not (path / CONFIG_NAME).is_file() and (path / "heads" / CONFIG_NAME).is_file():
+        return path / "heads"
+    return path
+
+
+def read_heads_config(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a heads folder (or of a run folder's heads/), with clear errors for a missing or broken one."""
+    path = heads_dir(path)
     if not path.is_dir():
         raise HeadsLoadError(
             f"No heads folder at {path}. Give the folder a training run wrote (outputs/<run_name>/heads)."
@@ -236,7 +245,7 @@ def load_heads(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(path)
+    path = heads_dir(path)
     config = read_heads_config(path)
     model, _ = _unwrap_target(target)
     if model is not None:
@@ -301,6 +310,7 @@ __all__ = [
     "TargetMismatchError",
     "apply_adapter",
     "head_builder",
+    "heads_dir",
     "load_heads",
     "read_heads_config",
     "register_head_type",

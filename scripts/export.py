@@ -31,10 +31,10 @@ def run_export(cfg) -> dict:
 
     from decode.pipeline import resolve_target_config
     from heads.export import export_heads, push_to_hub
-    from heads.io import read_heads_config
+    from heads.io import heads_dir, read_heads_config
     from heads.target import load_target
 
-    heads_path = Path(str(cfg.heads_path))
+    heads_path = heads_dir(str(cfg.heads_path))
     meta = read_heads_config(heads_path)
     model_cfg = resolve_target_config({"model": cfg.get("model"), "device": cfg.get("device")}, meta)
     target = load_target(model_cfg)

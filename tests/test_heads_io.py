@@ -45,6 +45,10 @@ def test_round_trip_gives_the_same_heads_and_records_the_target(tmp_path, tiny_l
     hidden = torch.randn(2, 5, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded.module(hidden), module(hidden), rtol=0, atol=0)
+    # A training run's folder stands for its heads/ folder (outputs/<run_name> for outputs/<run_name>/heads).
+    from_run = heads.load(tmp_path, model)
+    assert from_run.path == path
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in from_run.module.state_dict().items())
     # Without a target: same weights (a shared LM head is attached later).
     bare = heads.load(path)
     assert bare.target is None

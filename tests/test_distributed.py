@@ -10,6 +10,7 @@ Run as a script by torchrun, this file is the worker: ``test_distributed.py <run
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ["trainer.max_steps=4", "trainer.gradient_accumulation_steps=2", "trainer.save_every=2"]
+LAUNCH_TIMEOUT = 300
+WORKER_TIMEOUT = 240  # a rank still running by then prints every thread's stack and exits, so a hang says where
 
 
 def _free_port() -> int:
@@ -29,10 +32,22 @@ def _free_port() -> int:
 
 
 def _launch(run_dir: Path, launcher: list[str], *overrides: str) -> subprocess.CompletedProcess:
+    # DeepSpeed compiles its CPU communication op on first use; a folder of our own keeps a lock left by some other
+    # killed run from blocking the build.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1",
-               SELFSPEC_DATA_CACHE=str(run_dir.parent / "data-cache"), ACCELERATE_DISABLE_RICH="1")
+               SELFSPEC_DATA_CACHE=str(run_dir.parent / "data-cache"), ACCELERATE_DISABLE_RICH="1",
+               TORCH_EXTENSIONS_DIR=str(run_dir.parent / "torch-extensions"))
     cmd = launcher + [__file__, str(run_dir), *overrides]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    # Its own session, so a hung launch is killed with all its ranks rather than leaving them behind.
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])} ... did not finish in {LAUNCH_TIMEOUT} s\n{out[-3000:]}\n{err[-8000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _compare(one: Path, two: Path) -> None:
@@ -93,6 +108,9 @@ def test_two_deepspeed_zero2_processes_train_the_same_heads_as_one(one_process_r
 
 
 def _worker(run_dir: str, *overrides: str) -> None:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT, exit=True)
     from accelerate import PartialState
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 

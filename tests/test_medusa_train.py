@@ -213,6 +213,29 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
     assert [s for s, _ in list_checkpoints(tmp_path / "killed" / "checkpoints")] == [6, 8]
 
 
+def test_a_finished_run_resumed_with_more_steps_trains_on(tmp_path, capsys):
+    # A cosine schedule ends at learning rate 0: the resumed steps must use the schedule rebuilt for the new length,
+    # not the 0 the checkpoint's optimizer holds (with it, step 5 would leave every weight where it was).
+    opts = ["trainer.save_every=2", "trainer.lr_scheduler=cosine", "trainer.warmup_steps=0"]
+    data = tiny_datasets()
+    cfg = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=4")
+    train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=data)
+    after_four = heads_weights(tmp_path / "run")
+    capsys.readouterr()
+
+    with pytest.raises(ValueError, match=r"at step 4, past trainer.max_steps=3: resume with trainer.max_steps >= 4"):
+        short = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=3", "trainer.resume=true")
+        train(short, MedusaMethod(short), target=tiny_target(), datasets=data)
+
+    longer = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=5", "trainer.resume=true")
+    result = train(longer, MedusaMethod(longer), target=tiny_target(), datasets=data)
+    assert result.steps == 5 and [h["step"] for h in result.history] == [5]
+    assert "was to end at step 4, trainer.max_steps=5 now" in capsys.readouterr().err
+    after_five = heads_weights(tmp_path / "run")
+    assert any(not torch.equal(after_four[k], after_five[k]) for k in after_four)
+    assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")][-1] == 5
+
+
 def test_feature_store_trains_the_same_heads_as_online_features(tmp_path):
     data = tiny_datasets()
     common = ["trainer.max_steps=6", "heads.loss=kl", "feature_store.dtype=float32", "feature_store.teacher_topk=320",

@@ -12,7 +12,8 @@ rank; accelerate shards each global batch over the ranks. A step reads exactly `
 micro-batches per rank, so the data position is ``step * gradient_accumulation_steps`` micro-batches. A checkpoint
 stores the drafter's trainable weights, the optimizer, scheduler, RNG states of every rank and that position; a run
 resumed from it (``trainer.resume=true``, or a path) skips the consumed batches without loading them and ends with the
-same parameters as a run that was never stopped.
+same parameters as a run that was never stopped. Resuming with a larger ``trainer.max_steps`` trains on: the
+learning-rate schedule is rebuilt for the new length and goes on from the checkpoint's step.
 
 Loss normalisation. A method that defines ``count_items(batch)`` (e.g. label tokens per head) gets the global count
 over the whole step (all micro-batches, all ranks) as ``num_items`` and returns ``loss_sum / num_items``; the loop
@@ -405,6 +406,19 @@ def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = Non
             print("[selfspec] resuming with another process count or batch layout than the checkpoint's: the run "
                   "continues from the same number of optimizer steps but will not repeat the original exactly.",
                   file=sys.stderr)
+        if step > tc.max_steps:
+            raise ValueError(
+                f"{resume_from} is at step {step}, past trainer.max_steps={tc.max_steps}: resume with "
+                f"trainer.max_steps >= {step} to train on (the learning-rate schedule is rebuilt for the new length), "
+                f"or use the heads that run saved."
+            )
+        planned = state.get("max_steps")
+        if planned is not None and int(planned) != tc.max_steps:
+            lr = _schedule_at(scheduler, step)
+            if is_main:
+                print(f"[selfspec] the checkpoint's run was to end at step {planned}, trainer.max_steps={tc.max_steps} "
+                      f"now: the {tc.lr_scheduler} learning-rate schedule is rebuilt for {tc.max_steps} steps and "
+                      f"goes on from step {step} at learning rate {lr:.3g}.", file=sys.stderr)
         if is_main:
             print(f"[selfspec] resumed from {resume_from} at step {step}", file=sys.stderr)
 
@@ -566,6 +580,19 @@ def _evaluate(method, loader, target, drafter, accelerator) -> dict[str, float]:
         drafter.train(was_training)
 
 
+def _schedule_at(scheduler, step: int) -> float:
+    """Set the optimizer's learning rates to the (rebuilt) schedule's values at ``step``; the first group's.
+
+    A checkpoint restores the learning rates its own schedule had reached, which the next update would use; after
+    a change of trainer.max_steps they belong to the new schedule instead (the end of a finished cosine run is 0).
+    """
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
+    for group, base, factor in zip(inner.optimizer.param_groups, inner.base_lrs, inner.lr_lambdas):
+        group["lr"] = base * factor(step)
+    inner._last_lr = [group["lr"] for group in inner.optimizer.param_groups]
+    return inner._last_lr[0]
+
+
 def _trainer_state(step: int, tokens_seen: int, tc: TrainerConfig, world: int) -> dict[str, Any]:
     return {
         "micro_batches_per_rank": step * tc.gradient_accumulation_steps,
@@ -574,6 +601,7 @@ def _trainer_state(step: int, tokens_seen: int, tc: TrainerConfig, world: int) -
         "batch_size": tc.batch_size,
         "gradient_accumulation_steps": tc.gradient_accumulation_steps,
         "seed": tc.seed,
+        "max_steps": tc.max_steps,
     }
 
 

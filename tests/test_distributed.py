@@ -32,8 +32,7 @@ def _free_port() -> int:
 
 
 def _launch(run_dir: Path, launcher: list[str], *overrides: str) -> subprocess.CompletedProcess:
-    # DeepSpeed compiles its CPU communication op on first use; a folder of our own keeps a lock left by some other
-    # killed run from blocking the build.
+    # A folder of our own for any op DeepSpeed compiles: a lock left by some other killed build cannot block it.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]), OMP_NUM_THREADS="1",
                SELFSPEC_DATA_CACHE=str(run_dir.parent / "data-cache"), ACCELERATE_DISABLE_RICH="1",
                TORCH_EXTENSIONS_DIR=str(run_dir.parent / "torch-extensions"))
@@ -105,6 +104,8 @@ def test_two_deepspeed_zero2_processes_train_the_same_heads_as_one(one_process_r
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DEEPSPEED" in proc.stdout
     _compare(one_process_run, two)
+    # DeepSpeed's shared-memory all-reduce op (inference only) was not compiled at start-up.
+    assert not list((two.parent / "torch-extensions").glob("*/deepspeed_shm_comm*"))
 
 
 def _worker(run_dir: str, *overrides: str) -> None:

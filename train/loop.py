@@ -221,6 +221,8 @@ def make_accelerator(tc: TrainerConfig, run_dir: Path):
     multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     handlers = [InitProcessGroupKwargs(backend="gloo")] if multi_cpu and deepspeed else []
+    if multi_cpu and deepspeed:
+        _skip_deepspeed_shm_op()
     # accelerate keeps its settings in process-wide singletons: a second run in the same process (tests, benchmarks)
     # would silently inherit the first one's mixed precision and accumulation. The process group itself is kept.
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -236,6 +238,20 @@ def make_accelerator(tc: TrainerConfig, run_dir: Path):
         step_scheduler_with_optimizer=False,
         project_dir=str(run_dir),
     )
+
+
+def _skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed on CPU from building its shared-memory all-reduce op when it starts its process group.
+
+    The op serves only tensor-parallel inference (``inference_all_reduce``), which training never calls; DeepSpeed
+    nonetheless compiles it with the C++ toolchain when the process group starts (a compiler needed, seconds to
+    minutes), maps 66 MB of /dev/shm per rank, and spins until every rank's segment exists, so a rank that cannot
+    make one holds the others forever. Training all-reduces through gloo either way. DeepSpeed keeps its op table
+    in a module-level dict once probed, so marking the op as not compatible there is enough.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def write_resolved_config(cfg: Any, run_dir: Path) -> Path:

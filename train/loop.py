@@ -428,13 +428,14 @@ def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = Non
                 f"trainer.max_steps >= {step} to train on (the learning-rate schedule is rebuilt for the new length), "
                 f"or use the heads that run saved."
             )
+        # The schedule's own rate at this step: the restored one unless max_steps changed (older checkpoints do not
+        # record it).
+        lr = _schedule_at(scheduler, step)
         planned = state.get("max_steps")
-        if planned is not None and int(planned) != tc.max_steps:
-            lr = _schedule_at(scheduler, step)
-            if is_main:
-                print(f"[selfspec] the checkpoint's run was to end at step {planned}, trainer.max_steps={tc.max_steps} "
-                      f"now: the {tc.lr_scheduler} learning-rate schedule is rebuilt for {tc.max_steps} steps and "
-                      f"goes on from step {step} at learning rate {lr:.3g}.", file=sys.stderr)
+        if planned is not None and int(planned) != tc.max_steps and is_main:
+            print(f"[selfspec] the checkpoint's run was to end at step {planned}, trainer.max_steps={tc.max_steps} "
+                  f"now: the {tc.lr_scheduler} learning-rate schedule is rebuilt for {tc.max_steps} steps and "
+                  f"goes on from step {step} at learning rate {lr:.3g}.", file=sys.stderr)
         if is_main:
             print(f"[selfspec] resumed from {resume_from} at step {step}", file=sys.stderr)
 
@@ -600,7 +601,8 @@ def _schedule_at(scheduler, step: int) -> float:
     """Set the optimizer's learning rates to the (rebuilt) schedule's values at ``step``; the first group's.
 
     A checkpoint restores the learning rates its own schedule had reached, which the next update would use; after
-    a change of trainer.max_steps they belong to the new schedule instead (the end of a finished cosine run is 0).
+    a change of trainer.max_steps they must be the new schedule's (the end of a finished cosine run is 0). With the
+    same schedule this sets the very values restored.
     """
     inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
     for group, base, factor in zip(inner.optimizer.param_groups, inner.base_lrs, inner.lr_lambdas):

@@ -1,0 +1,35 @@
+"""Reading configs that arrive as Hydra ``DictConfig``s, plain dicts or dataclasses: one way, used everywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MISSING = "???"  # Hydra's mark for a value with no default
+
+
+def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``cfg[key]`` of a dict, DictConfig or object; ``default`` when absent or left as ``???`` (a value set to None
+    stays None)."""
+    if cfg is None:
+        return default
+    try:
+        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    except Exception:  # omegaconf's MissingMandatoryValue when ``???`` is read from a struct config
+        return default
+    return default if isinstance(value, str) and value == MISSING else value
+
+
+def to_plain(x: Any) -> Any:
+    """A DictConfig / ListConfig as resolved plain containers; anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - hydra-core is a dependency
+        return x
+    if isinstance(x, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(x, resolve=True)
+    return x
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config group as a plain dict ({} for None)."""
+    return {} if cfg is None else dict(to_plain(cfg))

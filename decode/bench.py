@@ -15,12 +15,14 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from decode.cache import crop, new_cache
+from decode.cache import new_cache
 from decode.drafters import VanillaDrafter
-from decode.engine import Draft, DecodeState, SpeculativeDecoder, tree_forward
+from decode.engine import SpeculativeDecoder, tree_forward
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.pipeline import Session, hf_generate, prompt_ids, warm_up
 from decode.tree import Tree, load_tree
+from decode.types import DecodeState, Draft
+from heads.kv import crop_cache
 from heads.target import cache_kwarg
 
 
@@ -58,7 +60,7 @@ def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> lis
                             hidden=torch.empty(0, device=device))
         tokens = torch.zeros(n, dtype=torch.long, device=device)
         tree_forward(model, state, Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, n - 1))).to(device)))
-        crop(cache, cache_length)
+        crop_cache(cache, cache_length)
     rows = []
     for n in sizes:
         parents = shape.parents[:n].tolist() if n <= shape.num_nodes else list(range(-1, n - 1))
@@ -73,7 +75,7 @@ def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> lis
             tree_forward(model, state, Draft(tokens=tokens, tree=sub))
             _sync(device)
             times.append(time.perf_counter() - t0)
-            crop(cache, cache_length)
+            crop_cache(cache, cache_length)
         ms = 1000 * statistics.median(times)
         rows.append({"nodes": n, "ms": ms, "ms_per_node": ms / n})
     return rows

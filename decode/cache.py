@@ -46,11 +46,3 @@ def commit_kv(cache: DynamicCache, past_length: int, keep: list[int]) -> None:
             layer.values[:, :, past_length:end] = layer.values[:, :, index]
         layer.keys = layer.keys[:, :, :end]
         layer.values = layer.values[:, :, :end]
-
-
-def crop(cache: DynamicCache, length: int) -> None:
-    """Drop every cached position at or after ``length`` in every layer."""
-    for layer in cache.layers:
-        if layer.is_initialized and layer.keys is not None:
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]

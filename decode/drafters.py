@@ -2,52 +2,24 @@
 
 - :class:`MedusaDrafter`: a static tree of top-k ranks from Medusa heads at the last accepted hidden state.
 - :class:`VanillaDrafter`: no draft; the tree is the root alone, so the engine does plain autoregressive decoding.
-- EAGLE-style drafters grow a dynamic tree (``Tree.from_parents`` each step), keep their own KV cache, and follow
-  the target's commits through :meth:`Drafter.on_commit`; layer-skip drafters run the first layers of the target.
+- EAGLE-style drafters (decode/eagle_drafter.py) grow a dynamic tree (``Tree.from_parents`` each step), keep their
+  own KV cache, and follow the target's commits through :meth:`~decode.types.Drafter.on_commit`.
+
+The protocol and the types a step passes around are in decode/types.py; decode/registry.py says which drafter each
+heads folder (or a training-free name) becomes.
 
 Batch size 1.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
-from decode.engine import Draft, DecodeState, ForwardOutput
 from decode.tree import Tree, load_tree, single_node_tree
-from decode.verify import Verdict
+from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput
 from heads.medusa import MedusaHeads
-
-
-class Drafter(Protocol):
-    """What the engine calls. ``state`` is read-only to a drafter."""
-
-    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        """After the prompt's forward: ``prefill.hidden_states`` are [T, H] for every prompt position (a drafter
-        with its own KV cache fills it here); ``state.next_token`` is the first new token."""
-
-    def propose(self, state: DecodeState, max_depth: int) -> Draft:
-        """Tokens over a tree whose root (tokens[0]) is ``state.next_token``. Nodes deeper than ``max_depth`` are
-        dropped by the engine (they could not all be emitted); a drafter may use it to skip work."""
-
-    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        """After each commit: ``verdict.path`` are the accepted node ids (root first) of ``draft``, their target
-        features are ``out.hidden_states[layer][verdict.path]``, and ``state.next_token`` is the target's new token.
-        A drafter with its own cache keeps it in step here (drop rejected rows, append the accepted ones)."""
-
-
-class DrafterBase:
-    """No-op hooks; subclasses implement ``propose``."""
-
-    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        return None
-
-    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        return None
-
-    def propose(self, state: DecodeState, max_depth: int) -> Draft:
-        raise NotImplementedError
 
 
 def root_only(state: DecodeState, device: torch.device) -> Draft:
@@ -82,6 +54,9 @@ class MedusaDrafter(DrafterBase):
             raise ValueError("MedusaDrafter needs a static tree of rank paths (Tree.from_paths or a tree file).")
         self.top_k = self.tree.max_rank + 1
         self._by_depth: dict[tuple[int, str], tuple[Tree, torch.Tensor]] = {}
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        return (self.heads,)
 
     def _layout(self, max_depth: int, device: torch.device) -> tuple[Tree, torch.Tensor]:
         """The tree cut to max_depth on ``device`` and its candidate gather index [N - 1] (built once each)."""

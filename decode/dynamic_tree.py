@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from decode.tree import Tree
+from heads.kv import additive_mask
 
 
 @dataclass
@@ -168,7 +169,7 @@ class DraftTreeExpander:
             for a in cands.ancestors(u)[:-1]:
                 allowed[row, self.past_length + self.slot[a]] = True
             allowed[row, self.past_length + entries + row] = True
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)
         out = self.drafter(inputs[None], tokens[None], positions[None], mask[None, None], self.cache)[0]  # [f, H]
         for row, u in enumerate(frontier):
             self.slot[u] = entries + row

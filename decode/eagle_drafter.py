@@ -21,11 +21,12 @@ from __future__ import annotations
 import torch
 
 from decode.cache import new_cache
-from decode.drafters import DrafterBase, root_only
+from decode.drafters import root_only
 from decode.dynamic_tree import DraftTreeExpander, grow_dynamic_tree, topk_children
-from decode.engine import DecodeState, Draft, ForwardOutput
+from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
-from heads.eagle import EagleDrafter, crop_cache
+from heads.eagle import EagleDrafter
+from heads.kv import crop_cache
 
 
 class EagleTreeDrafter(DrafterBase):
@@ -44,6 +45,9 @@ class EagleTreeDrafter(DrafterBase):
         self.cache = None
         self.root_feature: torch.Tensor | None = None  # [H] predicted feature of position state.length
         self.root_children: tuple[torch.Tensor, torch.Tensor] | None = None  # top-k (log-probs, tokens) after root
+
+    def modules(self) -> tuple[torch.nn.Module, ...]:
+        return (self.drafter,)
 
     def _features(self, hidden_states, rows=None) -> torch.Tensor:
         """Target hidden states (L + 1 tensors [N, H]) -> step-0 draft features [1, n, H] (rows picked)."""
@@ -87,31 +91,3 @@ class EagleTreeDrafter(DrafterBase):
         start = state.length - len(verdict.path)  # the root's position
         crop_cache(self.cache, start)
         self._advance(self._features(out.hidden_states, path), following, start)
-
-
-# --- setup helpers for decode/pipeline.py -----------------------------------------------------------------------------
-
-EAGLE_HEAD_TYPES = ("eagle", "eagle3")
-TREE_KEYS = ("depth", "top_k", "total_tokens")
-
-
-def eagle_tree_factory(heads_config: dict | None = None, **overrides):
-    """``EagleTreeDrafter`` as a factory taking ``heads``, with the tree settings the heads were saved with
-    (``tree`` in their config.json), else the defaults; ``overrides`` win."""
-    import functools
-
-    saved = dict((heads_config or {}).get("tree") or {})
-    settings = {k: int(saved[k]) for k in TREE_KEYS if saved.get(k) is not None}
-    settings.update({k: v for k, v in overrides.items() if v is not None})
-    return functools.partial(EagleTreeDrafter, **settings)
-
-
-def random_eagle_heads(model: torch.nn.Module, variant: str = "eagle", seed: int = 0) -> EagleDrafter:
-    """Untrained EAGLE heads for ``model`` (dry runs: their drafts are rarely accepted)."""
-    from heads.eagle import EagleConfig
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        heads = EagleDrafter(EagleConfig.from_target(model, variant=variant), model)
-    param = next(model.parameters())
-    return heads.to(device=param.device, dtype=param.dtype).eval()

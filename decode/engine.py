@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -32,58 +32,16 @@ from transformers import DynamicCache
 from decode.cache import commit_kv, new_cache
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
+from decode.types import DecodeState, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
+from heads.errors import SelfspecError
 from heads.target import cache_kwarg
-
-if TYPE_CHECKING:
-    from decode.drafters import Drafter
 
 TREE_MASK_ATTENTION = ("sdpa", "eager")
 
 
-class TreeAttentionError(RuntimeError):
+class TreeAttentionError(SelfspecError, RuntimeError):
     """The target cannot run a tree-masked forward (no 4D attention mask or no explicit position ids)."""
-
-
-@dataclass
-class ForwardOutput:
-    """What a target forward gives the verifier and the drafter (batch dimension dropped)."""
-
-    logits: torch.Tensor  # [N, V] (prefill: [1, V], the last prompt position only)
-    hidden_states: tuple[torch.Tensor, ...]  # num_layers + 1 tensors [N, H]; [-1] is after the final norm
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        """[N, H] the last layer's output after the final norm: the input of the LM head."""
-        return self.hidden_states[-1]
-
-
-@dataclass
-class Draft:
-    """A drafter's proposal: tokens laid out on a tree."""
-
-    tokens: torch.Tensor  # [N] long on the target's device; tokens[0] is the root == state.next_token
-    tree: Tree  # on the same device
-    probs: torch.Tensor | None = None  # [N, V] distribution node i's token was drafted from; None: deterministic
-
-
-@dataclass
-class DecodeState:
-    """Where decoding stands between steps."""
-
-    cache: DynamicCache  # `length` positions in every layer
-    prompt_ids: torch.Tensor  # [T] long
-    length: int  # positions in the cache: the prompt + every emitted token except the last
-    next_token: int  # the last emitted token, not yet in the cache: the root of the next tree
-    hidden: torch.Tensor  # [H] last-layer hidden state at position length - 1 (the one that chose next_token)
-    new_tokens: list[int] = field(default_factory=list)  # emitted tokens, next_token last
-    steps: int = 0  # target forwards after the prefill
-    done: bool = False
-    finish_reason: str | None = None  # eos | length | stop | context
-
-    @property
-    def prompt_length(self) -> int:
-        return int(self.prompt_ids.shape[0])
 
 
 @dataclass
@@ -324,7 +282,7 @@ class SpeculativeDecoder:
     """Decode with a drafter and one tree-verify forward of the target per step. Batch size 1.
 
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
-    :class:`decode.drafters.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
+    :class:`decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
     ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
     ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs.
@@ -333,7 +291,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         model: torch.nn.Module,
-        drafter: "Drafter",
+        drafter: Drafter,
         eos_token_ids: Sequence[int] | None = None,
         decode: Callable[[list[int]], str] | None = None,
         linear_kernel: str = "auto",
@@ -376,8 +334,7 @@ class SpeculativeDecoder:
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> DecodeResult:
         """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted."""
-        drafter_modules = [m for m in vars(self.drafter).values() if isinstance(m, torch.nn.Module)]
-        with small_batch_linears(self.model, *drafter_modules, enabled=self.small_batch):
+        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) -> DecodeResult:

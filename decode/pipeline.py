@@ -2,14 +2,13 @@
 and ``scripts/bench_decode.py``. Batch size 1.
 
 - :func:`load_session`: the target (from ``model=`` or from the heads' own record), the heads (a trained folder, or
-  ``random``: untrained Medusa heads), the drafter (``_target_`` of the ``decode`` group), the engine, the sampling.
+  ``random``: untrained heads), the drafter (its entry in decode/registry.py), the engine, the sampling.
 - :func:`answer_question`: every turn of an MT-bench style question, carrying the conversation between turns.
 - :func:`hf_generate`: Hugging Face ``generate`` on the same prompt ids, for a speedup measured in the same run.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import time
@@ -19,40 +18,17 @@ from typing import Any, Callable, TextIO
 
 import torch
 
+from decode import registry
 from decode.engine import DecodeResult, SpeculativeDecoder
 from decode.kernels import KERNELS
+from decode.registry import DrafterEntry
+from decode.types import DecodeSetupError
 from decode.verify import Sampling
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.config import cfg_get, to_dict, to_plain
 from heads.target import SMOLLM2_ID, Target, load_target
 
 
-class DecodeSetupError(ValueError):
-    """The decode config asks for something that cannot be run; the message says what to change."""
-
-
-def alias_heads_override(args: list[str]) -> list[str]:
-    """Command-line overrides with ``heads=PATH`` spelled as the config key ``heads_path=PATH``.
-
-    conf/heads/ is the config group training composes, so Hydra would read ``heads=PATH`` as a choice from it; decoding
-    has no use for that group, and ``heads=`` is the natural way to name the heads to decode with.
-    """
-    return ["heads_path=" + a[len("heads="):] if a.startswith("heads=") else a for a in args]
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value == "???" else value
-
-
-def _plain(x: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(x, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:
-        pass
-    return x
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 # --- setup ----------------------------------------------------------------------------------------------------------
@@ -76,31 +52,29 @@ def target_config_from_heads(heads_config: dict) -> dict:
     return {"source": "hub", "name_or_path": name}
 
 
+def model_config(model: Any) -> dict:
+    """``model=``: a config dict, a name in conf/model/ (smollm2, tiny, ...), or a hub id / local folder."""
+    if not isinstance(model, str):
+        return to_dict(model)
+    named = MODEL_CONFIGS / f"{model}.yaml"
+    if "/" not in model and named.is_file():
+        from omegaconf import OmegaConf
+
+        return to_dict(OmegaConf.load(named))
+    return {"source": "hub", "name_or_path": model}
+
+
 def resolve_target_config(cfg: Any, heads_config: dict | None) -> dict:
     """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2."""
-    model_cfg = _plain(_get(cfg, "model"))
-    if model_cfg is None:
+    model = to_plain(cfg_get(cfg, "model"))
+    if model is not None:
+        model_cfg = model_config(model)
+    else:
         model_cfg = target_config_from_heads(heads_config) if heads_config else {"source": "smollm2"}
-    model_cfg = dict(model_cfg)
     for key in ("device", "dtype"):
-        if _get(cfg, key) is not None:
-            model_cfg[key] = _get(cfg, key)
+        if cfg_get(cfg, key) is not None:
+            model_cfg[key] = cfg_get(cfg, key)
     return model_cfg
-
-
-def random_medusa_heads(model: torch.nn.Module, num_heads: int = 4, seed: int = 0) -> MedusaHeads:
-    """Untrained Medusa heads for ``model`` as training starts them (blocks zero, LM heads copied from the target's),
-    with the blocks jittered by ``seed`` so that heads differ. For dry runs; their drafts are rarely accepted."""
-    config = model.config.get_text_config(decoder=True)
-    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads),
-                        model.get_output_embeddings())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for block in heads.blocks:
-            for p in block.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    param = next(model.parameters())
-    return heads.to(device=param.device, dtype=param.dtype).eval()
 
 
 @dataclass
@@ -108,85 +82,73 @@ class Session:
     target: Target  # the model to decode with (a Medusa-2 adapter already merged in)
     decoder: SpeculativeDecoder
     sampling: Sampling
+    drafter: str = "vanilla"  # the registry entry the drafter came from
+    draft_settings: dict = field(default_factory=dict)  # its settings (defaults < saved with the heads < draft.*)
     heads: torch.nn.Module | None = None
     heads_config: dict | None = None
     settings: dict = field(default_factory=dict)  # max_new_tokens, stop, seed, chat, system_prompt
 
 
-def drafter_factory(drafter_cfg: Any) -> tuple[Callable[..., Any], set[str]]:
-    """The ``drafter`` config (a ``_partial_`` ``_target_``) as a factory, and the run-time objects it takes
-    (``heads``, ``target``) by the names in its signature."""
-    from hydra.utils import instantiate
+def choose_drafter(name: str | None, heads: str | None, heads_config: dict | None) -> DrafterEntry:
+    """The registry entry for ``drafter=`` and ``heads=``: by default the family the heads were trained as."""
+    if name is None:
+        name = heads_config["head_type"] if heads_config else ("medusa" if heads == "random" else "vanilla")
+    chosen = registry.entry(str(name))
+    if heads_config and chosen.needs_heads and chosen.name != heads_config["head_type"]:
+        raise DecodeSetupError(
+            f"{heads} holds {heads_config['head_type']!r} heads; drafter={chosen.name} drafts with {chosen.name} "
+            f"heads. Leave drafter unset to use the heads' own drafter."
+        )
+    if chosen.needs_heads and heads is None:
+        raise DecodeSetupError(f"The {chosen.name} drafter needs heads: give heads=FOLDER (or heads=random).")
+    return chosen
 
-    factory = instantiate(drafter_cfg)
-    func = getattr(factory, "func", factory)
-    return factory, {"heads", "target"} & set(inspect.signature(func).parameters)
+
+def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: dict | None, target: Target,
+                       random_options: dict) -> tuple[Target, torch.nn.Module | None]:
+    """The heads module the drafter runs (loaded and checked against the target, or random), and the target to
+    decode with (a Medusa-2 adapter merged in)."""
+    if not chosen.needs_heads:
+        return target, None
+    if heads_config is None:
+        return target, chosen.random_heads(target.model, **random_options)
+    from heads.io import load_heads
+
+    loaded = load_heads(heads, target=target)  # refuses heads trained for another target
+    return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
 def load_session(cfg: Any) -> Session:
-    """Everything decode/run.py needs, from a composed ``conf/decode.yaml``."""
-    from decode.drafters import MedusaDrafter
-    from decode.eagle_drafter import EAGLE_HEAD_TYPES, EagleTreeDrafter, eagle_tree_factory, random_eagle_heads
-
-    drafter_cfg = _get(cfg, "drafter")
-    if drafter_cfg is None:
-        raise DecodeSetupError("No drafter in the config: compose conf/decode.yaml with decode=tree|chain|vanilla.")
-    factory, needs = drafter_factory(drafter_cfg)
-    heads_path = _get(cfg, "heads_path", "random")
-    heads_path = None if heads_path in (None, "none", "null") else str(heads_path)
-
+    """Everything decode/run.py needs, from a composed ``conf/decode/decode.yaml``."""
+    heads = cfg_get(cfg, "heads", "random")
+    heads = None if heads in (None, "none", "null") else str(heads)
     heads_config = None
-    if heads_path not in (None, "random"):
+    if heads not in (None, "random"):
         from heads.io import read_heads_config
 
-        heads_config = read_heads_config(heads_path)
+        heads_config = read_heads_config(heads)
+    chosen = choose_drafter(cfg_get(cfg, "drafter"), heads, heads_config)
+    draft_settings = chosen.settings(heads_config, to_dict(cfg_get(cfg, "draft")))
     target = load_target(resolve_target_config(cfg, heads_config))
-    heads = None
-    if heads_config is not None:
-        from heads.io import load_heads
-
-        loaded = load_heads(heads_path, target=target)  # refuses heads trained for another target
-        target = Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name)
-        heads = loaded.module
-        head_type = heads_config["head_type"]
-        func = getattr(factory, "func", None)
-        if func is EagleTreeDrafter and head_type not in EAGLE_HEAD_TYPES:
-            raise DecodeSetupError(f"{heads_path} holds {head_type!r} heads; decode=eagle drafts with EAGLE heads.")
-        if "heads" in needs and func is MedusaDrafter and head_type in EAGLE_HEAD_TYPES:
-            # EAGLE heads draft dynamic trees: their saved settings, unless eagle_tree.* overrides them
-            factory = eagle_tree_factory(heads_config, **(_plain(_get(cfg, "eagle_tree")) or {}))
-        elif "heads" in needs and func is MedusaDrafter and head_type != "medusa":
-            raise DecodeSetupError(
-                f"{heads_path} holds {heads_config['head_type']!r} heads; decode=tree|chain drafts with Medusa heads."
-            )
-    elif "heads" in needs:
-        if heads_path is None:
-            raise DecodeSetupError("This drafter needs heads: give heads_path=FOLDER (or heads_path=random).")
-        rh = _get(cfg, "random_heads", {}) or {}
-        if getattr(factory, "func", None) is EagleTreeDrafter:
-            heads = random_eagle_heads(target.model, seed=int(_get(rh, "seed", 0)))
-        else:
-            heads = random_medusa_heads(target.model, int(_get(rh, "num_heads", 4)), int(_get(rh, "seed", 0)))
-
-    objects = {"heads": heads, "target": target.model}
-    drafter = factory(**{name: objects[name] for name in needs})
+    target, module = load_drafter_heads(chosen, heads, heads_config, target, to_dict(cfg_get(cfg, "random_heads")))
+    drafter = chosen.build(module, target.model, draft_settings)
     sampling = Sampling(
-        acceptance=str(_get(cfg, "acceptance", "greedy")), temperature=float(_get(cfg, "temperature", 1.0)),
-        top_k=int(_get(cfg, "top_k", 0)), top_p=float(_get(cfg, "top_p", 1.0)),
+        acceptance=str(cfg_get(cfg, "acceptance", "greedy")), temperature=float(cfg_get(cfg, "temperature", 1.0)),
+        top_k=int(cfg_get(cfg, "top_k", 0)), top_p=float(cfg_get(cfg, "top_p", 1.0)),
     )
-    kernel = str(_get(cfg, "linear_kernel", "auto"))
+    kernel = str(cfg_get(cfg, "linear_kernel", "auto"))
     if kernel not in KERNELS:
         raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
     decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel)
     settings = {
-        "max_new_tokens": int(_get(cfg, "max_new_tokens", 256)),
-        "stop": [str(s) for s in (_plain(_get(cfg, "stop")) or [])],
-        "seed": int(_get(cfg, "seed", 0)),
-        "chat": bool(_get(cfg, "chat", True)),
-        "system_prompt": _get(cfg, "system_prompt"),
+        "max_new_tokens": int(cfg_get(cfg, "max_new_tokens", 256)),
+        "stop": [str(s) for s in (to_plain(cfg_get(cfg, "stop")) or [])],
+        "seed": int(cfg_get(cfg, "seed", 0)),
+        "chat": bool(cfg_get(cfg, "chat", True)),
+        "system_prompt": cfg_get(cfg, "system_prompt"),
     }
-    return Session(target=target, decoder=decoder, sampling=sampling, heads=heads, heads_config=heads_config,
-                   settings=settings)
+    return Session(target=target, decoder=decoder, sampling=sampling, drafter=chosen.name,
+                   draft_settings=draft_settings, heads=module, heads_config=heads_config, settings=settings)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------------
@@ -367,10 +329,10 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     """decode/run.py's body: one streamed prompt, or every question of a prompts file written to ``out=``.
     Returns the summary (tau, tokens/s, time split, HF speedup with baseline=hf)."""
     out = out or sys.stdout
-    prompt, prompts = _get(cfg, "prompt"), _get(cfg, "prompts")
+    prompt, prompts = cfg_get(cfg, "prompt"), cfg_get(cfg, "prompts")
     if (prompt is None) == (prompts is None):
         raise DecodeSetupError('Give one of prompt="..." (one prompt) or prompts=FILE.jsonl (MT-bench form).')
-    baseline = _get(cfg, "baseline")
+    baseline = cfg_get(cfg, "baseline")
     if baseline not in (None, "hf"):
         raise DecodeSetupError(f"baseline={baseline!r}: use baseline=hf (or leave it unset).")
     session = load_session(cfg)
@@ -378,8 +340,8 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
         if baseline:
             warm_up(session, baseline=True)
         record = answer_question(session, {"question_id": None, "turns": [str(prompt)]}, baseline == "hf",
-                                 out if _get(cfg, "stream", True) else None)
-        if not _get(cfg, "stream", True):
+                                 out if cfg_get(cfg, "stream", True) else None)
+        if not cfg_get(cfg, "stream", True):
             out.write(record["answers"][0] + "\n")
         summary = summarize(record["turns"])
         out.write(format_summary(summary) + "\n")
@@ -387,8 +349,8 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
 
     from omegaconf import OmegaConf
 
-    questions = read_questions(prompts, _get(cfg, "max_questions"))
-    answers_path = Path(str(_get(cfg, "out")))
+    questions = read_questions(prompts, cfg_get(cfg, "max_questions"))
+    answers_path = Path(str(cfg_get(cfg, "out")))
     answers_path.parent.mkdir(parents=True, exist_ok=True)
     if not isinstance(cfg, dict):
         OmegaConf.save(cfg, answers_path.parent / "config.yaml", resolve=True)
@@ -397,7 +359,7 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     with open(answers_path, "w") as f:
         for q in questions:
             out.write(f"\n=== question {q.get('question_id')} ({q.get('category')}) ===\n")
-            record = answer_question(session, q, baseline == "hf", out if _get(cfg, "stream", True) else None)
+            record = answer_question(session, q, baseline == "hf", out if cfg_get(cfg, "stream", True) else None)
             record["summary"] = summarize(record["turns"])
             f.write(json.dumps(record) + "\n")
             f.flush()

@@ -3,18 +3,22 @@ steps, tau (mean tokens per target forward, the target's own token included), to
 
     # one prompt; untrained (random) Medusa heads on the embedded SmolLM2-135M-Instruct: a dry run
     python decode/run.py prompt="Write a haiku about the sea."
+    # plain decoding, no drafter
+    python decode/run.py heads=null prompt="Write a haiku about the sea."
     # trained heads; the target is the one the heads record (model=NAME to name it)
-    python decode/run.py heads_path=outputs/medusa-smollm2/heads prompt="Write a haiku about the sea."
+    python decode/run.py heads=outputs/medusa-smollm2/heads prompt="Write a haiku about the sea."
     # MT-bench questions (both turns, the conversation carried over); answers + stats in outputs/mt/answers.jsonl
-    python decode/run.py heads_path=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \
+    python decode/run.py heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \
         max_questions=10 max_new_tokens=128 run_name=mt
     # baselines in the same run: plain decoding in the same engine, or HF generate on the same prompts (speedup)
-    python decode/run.py heads_path=... prompts=... decode=vanilla
-    python decode/run.py heads_path=... prompts=... baseline=hf
+    python decode/run.py heads=... prompts=... drafter=vanilla
+    python decode/run.py heads=... prompts=... baseline=hf
     # options
-    python decode/run.py ... decode=chain tree=small_16 acceptance=sample temperature=0.7 top_p=0.9 seed=1 \
+    python decode/run.py ... draft.tree=small_16 acceptance=sample temperature=0.7 top_p=0.9 seed=1 \
         stop='["\n\n"]' device=cuda dtype=bfloat16
 
+The drafter is the one the heads were trained as (decode/registry.py); draft.* overrides the settings saved with
+them (Medusa: draft.tree=small_16 | chain | chain-K; EAGLE: draft.depth, draft.top_k, draft.total_tokens).
 acceptance=greedy and acceptance=sample keep the target's output (greedy: the same tokens; sample: the same
 distribution); acceptance=typical is Medusa's typical acceptance and changes it (faster, lossy).
 """
@@ -31,14 +35,15 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "decode":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from decode.pipeline import alias_heads_override, run  # noqa: E402
+from decode.pipeline import run  # noqa: E402
+from heads.errors import reported_errors  # noqa: E402
 
 
-@hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
+@hydra.main(config_path="../conf/decode", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    with reported_errors():
+        run(cfg)
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = alias_heads_override(sys.argv[1:])
     main()

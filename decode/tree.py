@@ -22,10 +22,13 @@ from typing import Sequence
 
 import torch
 
+from heads.errors import SelfspecError
+from heads.kv import additive_mask
+
 TREES_DIR = Path(__file__).resolve().parents[1] / "conf" / "trees"
 
 
-class TreeError(ValueError):
+class TreeError(SelfspecError, ValueError):
     """A tree is malformed or does not fit the drafter; the message says what to change."""
 
 
@@ -237,9 +240,9 @@ def tree_attention_mask(tree: Tree, past_length: int, dtype: torch.dtype) -> tor
     wrongly, while an additive mask gives the same logits under eager and sdpa.
     """
     n = tree.num_nodes
-    mask = torch.zeros(n, past_length + n, dtype=dtype, device=tree.device)  # [N, past + N]
-    mask[:, past_length:].masked_fill_(~tree.ancestor_mask, torch.finfo(dtype).min)
-    return mask[None, None]
+    allowed = torch.ones(n, past_length + n, dtype=torch.bool, device=tree.device)  # [N, past + N]
+    allowed[:, past_length:] = tree.ancestor_mask
+    return additive_mask(allowed, dtype)[None, None]
 
 
 def tree_position_ids(tree: Tree, past_length: int) -> torch.Tensor:

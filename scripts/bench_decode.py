@@ -1,7 +1,7 @@
 """Benchmark decoding: the verify cost curve, then tree decoding (one or more heads) vs plain decoding vs HF generate
 on MT-bench prompts.
 
-Takes the overrides of conf/decode.yaml (heads_path, model, tree, decode, device, dtype, max_new_tokens, acceptance,
+Takes the overrides of conf/decode/decode.yaml (heads, model, drafter, draft.*, device, dtype, max_new_tokens, acceptance,
 ...) plus a few flags of its own. Uses the first turn of each question.
 
     # quick check on CPU (2 questions, short answers)
@@ -30,16 +30,20 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from decode.bench import compare_on_prompts, format_comparison, format_cost_curve, verify_cost_curve  # noqa: E402
-from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, read_questions  # noqa: E402
+from decode.pipeline import DecodeSetupError, load_session, read_questions  # noqa: E402
+from heads.errors import reported_errors  # noqa: E402
 from heads.target import check_fingerprint  # noqa: E402
 
 
-def tree_name(session, cfg) -> str:
-    """The tree the session drafts: depth:top_k:total_tokens for EAGLE's dynamic trees, else the static tree's name."""
-    drafter = session.decoder.drafter
-    if all(hasattr(drafter, k) for k in ("depth", "top_k", "total_tokens")):
-        return f"{drafter.depth}:{drafter.top_k}:{drafter.total_tokens}"
-    return str(cfg.tree)
+def tree_name(session) -> str:
+    """The session's drafter and its settings, e.g. ``medusa tree=mc_sim_7b_63``."""
+    settings = " ".join(f"{k}={v}" for k, v in session.draft_settings.items())
+    return f"{session.drafter} {settings}".strip()
+
+
+def compose_decode(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
+        return compose(config_name="decode", overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,20 +57,19 @@ def main(argv: list[str] | None = None) -> None:
                              "the heads' type), e.g. --also eagle=outputs/eagle-smollm2/heads")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="decode", overrides=alias_heads_override(overrides))
+    cfg = compose_decode(overrides)
     if not args.curve_only and not cfg.prompts:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form), or --curve-only.")
     session = load_session(cfg)
     device = next(session.target.model.parameters()).device
     print(f"target {session.target.name} on {device}, {next(session.target.model.parameters()).dtype}; "
-          f"drafter {type(session.decoder.drafter).__name__}, tree {tree_name(session, cfg)}, "
+          f"drafter {type(session.decoder.drafter).__name__}, tree {tree_name(session)}, "
           f"acceptance {cfg.acceptance}")
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats)
     print("linear layers: PyTorch's own (what HF generate runs)\n" + format_cost_curve(rows, args.cache_length))
-    report = {"target": session.target.name, "device": str(device), "heads": str(cfg.heads_path),
-              "tree": tree_name(session, cfg), "linear_kernel": str(cfg.linear_kernel), "cost_curve": rows}
+    report = {"target": session.target.name, "device": str(device), "heads": str(cfg.heads),
+              "tree": tree_name(session), "linear_kernel": str(cfg.linear_kernel), "cost_curve": rows}
     if session.decoder.small_batch:  # what the engine runs (linear_kernel=auto on a CPU)
         rows = verify_cost_curve(session.target.model, args.cache_length, sizes, args.repeats,
                                  linear_kernel="small_batch")
@@ -76,9 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         others = {}
         for spec in args.also:
             name, _, path = spec.rpartition("=")
-            with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-                other_cfg = compose(config_name="decode", overrides=alias_heads_override(overrides)
-                                    + [f"heads_path={path}"])
+            other_cfg = compose_decode(overrides + [f"heads={path}"])
             other = load_session(other_cfg)
             if other.heads_config:  # heads for another target are refused (TargetMismatchError)
                 check_fingerprint(other.heads_config["target_fingerprint"], session.target.model, f"--also {spec}")
@@ -95,4 +96,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reported_errors():
+        main()

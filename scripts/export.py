@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from decode.pipeline import alias_heads_override  # noqa: E402
+from heads.errors import reported_errors  # noqa: E402
 
 
 def run_export(cfg) -> dict:
@@ -34,7 +34,7 @@ def run_export(cfg) -> dict:
     from heads.io import heads_dir, read_heads_config
     from heads.target import load_target
 
-    heads_path = heads_dir(str(cfg.heads_path))
+    heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)
     model_cfg = resolve_target_config({"model": cfg.get("model"), "device": cfg.get("device")}, meta)
     target = load_target(model_cfg)
@@ -55,20 +55,11 @@ def run_export(cfg) -> dict:
     return {"out": str(folder), "format": fmt, "url": url}
 
 
-@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+@hydra.main(config_path="../conf/decode", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from decode.pipeline import DecodeSetupError
-    from heads.export import ExportError
-    from heads.io import HeadsLoadError
-    from heads.target import TargetLoadError, TargetMismatchError
-
-    try:
+    with reported_errors():
         run_export(cfg)
-    except (DecodeSetupError, ExportError, HeadsLoadError, TargetLoadError, TargetMismatchError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = alias_heads_override(sys.argv[1:])
     main()

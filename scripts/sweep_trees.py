@@ -10,7 +10,7 @@ on the heads and on the machine (scripts/bench_decode.py --curve-only prints the
     python scripts/sweep_trees.py heads=outputs/eagle-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \\
         max_questions=8 max_new_tokens=64 --eagle 4:4:8,5:8:16,5:8:32,6:10:60
 
-Takes the overrides of conf/decode.yaml (heads, model, device, dtype, max_new_tokens, acceptance, ...). Uses the first
+Takes the overrides of conf/decode/decode.yaml (heads, model, device, dtype, max_new_tokens, acceptance, ...). Uses the first
 turn of each question. ``--out`` also writes the figures as JSON.
 """
 
@@ -24,11 +24,10 @@ sys.path.insert(0, str(REPO))
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from decode import registry  # noqa: E402
 from decode.bench import format_sweep, sweep_drafters  # noqa: E402
-from decode.drafters import MedusaDrafter, VanillaDrafter  # noqa: E402
-from decode.eagle_drafter import EagleTreeDrafter  # noqa: E402
-from decode.pipeline import DecodeSetupError, alias_heads_override, load_session, read_questions  # noqa: E402
-from heads.eagle import EagleDrafter  # noqa: E402
+from decode.pipeline import DecodeSetupError, load_session, read_questions  # noqa: E402
+from heads.errors import reported_errors  # noqa: E402
 
 
 def parse_eagle(spec: str) -> dict:
@@ -39,22 +38,19 @@ def parse_eagle(spec: str) -> dict:
     return {"depth": depth, "top_k": top_k, "total_tokens": total}
 
 
-def build_drafters(heads, trees: list[str], eagle: list[str], vanilla: bool) -> dict:
-    drafters = {}
-    if isinstance(heads, EagleDrafter):
-        if trees:
-            raise DecodeSetupError("These are EAGLE heads: sweep dynamic trees with --eagle depth:top_k:total_tokens.")
-        for spec in eagle:
-            drafters[f"eagle {spec}"] = EagleTreeDrafter(heads, **parse_eagle(spec))
-    else:
-        if eagle:
-            raise DecodeSetupError("These are Medusa heads: sweep static trees with --trees NAME,...")
-        for tree in trees:
-            drafters[f"tree {tree}"] = MedusaDrafter(heads, tree=tree)
-    if not drafters:
+def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool) -> dict:
+    """One drafter per swept setting, each built by the session's registry entry from its settings (defaults <
+    saved with the heads < the swept value), so a setting of another family is refused by the entry."""
+    entry = registry.entry(session.drafter)
+    sweeps = [(f"tree {t}", {"tree": t}) for t in trees] + [(f"eagle {e}", parse_eagle(e)) for e in eagle]
+    if not sweeps:
         raise DecodeSetupError("Nothing to sweep: give --trees (Medusa heads) or --eagle (EAGLE heads).")
+    drafters = {}
+    for name, overrides in sweeps:
+        settings = entry.settings(session.heads_config, overrides)
+        drafters[name] = entry.build(session.heads, session.target.model, settings)
     if vanilla:
-        drafters["vanilla"] = VanillaDrafter()
+        drafters["vanilla"] = registry.entry("vanilla").build(None, session.target.model, {})
     return drafters
 
 
@@ -65,24 +61,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-vanilla", action="store_true", help="leave out plain decoding (one token per step)")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="decode", overrides=alias_heads_override(overrides))
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
+        cfg = compose(config_name="decode", overrides=overrides)
     if not cfg.prompts:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")
     session = load_session(cfg)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    drafters = build_drafters(session.heads, split(args.trees), split(args.eagle), not args.no_vanilla)
+    drafters = build_drafters(session, split(args.trees), split(args.eagle), not args.no_vanilla)
     questions = read_questions(cfg.prompts, cfg.max_questions)
-    print(f"target {session.target.name}, heads {cfg.heads_path}; {len(questions)} prompts (first turns), "
+    print(f"target {session.target.name}, heads {cfg.heads}; {len(questions)} prompts (first turns), "
           f"max_new_tokens={cfg.max_new_tokens}, acceptance {cfg.acceptance}")
     ways = sweep_drafters(session, drafters, questions)
     print(format_sweep(ways))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"heads": str(cfg.heads_path), "prompts": len(questions),
+        Path(args.out).write_text(json.dumps({"heads": str(cfg.heads), "prompts": len(questions),
                                               "max_new_tokens": cfg.max_new_tokens, "ways": ways}, indent=2) + "\n")
     return ways
 
 
 if __name__ == "__main__":
-    main()
+    with reported_errors():
+        main()

@@ -51,10 +51,15 @@ def smollm2():
     return load_target({"source": "smollm2", "device": "cpu", "dtype": "float32"})
 
 
+DECODE_CONFIGS = ("decode", "export")  # in conf/decode/, the config folder of decoding and export
+
+
 def compose(config_name: str, overrides: list[str] | None = None):
-    """Compose a real entry config from conf/ (as the entry scripts do), with overrides."""
+    """Compose a real entry config (from conf/, or conf/decode/ for decoding and export, as the entry scripts do),
+    with overrides."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    config_dir = CONF / "decode" if config_name in DECODE_CONFIGS else CONF
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return hydra_compose(config_name=config_name, overrides=overrides or [])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from decode.cache import CacheError, commit_kv, layer_lengths, new_cache
-from decode.engine import Draft, DecodeState, tree_forward
+from decode.engine import tree_forward
+from decode.types import DecodeState, Draft
 from decode.tree import load_tree
 
 

@@ -146,7 +146,8 @@ def test_draft_tree_mask_matches_plain_forward_per_branch(tiny_llama, variant):
     """Every node's draft feature under the tree mask equals the draft run plainly over that node's own branch."""
     from transformers import DynamicCache
 
-    from heads.eagle import EagleConfig, EagleDrafter, crop_cache
+    from heads.eagle import EagleConfig, EagleDrafter
+    from heads.kv import crop_cache
 
     model, _ = tiny_llama
     drafter = EagleDrafter(EagleConfig.from_target(model, variant=variant, draft_vocab_size=200), model).eval()

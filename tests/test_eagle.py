@@ -725,8 +725,8 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
 
 
 def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
-    """decode/run.py's session: EAGLE heads from a training run switch the default decode=tree to dynamic trees with
-    the saved tree settings and decode exactly the target's greedy tokens; decode=eagle refuses Medusa heads."""
+    """decode/run.py's session: EAGLE heads from a training run get the EAGLE drafter with the tree settings saved with
+    them and decode exactly the target's greedy tokens; draft.* overrides them; drafter=eagle refuses Medusa heads."""
     from conftest import compose
     from test_medusa_train import tiny_datasets, tiny_target
 
@@ -738,20 +738,20 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     cfg = eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_size=64", "trainer.max_steps=2",
                     "heads.tree.depth=3", "heads.tree.top_k=2", "heads.tree.total_tokens=4")
     train(cfg, EagleMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
-    session = load_session(compose("decode", ["max_new_tokens=8", f"heads_path={tmp_path / 'run' / 'heads'}"]))
+    session = load_session(compose("decode", ["max_new_tokens=8", f"heads={tmp_path / 'run' / 'heads'}"]))
     drafter = session.decoder.drafter
     assert isinstance(drafter, EagleTreeDrafter) and drafter.drafter.variant == "eagle3"
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (3, 2, 4)
     ids = [5, 6, 7, 8, 9]
     ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=8).tokens == ref[0, 5:].tolist()
-    # eagle_tree.* overrides the saved settings one by one
-    tuned = load_session(compose("decode", ["eagle_tree.total_tokens=6", f"heads_path={tmp_path / 'run' / 'heads'}"]))
+    # draft.* overrides the saved settings one by one
+    tuned = load_session(compose("decode", ["draft.total_tokens=6", f"heads={tmp_path / 'run' / 'heads'}"]))
     assert (tuned.decoder.drafter.depth, tuned.decoder.drafter.total_tokens) == (3, 6)
-    # decode=eagle: its own tree settings; with Medusa heads a clear error.
-    chosen = load_session(compose("decode", ["decode=eagle", "drafter.top_k=3", f"heads_path={tmp_path / 'run' / 'heads'}"]))
-    assert chosen.decoder.drafter.top_k == 3 and chosen.decoder.drafter.depth == 5
+    # drafter=eagle3 names the heads' own family: the saved settings, draft.* on top; Medusa heads: a clear error.
+    chosen = load_session(compose("decode", ["drafter=eagle3", "draft.top_k=3", f"heads={tmp_path / 'run' / 'heads'}"]))
+    assert chosen.decoder.drafter.top_k == 3 and chosen.decoder.drafter.depth == 3
     medusa = load_session(compose("decode", ["model=tiny"])).heads
     save_heads(tmp_path / "medusa", medusa, "medusa", medusa.config.to_dict(), session.target)
-    with pytest.raises(DecodeSetupError, match="decode=eagle drafts with EAGLE heads"):
-        load_session(compose("decode", ["decode=eagle", f"heads_path={tmp_path / 'medusa'}"]))
+    with pytest.raises(DecodeSetupError, match="drafter=eagle drafts with eagle heads"):
+        load_session(compose("decode", ["drafter=eagle", f"heads={tmp_path / 'medusa'}"]))

@@ -19,15 +19,10 @@ import pytest
 import torch
 
 import decode.engine as engine_module
-from decode.drafters import DrafterBase, MedusaDrafter, VanillaDrafter
-from decode.engine import (
-    Draft,
-    SpeculativeDecoder,
-    TreeAttentionError,
-    check_tree_attention,
-    tree_forward,
-    DecodeState,
-)
+from decode.drafters import MedusaDrafter, VanillaDrafter
+from decode.types import DrafterBase
+from decode.engine import SpeculativeDecoder, TreeAttentionError, check_tree_attention, tree_forward
+from decode.types import DecodeState, Draft
 from decode.cache import new_cache
 from decode.tree import Tree, TreeError, load_tree
 from decode.verify import Sampling, Verdict, target_probs
@@ -428,7 +423,7 @@ def test_targets_that_cannot_take_a_tree_mask_fail_clearly():
 
 @pytest.mark.real_model
 def test_greedy_equals_hf_on_smollm2(smollm2):
-    from decode.pipeline import random_medusa_heads
+    from decode.registry import random_medusa_heads
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
     decoder = SpeculativeDecoder(model, MedusaDrafter(random_medusa_heads(model), "small_16"))

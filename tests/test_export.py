@@ -239,9 +239,9 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     model, tokenizer = build_tiny("llama")
     heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2), model.lm_head)
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), Target(model, tokenizer, "tiny-llama"))
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(__file__).resolve().parents[1] / "conf" / "decode"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("export", [f"heads_path={tmp_path / 'heads'}"])
+        cfg = compose("export", [f"heads={tmp_path / 'heads'}"])
     result = run_export(cfg)
     assert result == {"out": str(tmp_path / "heads-vllm"), "format": "vllm", "url": None}
     card = (tmp_path / "heads-vllm" / "README.md").read_text()

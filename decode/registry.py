@@ -1,0 +1,135 @@
+"""The drafter registry: how each drafter family becomes a drafter for the engine, keyed by name.
+
+A trained family's name is the ``head_type`` its heads folder records (``heads/io.py`` rebuilds the module; this
+registry turns the module into a drafter). A training-free family (``vanilla``) needs no heads folder.
+
+Each entry says:
+
+- ``build(heads, target_model, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
+  training-free family), the target and its decode settings;
+- ``defaults``: the decode settings it takes and their defaults (the ``draft.*`` keys of conf/decode/decode.yaml);
+- ``saved_key``: where a heads folder's config.json keeps the settings training chose for it (e.g. EAGLE's ``tree``),
+  which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
+- ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
+
+A new family adds one :class:`DrafterEntry` with :func:`register` (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from decode.types import DecodeSetupError, Drafter
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    name: str
+    summary: str
+    build: Callable[[torch.nn.Module | None, torch.nn.Module, dict], Drafter]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    saved_key: str | None = None
+    random_heads: Callable[..., torch.nn.Module] | None = None
+
+    @property
+    def needs_heads(self) -> bool:
+        return self.random_heads is not None
+
+    def settings(self, heads_config: dict | None = None, overrides: dict | None = None) -> dict:
+        """The decode settings: defaults, then those saved with the heads, then the non-null ``overrides``.
+        A setting this family does not take is refused, so a typo or a setting of another family is not ignored."""
+        settings = dict(self.defaults)
+        saved = (heads_config or {}).get(self.saved_key) or {} if self.saved_key else {}
+        settings.update({k: v for k, v in saved.items() if k in settings and v is not None})
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        unknown = sorted(set(given) - set(settings))
+        if unknown:
+            takes = ", ".join(f"draft.{k}" for k in self.defaults) or "no draft.* settings"
+            raise DecodeSetupError(
+                f"draft.{unknown[0]} is not a setting of the {self.name} drafter (it takes {takes}); remove it or "
+                f"pick the drafter it belongs to."
+            )
+        settings.update(given)
+        return settings
+
+
+REGISTRY: dict[str, DrafterEntry] = {}
+
+
+def register(entry: DrafterEntry) -> DrafterEntry:
+    REGISTRY[entry.name] = entry
+    return entry
+
+
+def entry(name: str) -> DrafterEntry:
+    """The registry entry ``name``; a clear error listing the known ones otherwise."""
+    if name not in REGISTRY:
+        raise DecodeSetupError(f"Unknown drafter {name!r}; known: {', '.join(sorted(REGISTRY))}.")
+    return REGISTRY[name]
+
+
+# --- the families ---------------------------------------------------------------------------------------------------
+
+
+def _vanilla(heads, model, settings) -> Drafter:
+    from decode.drafters import VanillaDrafter
+
+    return VanillaDrafter()
+
+
+def _medusa(heads, model, settings) -> Drafter:
+    from decode.drafters import MedusaDrafter
+
+    return MedusaDrafter(heads, tree=settings["tree"])
+
+
+def _eagle(heads, model, settings) -> Drafter:
+    from decode.eagle_drafter import EagleTreeDrafter
+
+    return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
+
+
+def _on_target(heads: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    param = next(model.parameters())
+    return heads.to(device=param.device, dtype=param.dtype).eval()
+
+
+def random_medusa_heads(model: torch.nn.Module, seed: int = 0, num_heads: int = 4) -> torch.nn.Module:
+    """Untrained Medusa heads for ``model`` as training starts them (blocks zero, LM heads copied from the target's),
+    with the blocks jittered by ``seed`` so that heads differ. For dry runs; their drafts are rarely accepted."""
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    config = model.config.get_text_config(decoder=True)
+    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads),
+                        model.get_output_embeddings())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return _on_target(heads, model)
+
+
+def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_: Any) -> torch.nn.Module:
+    """Untrained EAGLE heads for ``model`` (dry runs: their drafts are rarely accepted)."""
+    from heads.eagle import EagleConfig, EagleDrafter
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = EagleDrafter(EagleConfig.from_target(model, variant=variant), model)
+    return _on_target(heads, model)
+
+
+EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48}
+
+register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
+register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
+                      defaults={"tree": "mc_sim_7b_63"}, saved_key="decode", random_heads=random_medusa_heads))
+for _variant in ("eagle", "eagle3"):
+    register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
+                          _eagle, defaults=dict(EAGLE_TREE), saved_key="tree",
+                          random_heads=functools.partial(random_eagle_heads, variant=_variant)))

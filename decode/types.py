@@ -1,0 +1,112 @@
+"""The types the engine and every drafter share: what a step reads and writes, and the Drafter protocol.
+
+The engine (decode/engine.py) and the drafters (decode/drafters.py, decode/eagle_drafter.py, ...) both import this
+module and not each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from decode.tree import Tree
+from decode.verify import Verdict
+from heads.errors import SelfspecError
+
+
+class DecodeSetupError(SelfspecError, ValueError):
+    """The decode config asks for something that cannot be run; the message says what to change."""
+
+
+@dataclass
+class ForwardOutput:
+    """What a target forward gives the verifier and the drafter (batch dimension dropped)."""
+
+    logits: torch.Tensor  # [N, V] (prefill: [1, V], the last prompt position only)
+    hidden_states: tuple[torch.Tensor, ...]  # num_layers + 1 tensors [N, H]; [-1] is after the final norm
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[N, H] the last layer's output after the final norm: the input of the LM head."""
+        return self.hidden_states[-1]
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal: tokens laid out on a tree."""
+
+    tokens: torch.Tensor  # [N] long on the target's device; tokens[0] is the root == state.next_token
+    tree: Tree  # on the same device
+    probs: torch.Tensor | None = None  # [N, V] distribution node i's token was drafted from; None: deterministic
+
+
+@dataclass
+class DecodeState:
+    """Where decoding stands between steps."""
+
+    cache: DynamicCache  # `length` positions in every layer
+    prompt_ids: torch.Tensor  # [T] long
+    length: int  # positions in the cache: the prompt + every emitted token except the last
+    next_token: int  # the last emitted token, not yet in the cache: the root of the next tree
+    hidden: torch.Tensor  # [H] last-layer hidden state at position length - 1 (the one that chose next_token)
+    new_tokens: list[int] = field(default_factory=list)  # emitted tokens, next_token last
+    steps: int = 0  # target forwards after the prefill
+    done: bool = False
+    finish_reason: str | None = None  # eos | length | stop | context
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+
+class Drafter(Protocol):
+    """What the engine calls. ``state`` is read-only to a drafter."""
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        """After the prompt's forward: ``prefill.hidden_states`` are [T, H] for every prompt position (a drafter
+        with its own KV cache fills it here); ``state.next_token`` is the first new token."""
+
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        """Tokens over a tree whose root (tokens[0]) is ``state.next_token``. Nodes deeper than ``max_depth`` are
+        dropped by the engine (they could not all be emitted); a drafter may use it to skip work."""
+
+    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+        """After each commit: ``verdict.path`` are the accepted node ids (root first) of ``draft``, their target
+        features are ``out.hidden_states[layer][verdict.path]``, and ``state.next_token`` is the target's new token.
+        A drafter with its own cache keeps it in step here (drop rejected rows, append the accepted ones)."""
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        """The neural modules the drafter runs (the engine gives their linear layers its small-batch kernels)."""
+
+
+class DrafterBase:
+    """No-op hooks; subclasses implement ``propose``."""
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        return None
+
+    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+        return None
+
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        raise NotImplementedError
+
+
+
+class DrafterBase:
+    """No-op hooks and no modules; subclasses implement ``propose``."""
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        return None
+
+    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+        return None
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        return ()
+
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        raise NotImplementedError

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from heads.config import to_plain
 from heads.errors import SelfspecError
 from heads.target import Target, TargetMismatchError, check_fingerprint, fingerprint
 
@@ -192,14 +193,7 @@ def _jsonable(x: Any) -> Any:
         return str(x)
     if hasattr(x, "item") and callable(x.item):
         return x.item()
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(x, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:
-        pass
-    return x
+    return to_plain(x)
 
 
 def heads_dir(path: str | os.PathLike) -> Path:

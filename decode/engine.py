@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from decode.cache import commit_kv, new_cache
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
-from decode.types import DecodeState, Draft, Drafter, ForwardOutput
+from decode.types import DecodeSetupError, DecodeState, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
 from heads.errors import SelfspecError
 from heads.target import cache_kwarg
@@ -310,14 +310,14 @@ class SpeculativeDecoder:
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
         if ids.dim() != 1:
-            raise ValueError(
+            raise DecodeSetupError(
                 f"Batch size 1 only: got prompt ids of shape {tuple(ids.shape)}; decode one prompt at a time."
             )
         if ids.numel() == 0:
-            raise ValueError("The prompt is empty: give at least one token (a chat template adds several).")
+            raise DecodeSetupError("The prompt is empty: give at least one token (a chat template adds several).")
         limit = context_limit(self.model)
         if ids.numel() >= limit:
-            raise ValueError(
+            raise DecodeSetupError(
                 f"The prompt has {ids.numel()} tokens but the target's context is {limit}: shorten the prompt "
                 "(leave room for at least one new token)."
             )

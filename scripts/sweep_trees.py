@@ -1,7 +1,7 @@
 """Choose a tree by measurement: decode the same prompts with one set of heads under several trees, and print tau,
 tokens/s and the draft/verify split of each (greedy by default, so every tree must give the same tokens; the last
 column checks it). A bigger tree accepts more tokens per step but costs more per verify forward; which wins depends
-on the heads and on the machine (scripts/bench_decode.py --curve-only prints the verify cost curve).
+on the heads and on the machine (scripts/bench.py writes the verify cost curve, verify_cost.png).
 
     # Medusa heads: static trees (names in conf/trees/, chain-K, single, or a tree YAML file)
     python scripts/sweep_trees.py heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \\

@@ -1,5 +1,5 @@
 """Set decoding up from a ``conf/decode.yaml`` config and run it over prompts: the library behind ``decode/run.py``
-and ``scripts/bench_decode.py``. Batch size 1.
+and ``scripts/bench.py``. Batch size 1.
 
 - :func:`load_session`: the target (from ``model=`` or from the heads' own record), the heads (a trained folder, or
   ``random``: untrained heads), the drafter (its entry in decode/registry.py), the engine, the sampling.

@@ -414,7 +414,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     if "hf_early_exit" in names:
         methods.append(Method("hf_early_exit", base))
     if "vanilla" in names:
-        drafter = registry.entry("vanilla").build(None, base.target.model, {})
+        drafter = registry.entry("vanilla").build(None, base.target, {})
         methods.append(Method("vanilla", base, _engine(base, drafter), info={"drafter": "vanilla", "max_depth": 0}))
     if "heads" in names:
         for name, s in sessions.items():
@@ -424,7 +424,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
         settings = entry.settings(None, {})
-        drafter = entry.build(None, base.target.model, settings)
+        drafter = entry.build(None, base.target, settings)
         methods.append(Method(entry.name, base, _engine(base, drafter),
                               info={"drafter": entry.name, "settings": settings, "max_depth": _max_depth(drafter)}))
     return methods

@@ -131,7 +131,7 @@ def load_session(cfg: Any) -> Session:
     draft_settings = chosen.settings(heads_config, to_dict(cfg_get(cfg, "draft")))
     target = load_target(resolve_target_config(cfg, heads_config))
     target, module = load_drafter_heads(chosen, heads, heads_config, target, to_dict(cfg_get(cfg, "random_heads")))
-    drafter = chosen.build(module, target.model, draft_settings)
+    drafter = chosen.build(module, target, draft_settings)
     sampling = Sampling(
         acceptance=str(cfg_get(cfg, "acceptance", "greedy")), temperature=float(cfg_get(cfg, "temperature", 1.0)),
         top_k=int(cfg_get(cfg, "top_k", 0)), top_p=float(cfg_get(cfg, "top_p", 1.0)),

@@ -1,12 +1,12 @@
 """The drafter registry: how each drafter family becomes a drafter for the engine, keyed by name.
 
 A trained family's name is the ``head_type`` its heads folder records (``heads/io.py`` rebuilds the module; this
-registry turns the module into a drafter). A training-free family (``vanilla``) needs no heads folder.
+registry turns the module into a drafter). A training-free family (``vanilla``, ``suffix``) needs no heads folder.
 
 Each entry says:
 
-- ``build(heads, target_model, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
-  training-free family), the target and its decode settings;
+- ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
+  training-free family), the target (``heads.target.Target``: model and tokenizer) and its decode settings;
 - ``defaults``: the decode settings it takes and their defaults (the ``draft.*`` keys of conf/decode/decode.yaml);
 - ``saved_key``: where a heads folder's config.json keeps the settings training chose for it (e.g. EAGLE's ``tree``),
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
@@ -30,7 +30,7 @@ from decode.types import DecodeSetupError, Drafter
 class DrafterEntry:
     name: str
     summary: str
-    build: Callable[[torch.nn.Module | None, torch.nn.Module, dict], Drafter]
+    build: Callable[[torch.nn.Module | None, Any, dict], Drafter]
     defaults: dict[str, Any] = field(default_factory=dict)
     saved_key: str | None = None
     random_heads: Callable[..., torch.nn.Module] | None = None
@@ -75,22 +75,35 @@ def entry(name: str) -> DrafterEntry:
 # --- the families ---------------------------------------------------------------------------------------------------
 
 
-def _vanilla(heads, model, settings) -> Drafter:
+def _vanilla(heads, target, settings) -> Drafter:
     from decode.drafters import VanillaDrafter
 
     return VanillaDrafter()
 
 
-def _medusa(heads, model, settings) -> Drafter:
+def _medusa(heads, target, settings) -> Drafter:
     from decode.drafters import MedusaDrafter
 
     return MedusaDrafter(heads, tree=settings["tree"])
 
 
-def _eagle(heads, model, settings) -> Drafter:
+def _eagle(heads, target, settings) -> Drafter:
     from decode.eagle_drafter import EagleTreeDrafter
 
     return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
+
+
+def _suffix(heads, target, settings) -> Drafter:
+    from decode.suffix import SuffixDrafter, load_corpus
+
+    corpus = load_corpus(settings["corpus"], target.tokenizer) if settings.get("corpus") else None
+    budget = settings["budget"]
+    if budget != "auto":
+        if not str(budget).isdigit():
+            raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
+        budget = int(budget)
+    return SuffixDrafter(target.model, corpus=corpus, budget=budget, max_nodes=int(settings["max_nodes"]),
+                         max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]))
 
 
 def _on_target(heads: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
@@ -127,6 +140,9 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
 EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48}
 
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
+register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
+                      "and an optional corpus; adaptive tree size", _suffix,
+                      defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
                       defaults={"tree": "mc_sim_7b_63"}, saved_key="decode", random_heads=random_medusa_heads))
 for _variant in ("eagle", "eagle3"):

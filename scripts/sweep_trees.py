@@ -48,9 +48,9 @@ def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool) -
     drafters = {}
     for name, overrides in sweeps:
         settings = entry.settings(session.heads_config, overrides)
-        drafters[name] = entry.build(session.heads, session.target.model, settings)
+        drafters[name] = entry.build(session.heads, session.target, settings)
     if vanilla:
-        drafters["vanilla"] = registry.entry("vanilla").build(None, session.target.model, {})
+        drafters["vanilla"] = registry.entry("vanilla").build(None, session.target, {})
     return drafters
 
 

@@ -1,0 +1,124 @@
+"""Adaptive speculation: each step, verify the number of drafted nodes that maximises expected tokens per second.
+
+A step that verifies the root plus k drafted nodes costs ``cost(1 + k)`` (one target forward over 1 + k tree nodes,
+as a multiple of a one-token forward) and emits ``1 + sum(p_i)`` tokens in expectation, where ``p_i`` is the
+probability that drafted node i is accepted (the node's whole branch matches the target). With nodes ranked by
+``p_i`` (a parent never ranks below its child), the best k maximises::
+
+    (1 + p_1 + ... + p_k) / cost(1 + k)            k = 0 (the root alone: plain decoding) .. budget
+
+- :class:`CostCurve`: ``cost(n)`` measured once per model, dtype, device, thread count and linear kernel on this
+  machine with :func:`decode.bench.verify_cost_curve`, cached as JSON under the selfspec cache.
+- :class:`Calibration`: a drafter's raw scores are not probabilities. Per bucket (e.g. a match length), it keeps the
+  drafted nodes' summed scores and how many of them were accepted, and scales scores by their ratio, shrunk towards
+  the ratio over all buckets, itself shrunk towards a prior of ``prior_weight`` nodes at ``prior_rate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Verify cost of n tree nodes, relative to one node, interpolated linearly between measured sizes."""
+
+    sizes: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def cost(self, n: int) -> float:
+        if n <= self.sizes[0]:
+            return self.ms[0] / self.ms[0]
+        for (a, ta), (b, tb) in zip(zip(self.sizes, self.ms), zip(self.sizes[1:], self.ms[1:])):
+            if n <= b:
+                return (ta + (tb - ta) * (n - a) / (b - a)) / self.ms[0]
+        # past the last size: grow linearly with the last segment's slope
+        a, b = self.sizes[-2], self.sizes[-1]
+        slope = (self.ms[-1] - self.ms[-2]) / (b - a)
+        return (self.ms[-1] + slope * (n - b)) / self.ms[0]
+
+    @classmethod
+    def from_relative(cls, costs: dict[int, float]) -> "CostCurve":
+        """From {nodes: cost relative to one node}, e.g. an injected curve in tests."""
+        sizes = tuple(sorted(costs))
+        return cls(sizes=sizes, ms=tuple(float(costs[n]) for n in sizes))
+
+
+def best_size(scores: Sequence[float], curve: CostCurve, budget: int) -> int:
+    """How many of the ranked drafted nodes (``scores``: acceptance probabilities, best first) to verify, at most
+    ``budget``: the k that maximises (1 + sum of the first k) / cost(1 + k). 0 means the root alone."""
+    best_k, best_rate, expected = 0, 1.0 / curve.cost(1), 1.0
+    for k, p in enumerate(scores[:budget], start=1):
+        expected += p
+        rate = expected / curve.cost(1 + k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class Calibration:
+    """Scales a drafter's scores into acceptance probabilities, per bucket, from what was accepted so far."""
+
+    prior_rate: float = 0.5
+    prior_weight: float = 4.0
+    scored: dict[int, float] = field(default_factory=dict)  # bucket -> summed raw scores of verified drafted nodes
+    accepted: dict[int, float] = field(default_factory=dict)  # bucket -> how many of them were accepted
+
+    def factor(self, bucket: int) -> float:
+        """accepted / scored in this bucket, shrunk towards all buckets' ratio (itself shrunk towards the prior)."""
+        overall = ((sum(self.accepted.values()) + self.prior_rate * self.prior_weight)
+                   / (sum(self.scored.values()) + self.prior_weight))
+        scored = self.scored.get(bucket, 0.0)
+        accepted = self.accepted.get(bucket, 0.0)
+        return (accepted + overall * self.prior_weight) / (scored + self.prior_weight)
+
+    def probabilities(self, scores: Sequence[float], bucket: int) -> list[float]:
+        f = self.factor(bucket)
+        return [min(1.0, f * s) for s in scores]
+
+    def update(self, bucket: int, scores: Sequence[float], accepted: int) -> None:
+        self.scored[bucket] = self.scored.get(bucket, 0.0) + float(sum(scores))
+        self.accepted[bucket] = self.accepted.get(bucket, 0.0) + float(accepted)
+
+
+# --- the measured curve, cached -------------------------------------------------------------------------------------
+
+
+def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
+    from heads.target import cache_dir, fingerprint
+
+    param = next(model.parameters())
+    key = json.dumps({"model": fingerprint(model)["digest"], "layers": model.config.num_hidden_layers,
+                      "dtype": str(param.dtype), "device": str(param.device), "threads": torch.get_num_threads(),
+                      "cpu": platform.processor() or platform.machine(), "kernel": linear_kernel,
+                      "torch": torch.__version__}, sort_keys=True)
+    return cache_dir() / "cost_curves" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", cache_length: int = 256) -> CostCurve:
+    """The verify cost curve of ``model`` on this machine (measured once, then read from the cache)."""
+    path = _cache_file(model, linear_kernel)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return CostCurve(sizes=tuple(data["sizes"]), ms=tuple(data["ms"]))
+    from decode.bench import verify_cost_curve
+
+    cache_length = min(cache_length, getattr(model.config, "max_position_embeddings", cache_length) - max(CURVE_SIZES))
+    rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=5, linear_kernel=linear_kernel)
+    curve = CostCurve(sizes=tuple(r["nodes"] for r in rows), ms=tuple(r["ms"] for r in rows))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"sizes": list(curve.sizes), "ms": list(curve.ms)}))
+    os.replace(tmp, path)
+    return curve

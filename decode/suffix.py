@@ -1,0 +1,343 @@
+"""Training-free suffix drafting (after SuffixDecoding, arXiv 2411.04975): propose what followed the longest earlier
+match of the text's end, from the prompt and the answer so far, and optionally from a corpus.
+
+Each step the context is prompt + emitted tokens, ending with the root (``state.next_token``).
+
+- **Local index** (:class:`NgramIndex`): every n-gram (n <= ``max_match``) of the context, mapped to the positions
+  that followed its occurrences; updated with each step's new tokens. The longest n whose last-n-gram occurred
+  before is found by binary search over n (an n-gram that occurred implies its suffixes did too).
+- **Corpus index** (:class:`SuffixArray`): a suffix array over a token corpus (the target's own answers from
+  scripts/regenerate.py, any jsonl or text file), sorted on the first ``SORT_DEPTH`` tokens; the suffixes that start
+  with a pattern are one contiguous range, found by binary search. Built once with numpy and cached.
+- **Candidates**: the continuations (up to ``max_depth`` tokens) after each occurrence, most recent first, form a
+  trie. A node's score is the share of occurrences whose continuation starts with its path (so a child never scores
+  above its parent); the two sources are combined by taking each node's larger score.
+- **How many to verify** (``budget=auto``): scores are scaled into acceptance probabilities per match length from
+  what was accepted so far (:class:`decode.adaptive.Calibration`), and the number of nodes that maximises expected
+  tokens per second under this machine's verify cost curve is verified; no node (plain decoding) when nothing is
+  worth it. A number instead of ``auto`` verifies the best ``budget`` nodes every step.
+
+Drafts are deterministic, so both greedy and sampling verification stay lossless (``probs=None``: point masses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from decode.adaptive import Calibration, CostCurve, best_size, measured_cost_curve
+from decode.tree import Tree
+from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
+from decode.verify import Verdict
+
+SORT_DEPTH = 64  # the corpus suffix array is sorted on this many leading tokens; longer matches are not needed
+SEPARATOR = -1  # between corpus documents: never matched, never proposed
+
+
+# --- the local index ------------------------------------------------------------------------------------------------
+
+
+class NgramIndex:
+    """The n-grams (n = 1 .. max_n) of a growing token sequence -> the positions right after each occurrence."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.follows: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.tokens.append(int(token))
+            end = len(self.tokens)
+            for n in range(1, min(self.max_n, end) + 1):
+                self.follows.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
+
+    def _earlier(self, n: int) -> list[int]:
+        """Positions after earlier occurrences of the last n tokens (the occurrence at the end excluded)."""
+        hits = self.follows.get(tuple(self.tokens[-n:]), [])
+        return hits[:-1] if hits and hits[-1] == len(self.tokens) else hits
+
+    def longest_match(self) -> tuple[int, list[int]]:
+        """(n, positions) for the longest n whose last-n-gram occurred before; (0, []) if even the last token is new."""
+        lo, hi = 0, min(self.max_n, len(self.tokens) - 1)
+        while lo < hi:  # invariant: length lo matches (0 trivially); find the largest that does
+            mid = (lo + hi + 1) // 2
+            if self._earlier(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, (self._earlier(lo) if lo else [])
+
+    def continuations(self, positions: list[int], depth: int, limit: int) -> list[list[int]]:
+        """The ``depth`` tokens after each of the last ``limit`` positions, most recent first."""
+        return [self.tokens[p:p + depth] for p in reversed(positions[-limit:])]
+
+
+# --- the corpus index -----------------------------------------------------------------------------------------------
+
+
+def suffix_array(tokens: np.ndarray, depth: int = SORT_DEPTH) -> np.ndarray:
+    """Start positions of ``tokens``' suffixes sorted on their first ``depth`` tokens (prefix doubling in numpy)."""
+    n = len(tokens)
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64)
+    order = np.argsort(rank, kind="stable")
+    k = 1
+    while k < depth and n > 1:
+        second = np.zeros(n, dtype=np.int64)
+        second[: n - k] = rank[k:] + 1  # 0: past the end, sorts first
+        key = rank * (n + 1) + second
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.concatenate([[0], np.cumsum(sorted_key[1:] != sorted_key[:-1])])
+        if rank[order[-1]] == n - 1:  # every suffix is told apart
+            break
+        k *= 2
+    return order
+
+
+@dataclass
+class SuffixArray:
+    """A token corpus (documents joined by SEPARATOR) and its suffix array."""
+
+    tokens: np.ndarray  # [T] int32
+    order: np.ndarray  # [T] int64, suffix start positions sorted
+
+    @classmethod
+    def build(cls, documents: Sequence[Sequence[int]]) -> "SuffixArray":
+        parts = []
+        for doc in documents:
+            parts.append(np.asarray(doc, dtype=np.int32))
+            parts.append(np.array([SEPARATOR], dtype=np.int32))
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return cls(tokens=tokens, order=suffix_array(tokens))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=self.tokens, order=self.order)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "SuffixArray":
+        with np.load(path) as data:
+            return cls(tokens=data["tokens"], order=data["order"])
+
+    def _bound(self, pattern: tuple[int, ...], upper: bool) -> int:
+        m, lo, hi = len(pattern), 0, len(self.order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            start = int(self.order[mid])
+            prefix = tuple(self.tokens[start:start + m].tolist())
+            if prefix < pattern or (upper and prefix == pattern):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def find(self, pattern: Sequence[int]) -> tuple[int, int]:
+        """The range of sorted suffixes that start with ``pattern`` (at most SORT_DEPTH tokens)."""
+        key = tuple(int(t) for t in pattern)
+        return self._bound(key, upper=False), self._bound(key, upper=True)
+
+    def longest_match(self, context: Sequence[int], max_n: int) -> tuple[int, tuple[int, int]]:
+        """(n, range) for the longest suffix of ``context`` (n <= max_n) that occurs in the corpus."""
+        lo, hi, best = 0, min(max_n, len(context), SORT_DEPTH), (0, 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self.find(context[-mid:])
+            if found[1] > found[0]:
+                lo, best = mid, found
+            else:
+                hi = mid - 1
+        return lo, best
+
+    def continuations(self, found: tuple[int, int], n: int, depth: int, limit: int) -> list[list[int]]:
+        """The ``depth`` tokens after up to ``limit`` occurrences (cut at a document's end)."""
+        starts = self.order[found[0]:min(found[1], found[0] + limit)] + n
+        out = []
+        for s in starts.tolist():
+            cont = self.tokens[s:s + depth].tolist()
+            if SEPARATOR in cont:
+                cont = cont[: cont.index(SEPARATOR)]
+            out.append(cont)
+        return out
+
+
+# --- candidates -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidates:
+    """A trie of proposed continuations: node i has token[i], parent[i] (-1: a child of the root) and a score."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    index: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+
+    def add(self, continuations: list[list[int]], weight: float) -> None:
+        """Add continuations, each worth ``weight / len(continuations)``; a node keeps its larger score."""
+        if not continuations:
+            return
+        counts: dict[int, float] = {}
+        share = weight / len(continuations)
+        for cont in continuations:
+            parent = -1
+            for token in cont:
+                key = (parent, token)
+                if key not in self.index:
+                    self.index[key] = len(self.tokens)
+                    self.tokens.append(token)
+                    self.parents.append(parent)
+                    self.scores.append(0.0)
+                parent = self.index[key]
+                counts[parent] = counts.get(parent, 0.0) + share
+        for node, score in counts.items():
+            self.scores[node] = max(self.scores[node], score)
+
+    def ranked(self, limit: int) -> list[int]:
+        """Up to ``limit`` nodes, best score first, every node after its parent (a best-first walk from the root)."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        heap = [(-self.scores[c], c) for c in children.get(-1, [])]
+        heapq.heapify(heap)
+        order: list[int] = []
+        while heap and len(order) < limit:
+            _, node = heapq.heappop(heap)
+            order.append(node)
+            for c in children.get(node, []):
+                heapq.heappush(heap, (-self.scores[c], c))
+        return order
+
+
+def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device) -> Draft:
+    """The root plus the ``chosen`` nodes (each after its parent) as a Draft."""
+    slot = {node: i + 1 for i, node in enumerate(chosen)}
+    parents = [-1] + [0 if cands.parents[n] < 0 else slot[cands.parents[n]] for n in chosen]
+    tokens = torch.tensor([root] + [cands.tokens[n] for n in chosen], dtype=torch.long, device=device)
+    return Draft(tokens=tokens, tree=Tree.from_parents(parents).to(device))
+
+
+# --- the drafter ----------------------------------------------------------------------------------------------------
+
+
+class SuffixDrafter(DrafterBase):
+    """Proposes continuations of the longest earlier match (see the module docstring).
+
+    ``budget``: ``auto`` (adaptive, up to ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
+    ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None,
+                 budget: int | str = "auto", max_nodes: int = 24, max_depth: int = 16, max_match: int = 24,
+                 max_occurrences: int = 32, cost_curve: CostCurve | None = None):
+        if budget != "auto" and (not isinstance(budget, int) or budget < 0):
+            raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
+        if min(max_nodes, max_depth, max_match, max_occurrences) < 1:
+            raise DecodeSetupError("draft.max_nodes, max_depth, max_match and max_occurrences must be >= 1.")
+        self.corpus, self.budget = corpus, budget
+        self.max_nodes, self.max_depth, self.max_match = max_nodes, max_depth, max_match
+        self.max_occurrences = max_occurrences
+        self.model, self.cost_curve = model, cost_curve
+        self.calibration = Calibration()
+        self.index = NgramIndex(max_match)
+        self.device = torch.device("cpu")
+        self._pending: tuple[int, list[float]] | None = None  # (bucket, probabilities of the nodes verified)
+
+    def curve(self) -> CostCurve:
+        if self.cost_curve is None:
+            kernel = "small_batch" if self.device.type == "cpu" else "torch"
+            self.cost_curve = measured_cost_curve(self.model, kernel)
+        return self.cost_curve
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self.device = state.prompt_ids.device
+        self.index = NgramIndex(self.max_match)
+        self.index.extend(state.prompt_ids.tolist() + [state.next_token])
+        self._pending = None
+
+    def _candidates(self, depth: int) -> tuple[int, Candidates]:
+        n_local, positions = self.index.longest_match()
+        cands = Candidates()
+        cands.add(self.index.continuations(positions, depth, self.max_occurrences), 1.0)
+        n = n_local
+        if self.corpus is not None:
+            n_corpus, found = self.corpus.longest_match(self.index.tokens, self.max_match)
+            if n_corpus:
+                cands.add(self.corpus.continuations(found, n_corpus, depth, self.max_occurrences), 1.0)
+            n = max(n, n_corpus)
+        return min(n, 8), cands
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
+        bucket, cands = self._candidates(min(self.max_depth, max_depth))
+        limit = self.max_nodes if self.budget == "auto" else self.budget
+        ranked = cands.ranked(limit)
+        probs = self.calibration.probabilities([cands.scores[n] for n in ranked], bucket)
+        k = best_size(probs, self.curve(), limit) if self.budget == "auto" else len(ranked)
+        chosen = sorted(ranked[:k])  # creation order: parents first
+        self._pending = (bucket, [cands.scores[n] for n in ranked[:k]])
+        return candidates_draft(state.next_token, cands, chosen, self.device)
+
+    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+        if self._pending is not None and self._pending[1]:
+            self.calibration.update(self._pending[0], self._pending[1], len(verdict.path) - 1)
+        self._pending = None
+
+
+# --- corpora ---------------------------------------------------------------------------------------------------------
+
+
+def corpus_documents(path: Path) -> list[str]:
+    """The texts a corpus file contributes: the assistant turns of a ShareGPT / OpenAI-messages json or jsonl (the
+    default data, scripts/regenerate.py's output), the answers of decode/run.py's answers.jsonl, or a text file."""
+    if path.suffix not in (".json", ".jsonl"):
+        return [path.read_text(errors="replace")]
+    from train.data import parse_turns, read_records  # the tolerant reader of the training data (cut-off files too)
+
+    texts: list[str] = []
+    for record in read_records(path):
+        messages, _ = parse_turns(record)
+        if messages:
+            texts.extend(m["content"] for m in messages if m["role"] == "assistant")
+        elif isinstance(record, dict) and isinstance(record.get("answers"), list):
+            texts.extend(str(a) for a in record["answers"])
+        elif isinstance(record, dict) and isinstance(record.get("text"), str):
+            texts.append(record["text"])
+    return texts
+
+
+def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArray:
+    """A corpus file as a suffix array, built once and cached (keyed by the file's path, size, time and the
+    tokenizer's vocabulary size and name)."""
+    from heads.target import cache_dir
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DecodeSetupError(f"draft.corpus={path}: no such file. Give a json/jsonl of conversations or a text file.")
+    stat = path.stat()
+    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, len(tokenizer),
+                      getattr(tokenizer, "name_or_path", "")])
+    cached = cache_dir() / "suffix" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
+    if cached.is_file():
+        return SuffixArray.load(cached)
+    from tqdm.auto import tqdm
+
+    texts = corpus_documents(path)
+    documents = [tokenizer(t, add_special_tokens=False)["input_ids"]
+                 for t in tqdm(texts, desc="corpus", unit="doc", disable=not verbose)]
+    index = SuffixArray.build(documents)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    index.save(cached)
+    if verbose:
+        print(f"[selfspec] suffix index of {path.name}: {len(documents):,} texts, {len(index.tokens):,} tokens")
+    return index

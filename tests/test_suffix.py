@@ -1,0 +1,215 @@
+"""The training-free suffix drafter: its indexes return what a brute-force scan finds, its drafts are lossless
+(greedy equality with HF generate, and the sampling test), and adaptive speculation picks the root alone when drafts
+are never accepted and a deep tree when they always are."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from decode.adaptive import Calibration, CostCurve, best_size
+from decode.engine import SpeculativeDecoder
+from decode.suffix import Candidates, NgramIndex, SuffixArray, SuffixDrafter, corpus_documents, load_corpus
+from decode.verify import Sampling, target_probs
+from heads.target import build_tiny
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CPU_CURVE = CostCurve.from_relative({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.29, 16: 1.5, 32: 2.05, 64: 3.24})
+
+
+# --- indexes against brute force ------------------------------------------------------------------------------------
+
+
+def brute_longest(seq: list[int], max_n: int) -> tuple[int, list[int]]:
+    """The longest n <= max_n whose last n tokens occur earlier in seq, and the positions after those occurrences."""
+    for n in range(min(max_n, len(seq) - 1), 0, -1):
+        pattern = seq[-n:]
+        hits = [i + n for i in range(len(seq) - n) if seq[i:i + n] == pattern]
+        if hits:
+            return n, hits
+    return 0, []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_index_finds_what_a_scan_finds(seed):
+    rng = random.Random(seed)
+    seq = [rng.randrange(6) for _ in range(rng.randrange(2, 120))]
+    index = NgramIndex(max_n=8)
+    cut = rng.randrange(1, len(seq) + 1)
+    index.extend(seq[:cut])
+    index.extend(seq[cut:])  # grown in two steps, as decoding does
+    assert index.longest_match() == brute_longest(seq, 8)
+    n, hits = index.longest_match()
+    assert index.continuations(hits, 3, limit=2) == [seq[p:p + 3] for p in reversed(hits[-2:])]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_suffix_array_finds_what_a_scan_finds(seed):
+    rng = random.Random(seed)
+    docs = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(rng.randrange(1, 6))]
+    sa = SuffixArray.build(docs)
+    flat = sa.tokens.tolist()
+    # the order is the suffixes' order on their first tokens
+    keys = [tuple(flat[s:s + 64]) for s in sa.order.tolist()]
+    assert keys == sorted(keys)
+    for _ in range(20):
+        pattern = [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+        lo, hi = sa.find(pattern)
+        starts = sorted(int(s) for s in sa.order[lo:hi])
+        assert starts == [i for i in range(len(flat)) if flat[i:i + len(pattern)] == pattern]
+        conts = sorted(map(tuple, sa.continuations((lo, hi), len(pattern), 3, limit=10**6)))
+        expected = []
+        for i in starts:
+            cont = flat[i + len(pattern): i + len(pattern) + 3]
+            expected.append(tuple(cont[: cont.index(-1)] if -1 in cont else cont))
+        assert conts == sorted(expected)
+    context = [rng.randrange(5) for _ in range(12)]
+    n, (lo, hi) = sa.longest_match(context, 8)
+    if n:
+        assert hi > lo and sa.find(context[-n:]) == (lo, hi)
+    if n < 8:
+        assert sa.find(context[-(n + 1):])[1] == sa.find(context[-(n + 1):])[0]
+
+
+def test_candidates_rank_parents_before_children_by_share():
+    cands = Candidates()
+    cands.add([[1, 2, 3], [1, 2, 4], [1, 5], [6]], 1.0)
+    ranked = cands.ranked(10)
+    assert [cands.tokens[n] for n in ranked[:2]] == [1, 2]  # 1 follows 3 of 4 occurrences, then 1 2 two of 4
+    assert cands.scores[ranked[0]] == pytest.approx(0.75)
+    for n in ranked:
+        parent = cands.parents[n]
+        assert parent < 0 or ranked.index(parent) < ranked.index(n)
+        assert parent < 0 or cands.scores[n] <= cands.scores[parent]
+
+
+# --- adaptive sizes --------------------------------------------------------------------------------------------------
+
+
+def test_adaptive_size_follows_the_cost_curve_and_the_acceptance():
+    never, always = Calibration(), Calibration()
+    for _ in range(50):
+        never.update(0, [1.0] * 8, accepted=0)
+        always.update(0, [1.0] * 8, accepted=8)
+    scores = [1.0] * 16
+    assert best_size(never.probabilities(scores, 0), CPU_CURVE, 16) == 0  # the root alone: plain decoding
+    assert best_size(always.probabilities(scores, 0), CPU_CURVE, 16) == 16  # every node pays for itself
+    # a flat curve makes any positive probability worth verifying; a steep one makes none
+    flat = CostCurve.from_relative({1: 1.0, 64: 1.0})
+    steep = CostCurve.from_relative({1: 1.0, 2: 2.0, 64: 64.0})
+    assert best_size([0.1] * 10, flat, 10) == 10 and best_size([0.9] * 10, steep, 10) == 0
+
+
+def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch):
+    model, _ = tiny_llama
+    drafter = SuffixDrafter(model, cost_curve=CPU_CURVE)
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+    import decode.engine as engine_module
+    from decode.verify import Verdict, verify
+
+    def reject_all(logits, tokens, tree, sampling, draft_probs=None, generator=None):
+        v = verify(logits[:1], tokens[:1], tree.truncate(0), sampling, None, generator)
+        return Verdict(path=[0], next_token=v.next_token)
+
+    monkeypatch.setattr(engine_module, "verify", reject_all)
+    prompt = [5, 6, 7, 8] * 10
+    res = decoder.generate(prompt, max_new_tokens=40)
+    assert res.stats.drafted > 0  # it tried while the prior was hopeful
+    late = SpeculativeDecoder(model, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=20)
+    assert late.stats.drafted == 0  # after many rejections the root alone is the best rate
+
+
+# --- lossless ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["auto", 1, 6])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_path):
+    model, tokenizer = tiny_llama if arch == "llama" else tiny_qwen2
+    corpus = SuffixArray.build([[9, 10, 11, 12, 13] * 4, list(range(20, 60))])
+    always = CostCurve.from_relative({1: 1.0, 64: 1.0})  # every candidate is verified: the most drafted nodes
+    drafter = SuffixDrafter(model, corpus=corpus, budget=budget, max_nodes=12, cost_curve=always)
+    decoder = SpeculativeDecoder(model, drafter)
+    for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, pad_token_id=0)[0]
+        res = decoder.generate(prompt, max_new_tokens=24)
+        assert res.tokens == ref[len(prompt):].tolist()[: len(res.tokens)]
+        assert len(res.tokens) == min(24, len(ref) - len(prompt)) or res.finish_reason == "eos"
+    assert res.stats.drafted > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    from test_verify import chi_square_pvalue
+
+    model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=1)
+    prompt = torch.tensor([3, 5, 7, 1])
+    sampling = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)
+    v = model.config.vocab_size
+    with torch.no_grad():
+        p1 = target_probs(model(input_ids=prompt[None]).logits[0, -1], 0.9, 0, 0.9)
+        one = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)
+        p2 = target_probs(model(input_ids=one).logits[:, -1], 0.9, 0, 0.9)
+        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(torch.arange(v), torch.arange(v))], 1)
+        p3 = target_probs(model(input_ids=two).logits[:, -1], 0.9, 0, 0.9).reshape(v, v, v)
+    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    # a corpus of the target's own samples after the prompt: drafts that are often right, and often wrong
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(40):
+        a = int(torch.multinomial(p1, 1, generator=g))
+        b = int(torch.multinomial(p2[a], 1, generator=g))
+        c = int(torch.multinomial(p3[a, b], 1, generator=g))
+        samples.append([3, 5, 7, 1, a, b, c])
+    drafter = SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=8)
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+    counts, accepted, seeds = torch.zeros(v ** 3), 0, 1500
+    for seed in range(seeds):
+        res = decoder.generate(prompt, max_new_tokens=3, sampling=sampling, seed=seed)
+        a, b, c = res.tokens
+        counts[(a * v + b) * v + c] += 1
+        accepted += res.stats.accepted
+    assert accepted / seeds > 0.5  # drafts were accepted often enough for the test to mean something
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+# --- corpora and the registry ----------------------------------------------------------------------------------------
+
+
+def test_corpus_files_are_read_and_cached(tmp_path, tiny_llama, monkeypatch):
+    import json
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    _, tokenizer = tiny_llama
+    path = tmp_path / "regen.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an answer"}]},
+            {"question_id": 1, "answers": ["first", "second"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert corpus_documents(path) == ["hello there", "an answer", "first", "second"]
+    index = load_corpus(path, tokenizer, verbose=False)
+    assert list((tmp_path / "cache" / "suffix").glob("*.npz"))
+    again = load_corpus(path, tokenizer, verbose=False)
+    assert np.array_equal(index.tokens, again.tokens) and np.array_equal(index.order, again.order)
+    hello = tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    assert index.find(hello)[1] - index.find(hello)[0] == 1
+
+
+def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
+    from conftest import compose
+
+    from decode.pipeline import DecodeSetupError, load_session
+
+    session = load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=4", "max_new_tokens=12"]))
+    assert isinstance(session.decoder.drafter, SuffixDrafter) and session.heads is None
+    ids = [5, 6, 7, 8, 5, 6, 7]
+    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
+    with pytest.raises(DecodeSetupError, match="draft.corpus=.*no such file"):
+        load_session(compose("decode", ["model=tiny", "drafter=suffix", f"draft.corpus={tmp_path / 'none.jsonl'}"]))
+    with pytest.raises(DecodeSetupError, match="draft.budget='many'"):
+        load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=many"]))

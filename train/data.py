@@ -717,3 +717,8 @@ def collate(examples: Iterable[Mapping[str, Any]], pad_token_id: int) -> dict[st
         attention_mask[row, :n] = 1
         labels[row, :n] = torch.as_tensor(e.get("labels", e["input_ids"]), dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B, T] positions counting only real tokens (right or left padding alike)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

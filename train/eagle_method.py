@@ -41,8 +41,10 @@ from heads.eagle import (
     count_tokens,
     drafter_loss,
 )
+from train.data import IGNORE_INDEX, position_ids_from_mask
+from train.feature_store import FeatureSource
+from train.loop import settings_from_cfg, unwrap
 
-IGNORE_INDEX = -100
 HEAD_TYPES = ("eagle", "eagle3")
 
 
@@ -61,8 +63,6 @@ class EagleSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "EagleSettings":
-        from train.loop import settings_from_cfg
-
         out = settings_from_cfg(cls, cfg)
         problems = []
         if out.type not in HEAD_TYPES:
@@ -115,16 +115,6 @@ class EagleTrainModule(nn.Module):
         )
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(module)
-
-
 def draft_vocab_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
     """Token counts [V] over the assistant tokens (labels != -100) of a tokenized split."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -142,11 +132,7 @@ class EagleMethod:
         self.settings = EagleSettings.from_cfg(cfg.heads)
         self.name = self.settings.type
         self.weights = self.settings.loss_weights()
-        self.features = str(cfg.get("features", "online"))
-        self.store_cfg = dict(cfg.get("feature_store", {}) or {})
-        self.run_dir = Path(str(cfg.get("run_dir", ".")))
-        if self.features not in ("online", "store"):
-            raise ValueError(f"features={self.features!r}: use online or store.")
+        self.features = FeatureSource.from_cfg(cfg)
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
 
@@ -156,9 +142,9 @@ class EagleMethod:
         train_ds, eval_ds = datasets["train"], datasets.get("eval")
         if self.settings.type == "eagle3":
             self._build_draft_vocab(train_ds, target.model, accelerator)
-        if self.features == "online":
+        if self.features.online:
             return train_ds, eval_ds, collate_fn
-        return self._feature_store(train_ds, eval_ds, target, accelerator, collate_fn)
+        return self._feature_store(datasets, target, accelerator, collate_fn)
 
     def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
         config = self.settings.eagle_config(model)
@@ -172,14 +158,8 @@ class EagleMethod:
                   f"{self.draft_vocab_coverage:.1%} of {total:,} assistant tokens in the training split",
                   file=sys.stderr)
 
-    def _feature_store(self, train_ds, eval_ds, target, accelerator, collate_fn):
-        import functools
-
-        from heads.target import fingerprint
-        from train.feature_store import collate_features, ensure_feature_store
-
-        dtype = getattr(torch, str(self.store_cfg.get("dtype", "float16")))
-        model = target.model
+    def _feature_store(self, datasets, target, accelerator, collate_fn):
+        dtype, model = self.features.dtype, target.model
         layer_ids = self.settings.eagle_config(model).layer_ids if self.settings.type == "eagle3" else None
 
         def extract(batch):
@@ -191,19 +171,8 @@ class EagleMethod:
                 fields["aux"] = torch.stack([out.hidden_states[i] for i in layer_ids], dim=2).to(dtype)  # [B,T,3,H]
             return fields
 
-        splits = {"train": train_ds}
-        if eval_ds is not None and len(eval_ds) > 0:
-            splits["eval"] = eval_ds
-        path = self.store_cfg.get("dir") or self.run_dir / "features"
-        identity = {"target": fingerprint(model)["digest"], "target_name": target.name, "dtype": str(dtype),
-                    "fields": "eagle-last-hidden" + (f"+layers{list(layer_ids)}" if layer_ids else "")}
-        store = ensure_feature_store(
-            path, splits, extract, identity, collate_fn, batch_size=int(self.store_cfg.get("batch_size", 8)),
-            examples_per_shard=int(self.store_cfg.get("examples_per_shard", 256)), device=accelerator.device,
-            accelerator=accelerator,
-        )
-        pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
-        return store["train"], store.get("eval"), pad
+        fields = "eagle-last-hidden" + (f"+layers{list(layer_ids)}" if layer_ids else "")
+        return self.features.open_store(datasets, target, accelerator, collate_fn, extract, {"fields": fields})
 
     def build_drafter(self, target) -> nn.Module:
         """The EAGLE drafter (fp32, on the target's device) inside its training module. eagle3 without a counted
@@ -237,7 +206,7 @@ class EagleMethod:
             return out.hidden_states, out.logits if need_logits else None
 
     def compute_loss(self, batch: dict, target, drafter: nn.Module):
-        core = _unwrap(drafter).drafter
+        core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"])
@@ -250,7 +219,7 @@ class EagleMethod:
         accepted length of a chain that implies. Sums are reduced over ranks (padding duplicates included)."""
         steps = self.settings.unroll_steps
         totals = torch.zeros(3, steps, dtype=torch.float64, device=accelerator.device)  # hits, count, loss*count
-        core = _unwrap(drafter).drafter
+        core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         for batch in loader:
             hidden_states, logits = self._target_outputs(batch, target, layer_ids)
@@ -284,7 +253,7 @@ class EagleMethod:
             state = {k[len("drafter."):]: v for k, v in state_dict.items() if k.startswith("drafter.")}
         extra = dict(meta)
         extra["heads"] = asdict(self.settings)
-        extra["features"] = self.features
+        extra["features"] = self.features.kind
         extra["tree"] = dict(self.settings.tree)  # decoding defaults for these heads
         if self.draft_vocab_coverage is not None:
             extra["draft_vocab_coverage"] = self.draft_vocab_coverage

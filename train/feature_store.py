@@ -20,27 +20,86 @@ every world_size-th shard (a shared filesystem is needed) and the main process p
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from heads.config import cfg_get, to_dict
+from train.data import IGNORE_INDEX
+
 FORMAT = 1
 META_NAME = "meta.json"
-IGNORE_INDEX = -100
+STORE_KEYS = ("dir", "dtype", "batch_size", "examples_per_shard")  # what cfg.feature_store must set for features=store
 
 Extract = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 class FeatureStoreError(RuntimeError):
     """A feature store is missing, incomplete, or does not fit the run."""
+
+
+@dataclass
+class FeatureSource:
+    """Where a training method's target features come from: ``features: online`` (the target runs as training runs)
+    or ``features: store`` (an offline store set up by ``cfg.feature_store``, see :meth:`open_store`)."""
+
+    kind: str  # online | store
+    settings: dict[str, Any]  # cfg.feature_store
+    run_dir: Path
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "FeatureSource":
+        out = cls(kind=str(cfg_get(cfg, "features", "online")), settings=to_dict(cfg_get(cfg, "feature_store")),
+                  run_dir=Path(str(cfg_get(cfg, "run_dir", "."))))
+        if out.kind not in ("online", "store"):
+            raise ValueError(f"features={out.kind!r}: use online or store.")
+        missing = [f"feature_store.{k}" for k in STORE_KEYS if k not in out.settings]
+        if out.kind == "store" and missing:
+            raise ValueError(f"features=store needs {', '.join(missing)} (conf/medusa.yaml and conf/eagle.yaml set "
+                             "them).")
+        return out
+
+    @property
+    def online(self) -> bool:
+        return self.kind == "online"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the store keeps features in (``feature_store.dtype``)."""
+        return getattr(torch, str(self.settings["dtype"]))
+
+    def open_store(self, datasets: Mapping[str, Any], target: Any, accelerator: Any, collate_fn: Callable,
+                   extract: Extract, fields: Mapping[str, Any]):
+        """The loop's ``(train, eval or None, collate_fn)`` read from the store at ``feature_store.dir`` (default
+        ``<run_dir>/features``), built first with ``extract`` when missing or built for something else.
+
+        ``fields``: what the stored features depend on besides the target, the data and the dtype (which layers,
+        how many teacher logits, ...). Every process must call this.
+        """
+        from heads.target import fingerprint
+
+        splits = {"train": datasets["train"]}
+        if datasets.get("eval") is not None and len(datasets["eval"]) > 0:
+            splits["eval"] = datasets["eval"]
+        identity = {"target": fingerprint(target.model)["digest"], "target_name": target.name,
+                    "dtype": str(self.dtype), **fields}
+        store = ensure_feature_store(
+            self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
+            batch_size=int(self.settings["batch_size"]), examples_per_shard=int(self.settings["examples_per_shard"]),
+            device=accelerator.device, accelerator=accelerator,
+        )
+        pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
+        return store["train"], store.get("eval"), pad
 
 
 def dataset_digest(dataset: Any) -> str:
@@ -174,25 +233,30 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
     _barrier(accelerator)
 
     if is_main:  # rank 0 wrote the first shard, so it knows the fields
-        meta: dict[str, Any] = {"identity": _plain(ident), "fields": fields, "splits": {}, "bytes": 0}
-        for name, ds in splits.items():
-            shards, tokens = [], 0
-            for split, s, start, stop in plan:
-                if split != name:
-                    continue
-                file = tmp / name / f"shard-{s:05d}.safetensors"
-                if not file.is_file():
-                    raise FeatureStoreError(f"Shard {file} is missing: a process could not write it.")
-                meta["bytes"] += file.stat().st_size
-                shards.append({"file": f"{name}/{file.name}", "start": start, "stop": stop})
-            for shard in shards:
-                tokens += _shard_tokens(tmp / shard["file"])
-            meta["splits"][name] = {"num_examples": len(ds), "num_tokens": tokens, "shards": shards}
-        (tmp / META_NAME).write_text(json.dumps(meta, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        _publish(path, tmp, splits, plan, {"identity": _plain(ident), "fields": fields, "splits": {}, "bytes": 0})
     _barrier(accelerator)
+
+
+def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple], meta: dict[str, Any]) -> None:
+    """Write meta.json (every split's shards, sizes, token counts) into the finished ``tmp`` and rename it to
+    ``path``, replacing an older store."""
+    for name, ds in splits.items():
+        shards, tokens = [], 0
+        for split, s, start, stop in plan:
+            if split != name:
+                continue
+            file = tmp / name / f"shard-{s:05d}.safetensors"
+            if not file.is_file():
+                raise FeatureStoreError(f"Shard {file} is missing: a process could not write it.")
+            meta["bytes"] += file.stat().st_size
+            shards.append({"file": f"{name}/{file.name}", "start": start, "stop": stop})
+        for shard in shards:
+            tokens += _shard_tokens(tmp / shard["file"])
+        meta["splits"][name] = {"num_examples": len(ds), "num_tokens": tokens, "shards": shards}
+    (tmp / META_NAME).write_text(json.dumps(meta, indent=1))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
 
 
 def _shard_tokens(file: Path) -> int:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
+from heads.config import cfg_get, to_dict
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -123,7 +124,7 @@ class TrainerConfig:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "TrainerConfig":
-        data = _to_dict(cfg)
+        data = to_dict(cfg)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -183,30 +184,20 @@ class EpochSampler(Sampler[int]):
 # --- setup ------------------------------------------------------------------------------------------------------------
 
 
-def _to_dict(cfg: Any) -> dict:
-    if cfg is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except ImportError:
-        pass
-    return dict(cfg)
-
-
 def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
     """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)."""
-    data = _to_dict(cfg)
+    data = to_dict(cfg)
     unknown = sorted(set(data) - set(cls.__dataclass_fields__))
     if unknown:
         raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}.")
     return cls(**data)
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(module)
 
 
 def make_accelerator(tc: TrainerConfig, run_dir: Path):
@@ -259,7 +250,7 @@ def write_resolved_config(cfg: Any, run_dir: Path) -> Path:
 
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    text = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else OmegaConf.to_yaml(_to_dict(cfg))
+    text = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else OmegaConf.to_yaml(to_dict(cfg))
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -271,7 +262,7 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     keyword ``config``, so the class is looked up and called directly)."""
     from hydra.utils import get_object
 
-    kwargs = _to_dict(logger_cfg)
+    kwargs = to_dict(logger_cfg)
     target = kwargs.pop("_target_", None)
     if not target:
         raise ValueError("logger config has no _target_: use logger=none or logger=wandb.")
@@ -281,7 +272,7 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
 def _load_target(cfg: Any, accelerator):
     from heads.target import load_target
 
-    model_cfg = _to_dict(cfg.model)
+    model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)
     return load_target(model_cfg)
 
@@ -302,7 +293,7 @@ def _split(datasets: Any, name: str):
 
 def _check_not_empty(train_ds: Any, cfg: Any) -> None:
     if train_ds is None or len(train_ds) == 0:
-        data = _to_dict(_cfg_get(cfg, "data", {}))
+        data = to_dict(cfg_get(cfg, "data", {}))
         hint = ", ".join(f"{k}={data[k]}" for k in ("source", "path", "max_records", "max_length", "overflow")
                          if k in data)
         raise EmptyDatasetError(
@@ -391,7 +382,7 @@ def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = Non
             "it is filled from the trainer)."
         )
     register_trainable_state_hooks(accelerator)
-    logger = make_logger(cfg.logger, run_dir, _to_dict(cfg)) if is_main else None
+    logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if is_main else None
 
     # Resume (after everything that might draw random numbers, since the RNG states are restored here).
     step, tokens_seen = 0, 0
@@ -528,11 +519,11 @@ def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = Non
     full_state = accelerator.get_state_dict(drafter)  # gathers shards (ZeRO-3/FSDP); every rank must call it
     if is_main:
         meta = {
-            "run_name": _cfg_get(cfg, "run_name"),
+            "run_name": cfg_get(cfg, "run_name"),
             "method": method.name,
             "steps": step,
             "tokens_seen": tokens_seen,
-            "data": _to_dict(_cfg_get(cfg, "data", {})),
+            "data": to_dict(cfg_get(cfg, "data", {})),
             "trainer": asdict(tc),
             "eval": eval_metrics,
         }

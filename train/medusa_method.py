@@ -39,8 +39,10 @@ from heads.medusa import (
     medusa_topk_hits,
     weighted_head_loss,
 )
+from train.data import IGNORE_INDEX, position_ids_from_mask
+from train.feature_store import FeatureSource
+from train.loop import settings_from_cfg, unwrap
 
-IGNORE_INDEX = -100
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
 
@@ -61,8 +63,6 @@ class MedusaSettings:
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "MedusaSettings":
-        from train.loop import settings_from_cfg
-
         out = settings_from_cfg(cls, cfg)
         problems = []
         if out.type not in ("medusa", "medusa2"):
@@ -106,11 +106,6 @@ def _dtype(module: nn.Module, default: torch.Tensor) -> torch.dtype:
     return param.dtype if param is not None else default.dtype
 
 
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] -> [B, T] positions counting only real tokens (right or left padding alike)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def last_hidden_state(causal_lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The hidden state the LM head reads (after the final norm), [B, T, H], without computing logits."""
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.base_model
@@ -134,15 +129,11 @@ class MedusaMethod:
     def __init__(self, cfg: Any):
         self.settings = MedusaSettings.from_cfg(cfg.heads)
         self.name = self.settings.type
-        self.features = str(cfg.get("features", "online"))
-        self.store_cfg = dict(cfg.get("feature_store", {}) or {})
-        self.run_dir = Path(str(cfg.get("run_dir", ".")))
-        if self.features not in ("online", "store"):
-            raise ValueError(f"features={self.features!r}: use online or store.")
-        if self.features == "store" and self.settings.type == "medusa2":
+        self.features = FeatureSource.from_cfg(cfg)
+        if not self.features.online and self.settings.type == "medusa2":
             raise ValueError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step and "
                              "cannot come from a feature store: use features=online.")
-        if self.features == "store" and self.settings.loss == "kl" and not self.store_cfg.get("teacher_topk"):
+        if not self.features.online and self.settings.loss == "kl" and not self.features.settings.get("teacher_topk"):
             raise ValueError("heads.loss=kl with features=store needs the target's logits in the store: set "
                              "feature_store.teacher_topk (e.g. 64), or use features=online.")
         self.is_medusa2 = self.settings.type == "medusa2"
@@ -179,17 +170,9 @@ class MedusaMethod:
         return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.settings.heads_lr_multiplier}]
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
-        train_ds, eval_ds = datasets["train"], datasets.get("eval")
-        if self.features == "online":
-            return train_ds, eval_ds, collate_fn
-        import functools
-
-        from heads.target import fingerprint
-        from train.feature_store import collate_features, ensure_feature_store
-
-        dtype = getattr(torch, str(self.store_cfg.get("dtype", "float16")))
-        topk = int(self.store_cfg.get("teacher_topk") or 0)
-        model = target.model
+        if self.features.online:
+            return datasets["train"], datasets.get("eval"), collate_fn
+        dtype, topk, model = self.features.dtype, int(self.features.settings.get("teacher_topk") or 0), target.model
 
         def extract(batch):
             hidden = last_hidden_state(model, batch["input_ids"], batch["attention_mask"])  # [B, T, H]
@@ -201,19 +184,8 @@ class MedusaMethod:
                 out["teacher_topk_logits"] = top.values.to(dtype)
             return out
 
-        splits = {"train": train_ds}
-        if eval_ds is not None and len(eval_ds) > 0:
-            splits["eval"] = eval_ds
-        path = self.store_cfg.get("dir") or self.run_dir / "features"
-        identity = {"target": fingerprint(model)["digest"], "target_name": target.name,
-                    "dtype": str(dtype), "teacher_topk": topk, "fields": "medusa-last-hidden"}
-        store = ensure_feature_store(
-            path, splits, extract, identity, collate_fn, batch_size=int(self.store_cfg.get("batch_size", 8)),
-            examples_per_shard=int(self.store_cfg.get("examples_per_shard", 256)), device=accelerator.device,
-            accelerator=accelerator,
-        )
-        pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
-        return store["train"], store.get("eval"), pad
+        return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
+                                        {"teacher_topk": topk, "fields": "medusa-last-hidden"})
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
@@ -281,7 +253,7 @@ class MedusaMethod:
         head_logits, lm_logits = drafter(batch["input_ids"], batch["attention_mask"], head_index, lm_index)
         head_teacher = lm_teacher = None
         if teachers and (s.loss == "kl" or s.target_loss == "kl"):
-            base = _unwrap(drafter)
+            base = unwrap(drafter)
             with torch.no_grad(), base.target.disable_adapter():
                 causal_lm = base.base_causal_lm()
                 hidden = last_hidden_state(causal_lm, batch["input_ids"], batch["attention_mask"]).flatten(0, 1)
@@ -334,7 +306,7 @@ class MedusaMethod:
         extra = dict(meta)
         extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
         extra["heads"] = {k: v for k, v in self.settings.__dict__.items()}
-        extra["features"] = self.features
+        extra["features"] = self.features.kind
         return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra,
                           adapter=drafter.target if self.is_medusa2 else None, state_dict=heads_state,
                           adapter_state_dict=adapter_state)
@@ -404,12 +376,6 @@ def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token
 
 def _lm_dtype(model: nn.Module) -> torch.dtype:
     return model.get_output_embeddings().weight.dtype
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(module)
 
 
 def eval_summary(metrics: dict[str, float], num_heads: int) -> dict[str, Any]:

@@ -1,11 +1,15 @@
-"""The training loop every drafter family shares (Medusa, EAGLE, layer-skip), on accelerate.
+"""The training loop every drafter family shares (Medusa and EAGLE; layer-skip exits are planned), on accelerate.
 
-    result = train(cfg, method)          # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
+    result = train(cfg, method)           # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
+    run_training("medusa", MedusaMethod)  # an entry script's body: conf/medusa.yaml + the command line, then train
 
-``method`` says what is trained and how (see :class:`TrainMethod`); the loop owns everything else: the frozen target,
-data loading and sharding, AdamW with a warmup + cosine/linear/constant schedule, gradient accumulation, clipping,
-mixed precision, evaluation every ``trainer.eval_every`` steps, atomic checkpoints every ``trainer.save_every`` steps
-(the last ``trainer.keep_last`` kept), resume, logging and a progress bar on the main process, and the final save.
+``method`` says what is trained and how (see :class:`TrainMethod`); the loop owns everything else, in this order
+(one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with a
+warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
+checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
+clipping, logging and a progress bar on the main process, evaluation every ``trainer.eval_every`` steps, atomic
+checkpoints every ``trainer.save_every`` steps with the last ``trainer.keep_last`` kept), the final **evaluation** and
+the **save** of the drafter.
 
 Determinism and resume. The data order of epoch e is a permutation seeded by (trainer.seed, e), the same on every
 rank; accelerate shards each global batch over the ranks. A step reads exactly ``gradient_accumulation_steps``
@@ -33,6 +37,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
@@ -51,6 +56,8 @@ from train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 class EmptyDatasetError(ValueError):
@@ -148,6 +155,15 @@ class TrainerConfig:
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
+def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
+    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)."""
+    data = to_dict(cfg)
+    unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}.")
+    return cls(**data)
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -181,23 +197,204 @@ class EpochSampler(Sampler[int]):
         return self.num_samples
 
 
+# --- the loop ---------------------------------------------------------------------------------------------------------
+
+
+def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = None) -> TrainResult:
+    """Train ``method``'s drafter on ``cfg``; ``target``/``datasets`` override loading them from ``cfg.model``/
+    ``cfg.data`` (a ``heads.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
+    run = _setup(cfg, method, target, datasets)
+    progress = _resume(run)
+    _train_steps(run, progress)
+    _evaluate_at_end(run, progress)
+    heads_dir = _save(run, progress)
+    return _finish(run, progress, heads_dir)
+
+
+def run_training(config_name: str, method_cls: Callable[[Any], TrainMethod]) -> None:
+    """The body of an entry script (train/medusa.py, train/eagle.py): compose ``conf/<config_name>.yaml`` with the
+    command line's overrides (Hydra, which also names its job and log file after ``config_name``) and train
+    ``method_cls(cfg)``."""
+    import hydra
+
+    def main(cfg: Any) -> None:
+        train(cfg, method_cls(cfg))
+
+    main.__module__ = config_name  # Hydra's job name (its log file in the run folder) comes from the task's module
+    hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(main)()
+
+
+@dataclass
+class _Run:
+    """What setup builds, for the phases after it."""
+
+    cfg: Any
+    tc: TrainerConfig
+    method: TrainMethod
+    accelerator: Any
+    run_dir: Path
+    target: Any
+    drafter: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: DataLoader
+    eval_loader: DataLoader | None
+    logger: Any  # None on processes other than the main one
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def has_counts(self) -> bool:
+        return callable(getattr(self.method, "count_items", None))
+
+
+@dataclass
+class _Progress:
+    """Where the run stands; the phases from resume on update it."""
+
+    step: int = 0
+    tokens_seen: int = 0  # over the whole run, resumed parts included
+    last_checkpoint: Path | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    history: list[dict[str, float]] = field(default_factory=list)
+    train_time: float = 0.0  # seconds in training steps since this process started (not evaluating or saving)
+    trained_tokens: int = 0  # tokens trained on since this process started
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _LogWindow:
+    """Sums over the optimizer steps since the last log line, kept on the device until they are logged."""
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "_LogWindow":
+        return cls(loss=torch.zeros((), device=device), tokens=torch.zeros((), device=device))
+
+    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, has_counts: bool, accum: int) -> None:
+        """One micro-batch of a step of ``accum``: per-micro-batch means are averaged over the step, count-normalised
+        losses (already a share of the step's mean) summed."""
+        self.loss += loss.detach().float() * (1 if has_counts else 1 / accum)
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
+        self.tokens += tokens
+
+    def restart_clock(self) -> None:
+        """Evaluating and saving are not training time."""
+        self.started = time.perf_counter()
+
+    def reduce(self, accelerator, has_counts: bool) -> tuple[dict[str, float], int]:
+        """(mean over the window, tokens over all ranks); the loss summed over ranks (count-normalised) or averaged
+        (per-batch means)."""
+        loss = accelerator.reduce(self.loss.clone(), reduction="sum")
+        loss = loss / self.steps if has_counts else loss / (self.steps * accelerator.num_processes)
+        record = {"loss": loss.item()}
+        for k, v in sorted(self.metrics.items()):
+            record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / self.steps).item()
+        n_tok = int(accelerator.reduce(self.tokens.clone(), reduction="sum").item())
+        return record, n_tok
+
+
 # --- setup ------------------------------------------------------------------------------------------------------------
 
 
-def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
-    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)."""
-    data = to_dict(cfg)
-    unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}.")
-    return cls(**data)
+def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
+    """The trainer settings, accelerator and run folder; the target and data; the drafter, optimizer, schedule and
+    loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``."""
+    from accelerate.utils import set_seed
+
+    tc = TrainerConfig.from_cfg(cfg.trainer)
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file INFO lines drown the progress bar
+    run_dir = Path(str(cfg.run_dir))
+    accelerator = make_accelerator(tc, run_dir)
+    set_seed(tc.seed)
+    if accelerator.is_main_process:
+        write_resolved_config(cfg, run_dir)
+        if (run_dir / "checkpoints").exists():
+            prune_checkpoints(run_dir / "checkpoints", None)  # removes temporary folders a killed run left behind
+    if target is None:
+        target = _load_target(cfg, accelerator)
+    else:
+        target.model.to(accelerator.device)
+    train_ds, eval_ds, collate_fn = _data(cfg, tc, method, target, datasets, accelerator)
+    drafter, optimizer, scheduler = _optimization(tc, method, target)
+    loader_gen = torch.Generator().manual_seed(tc.seed)  # DataLoader seeds from this, not the global RNG
+    train_loader = DataLoader(train_ds, batch_size=tc.batch_size, sampler=EpochSampler(len(train_ds), tc.seed),
+                              collate_fn=collate_fn, num_workers=tc.num_workers, generator=loader_gen)
+    drafter, optimizer, train_loader, scheduler = accelerator.prepare(drafter, optimizer, train_loader, scheduler)
+    eval_loader = None
+    if eval_ds is not None:
+        eval_loader = accelerator.prepare(DataLoader(eval_ds, batch_size=tc.batch_size, shuffle=False,
+                                                     collate_fn=collate_fn, num_workers=tc.num_workers))
+    _check_accumulation(accelerator, tc)
+    register_trainable_state_hooks(accelerator)
+    logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
+    return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
+                drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
+                eval_loader=eval_loader, logger=logger)
 
 
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
-    from accelerate.utils import extract_model_from_parallel
+def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, datasets: Any, accelerator):
+    """(train split, eval split or None, collate_fn): ``cfg.data`` tokenized unless ``datasets`` is given, then what
+    the method makes of it (``prepare_data``, e.g. a feature store), the eval split capped at eval_max_examples."""
+    from train.data import collate
 
-    return extract_model_from_parallel(module)
+    if datasets is None:
+        datasets = _load_datasets(cfg, target.tokenizer, accelerator)
+    train_ds, eval_ds = _split(datasets, "train"), _split(datasets, "eval")
+    _check_not_empty(train_ds, cfg)
+    collate_fn = functools.partial(collate, pad_token_id=target.tokenizer.pad_token_id)
+    prepare_data = getattr(method, "prepare_data", None)
+    if prepare_data is not None:
+        train_ds, eval_ds, collate_fn = prepare_data({"train": train_ds, "eval": eval_ds}, target, accelerator,
+                                                     collate_fn)
+    if eval_ds is not None and tc.eval_max_examples is not None and len(eval_ds) > tc.eval_max_examples:
+        eval_ds = torch.utils.data.Subset(eval_ds, range(tc.eval_max_examples))
+    if eval_ds is not None and len(eval_ds) == 0:
+        eval_ds = None
+    return train_ds, eval_ds, collate_fn
+
+
+def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
+    """(drafter, AdamW over its trainable parameters or the method's groups, the warmup + decay schedule)."""
+    from transformers import get_scheduler
+
+    drafter = method.build_drafter(target)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"The {method.name} drafter has no trainable parameter.")
+    param_groups = getattr(method, "param_groups", None)
+    groups = param_groups(drafter, tc.learning_rate) if param_groups else [{"params": trainable}]
+    optimizer = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=tc.adam_betas, eps=tc.adam_eps,
+                                  weight_decay=tc.weight_decay)
+    scheduler = get_scheduler(_SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
+                              num_training_steps=tc.max_steps)
+    return drafter, optimizer, scheduler
+
+
+def _check_accumulation(accelerator, tc: TrainerConfig) -> None:
+    if accelerator.gradient_accumulation_steps != tc.gradient_accumulation_steps:
+        raise ValueError(
+            "The accelerate/DeepSpeed config sets gradient_accumulation_steps="
+            f"{accelerator.gradient_accumulation_steps} but trainer.gradient_accumulation_steps="
+            f"{tc.gradient_accumulation_steps}: set it in one place only (leave it out of the DeepSpeed config; "
+            "it is filled from the trainer)."
+        )
 
 
 def make_accelerator(tc: TrainerConfig, run_dir: Path):
@@ -303,243 +500,217 @@ def _check_not_empty(train_ds: Any, cfg: Any) -> None:
         )
 
 
+# --- resume -----------------------------------------------------------------------------------------------------------
+
+
+def _resume(run: _Run) -> _Progress:
+    """Where training starts: the checkpoint ``trainer.resume`` names (its step, data position, optimizer and RNG
+    states), or step 0 of a fresh run. Runs after everything that might draw random numbers, since the RNG states
+    are restored here."""
+    tc = run.tc
+    resume_from = resolve_resume(tc.resume, run.ckpt_dir)
+    if tc.resume and resume_from is None and run.is_main:
+        print(f"[selfspec] trainer.resume={tc.resume}: no checkpoint in {run.ckpt_dir} yet; starting fresh.",
+              file=sys.stderr)
+    if resume_from is None:
+        _clear_earlier_run(run)
+        return _Progress()
+    return _restore(run, resume_from)
+
+
+def _clear_earlier_run(run: _Run) -> None:
+    """A fresh run refuses a folder with an earlier run's checkpoints, or deletes them with trainer.overwrite."""
+    earlier = list_checkpoints(run.ckpt_dir)
+    if earlier and not run.tc.overwrite:
+        raise RunExistsError(
+            f"{run.ckpt_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}): continue it with "
+            "trainer.resume=true, start over with trainer.overwrite=true (deletes them), or choose another run_name."
+        )
+    if earlier:
+        run.accelerator.wait_for_everyone()
+        if run.is_main:
+            print(f"[selfspec] trainer.overwrite=true: deleting {len(earlier)} checkpoint(s) of an earlier run in "
+                  f"{run.ckpt_dir}.", file=sys.stderr)
+            for _, folder in earlier:
+                shutil.rmtree(folder)
+        run.accelerator.wait_for_everyone()
+
+
+def _restore(run: _Run, resume_from: Path) -> _Progress:
+    tc = run.tc
+    state = load_checkpoint(run.accelerator, resume_from)
+    step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+    layout = (state.get("num_processes"), state.get("batch_size"), state.get("gradient_accumulation_steps"))
+    if layout != (run.world, tc.batch_size, tc.gradient_accumulation_steps) and run.is_main:
+        print("[selfspec] resuming with another process count or batch layout than the checkpoint's: the run "
+              "continues from the same number of optimizer steps but will not repeat the original exactly.",
+              file=sys.stderr)
+    if step > tc.max_steps:
+        raise ValueError(
+            f"{resume_from} is at step {step}, past trainer.max_steps={tc.max_steps}: resume with "
+            f"trainer.max_steps >= {step} to train on (the learning-rate schedule is rebuilt for the new length), "
+            f"or use the heads that run saved."
+        )
+    # The schedule's own rate at this step: the restored one unless max_steps changed (older checkpoints do not
+    # record it).
+    lr = _schedule_at(run.scheduler, step)
+    planned = state.get("max_steps")
+    if planned is not None and int(planned) != tc.max_steps and run.is_main:
+        print(f"[selfspec] the checkpoint's run was to end at step {planned}, trainer.max_steps={tc.max_steps} "
+              f"now: the {tc.lr_scheduler} learning-rate schedule is rebuilt for {tc.max_steps} steps and "
+              f"goes on from step {step} at learning rate {lr:.3g}.", file=sys.stderr)
+    if run.is_main:
+        print(f"[selfspec] resumed from {resume_from} at step {step}", file=sys.stderr)
+    return _Progress(step=step, tokens_seen=tokens_seen, last_checkpoint=latest_checkpoint(run.ckpt_dir))
+
+
+# --- training steps ---------------------------------------------------------------------------------------------------
+
+
+def _train_steps(run: _Run, progress: _Progress) -> None:
+    """Optimizer steps up to trainer.max_steps: a log line every log_every steps (and at the last), an evaluation
+    every eval_every steps (before the last; the final one follows), a checkpoint every save_every and at the last."""
+    from tqdm.auto import tqdm
+
+    tc, accum = run.tc, run.tc.gradient_accumulation_steps
+    stream = _micro_batches(run.accelerator, run.train_loader, start=progress.step * accum)
+    window = _LogWindow.empty(run.accelerator.device)
+    bar = tqdm(total=tc.max_steps, initial=progress.step, desc=f"train {run.method.name}", unit="step",
+               disable=not run.is_main, dynamic_ncols=True)
+    run.drafter.train()
+    try:
+        while progress.step < tc.max_steps:
+            _optimizer_step(run, [next(stream) for _ in range(accum)], window, progress.step + 1)
+            progress.step += 1
+            window.steps += 1
+            bar.update(1)
+            step = progress.step
+            if step % max(tc.log_every, 1) == 0 or step == tc.max_steps:
+                _log_window(run, progress, window, bar)
+                window = _LogWindow.empty(run.accelerator.device)
+            if run.eval_loader is not None and tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
+                _evaluate_and_log(run, progress)
+                if run.is_main:
+                    tqdm.write(_format_eval(step, progress.eval_metrics))
+                window.restart_clock()
+            if tc.save_every and (step % tc.save_every == 0 or step == tc.max_steps):
+                progress.last_checkpoint = save_checkpoint(
+                    run.accelerator, run.ckpt_dir, step, _trainer_state(step, progress.tokens_seen, tc, run.world),
+                    tc.keep_last)
+                window.restart_clock()
+    finally:
+        bar.close()
+
+
+def _optimizer_step(run: _Run, micro: list[dict], window: _LogWindow, step: int) -> None:
+    """Optimizer step number ``step`` over this rank's micro-batches ``micro``: forward and backward each; clip,
+    check and update once the gradients are synced. Their losses and metrics go into ``window``."""
+    accelerator, has_counts, accum = run.accelerator, run.has_counts, len(micro)
+    kwargs = {}
+    if has_counts:
+        local = sum(run.method.count_items(b).to(accelerator.device, torch.float64) for b in micro)
+        kwargs["num_items"] = accelerator.reduce(local, reduction="sum").clamp(min=1)
+    for batch in micro:
+        with accelerator.accumulate(run.drafter), accelerator.autocast():
+            loss, metrics = run.method.compute_loss(batch, run.target, run.drafter, **kwargs)
+            _stop_if_not_finite(accelerator, loss.detach(), "loss", step, run.ckpt_dir)
+            # num_items already normalises over the step: undo the mean over micro-batches and ranks.
+            accelerator.backward(loss * (accum * run.world) if has_counts else loss)
+            if accelerator.sync_gradients:
+                _update(run, step)
+        window.add(loss, metrics, batch["attention_mask"].sum(), has_counts, accum)
+
+
+def _update(run: _Run, step: int) -> None:
+    accelerator, tc = run.accelerator, run.tc
+    grad_norm = None
+    if tc.max_grad_norm:
+        grad_norm = accelerator.clip_grad_norm_(run.drafter.parameters(), tc.max_grad_norm)
+    if grad_norm is not None and accelerator.mixed_precision != "fp16":
+        _stop_if_not_finite(accelerator, torch.as_tensor(grad_norm).detach().float(), "gradient norm", step,
+                            run.ckpt_dir)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _log_window(run: _Run, progress: _Progress, window: _LogWindow, bar) -> None:
+    record, n_tok = window.reduce(run.accelerator, run.has_counts)
+    elapsed = time.perf_counter() - window.started
+    progress.train_time += elapsed
+    progress.trained_tokens += n_tok
+    progress.tokens_seen += n_tok
+    record.update(lr=run.scheduler.get_last_lr()[0], tokens_per_s=n_tok / max(elapsed, 1e-9),
+                  tokens_seen=progress.tokens_seen)
+    progress.history.append({"step": progress.step, **record})
+    if run.is_main:
+        run.logger.log(record, step=progress.step)
+        bar.set_postfix(loss=f"{record['loss']:.4f}")
+
+
+# --- evaluate and save ------------------------------------------------------------------------------------------------
+
+
+def _evaluate_and_log(run: _Run, progress: _Progress) -> None:
+    progress.eval_metrics = _evaluate(run.method, run.eval_loader, run.target, run.drafter, run.accelerator)
+    if run.is_main:
+        run.logger.log(progress.eval_metrics, step=progress.step)
+
+
+def _evaluate_at_end(run: _Run, progress: _Progress) -> None:
+    if run.eval_loader is not None:
+        _evaluate_and_log(run, progress)
+    run.drafter.eval()
+
+
+def _save(run: _Run, progress: _Progress) -> Path:
+    """Write the drafter with ``method.save`` into ``<run_dir>/heads`` (main process), with what the run was."""
+    heads_dir = run.run_dir / "heads"
+    full_state = run.accelerator.get_state_dict(run.drafter)  # gathers shards (ZeRO-3/FSDP); every rank must call it
+    if run.is_main:
+        meta = {
+            "run_name": cfg_get(run.cfg, "run_name"),
+            "method": run.method.name,
+            "steps": progress.step,
+            "tokens_seen": progress.tokens_seen,
+            "data": to_dict(cfg_get(run.cfg, "data", {})),
+            "trainer": asdict(run.tc),
+            "eval": progress.eval_metrics,
+        }
+        run.method.save(heads_dir, run.accelerator.unwrap_model(run.drafter), run.target, meta, state_dict=full_state)
+    run.accelerator.wait_for_everyone()
+    return heads_dir
+
+
+def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
+    result = TrainResult(
+        run_dir=run.run_dir, heads_dir=heads_dir, steps=progress.step, eval_metrics=progress.eval_metrics,
+        history=progress.history, train_tokens=progress.trained_tokens,
+        train_tokens_per_s=progress.trained_tokens / progress.train_time if progress.train_time > 0 else 0.0,
+        wall_s=time.perf_counter() - progress.started, peak_memory_bytes=_peak_memory(run.accelerator.device),
+        last_checkpoint=progress.last_checkpoint,
+    )
+    if run.is_main:
+        print(summary(result, run.method.name), file=sys.stderr)
+        run.logger.finish()
+    return result
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------------
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(module)
+
+
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
-
-
-# --- the loop ---------------------------------------------------------------------------------------------------------
-
-
-def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = None) -> TrainResult:
-    """Train ``method``'s drafter on ``cfg``; ``target``/``datasets`` override loading them from ``cfg.model``/
-    ``cfg.data`` (a ``heads.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import get_scheduler
-
-    tc = TrainerConfig.from_cfg(cfg.trainer)
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file INFO lines drown the progress bar
-    run_dir = Path(str(cfg.run_dir))
-    ckpt_dir = run_dir / "checkpoints"
-    accelerator = make_accelerator(tc, run_dir)
-    is_main = accelerator.is_main_process
-    world = accelerator.num_processes
-    set_seed(tc.seed)
-    if is_main:
-        write_resolved_config(cfg, run_dir)
-        if ckpt_dir.exists():
-            prune_checkpoints(ckpt_dir, None)  # removes temporary folders a killed run left behind
-
-    # Target and data.
-    if target is None:
-        target = _load_target(cfg, accelerator)
-    else:
-        target.model.to(accelerator.device)
-    pad_id = target.tokenizer.pad_token_id
-    if datasets is None:
-        datasets = _load_datasets(cfg, target.tokenizer, accelerator)
-    train_ds, eval_ds = _split(datasets, "train"), _split(datasets, "eval")
-    _check_not_empty(train_ds, cfg)
-    from train.data import collate
-
-    collate_fn = functools.partial(collate, pad_token_id=pad_id)
-    prepare_data = getattr(method, "prepare_data", None)
-    if prepare_data is not None:
-        train_ds, eval_ds, collate_fn = prepare_data({"train": train_ds, "eval": eval_ds}, target, accelerator,
-                                                     collate_fn)
-    if eval_ds is not None and tc.eval_max_examples is not None and len(eval_ds) > tc.eval_max_examples:
-        eval_ds = torch.utils.data.Subset(eval_ds, range(tc.eval_max_examples))
-    if eval_ds is not None and len(eval_ds) == 0:
-        eval_ds = None
-
-    # Drafter, optimizer, schedule.
-    drafter = method.build_drafter(target)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError(f"The {method.name} drafter has no trainable parameter.")
-    param_groups = getattr(method, "param_groups", None)
-    groups = param_groups(drafter, tc.learning_rate) if param_groups else [{"params": trainable}]
-    optimizer = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=tc.adam_betas, eps=tc.adam_eps,
-                                  weight_decay=tc.weight_decay)
-    scheduler = get_scheduler(_SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
-                              num_training_steps=tc.max_steps)
-    loader_gen = torch.Generator().manual_seed(tc.seed)  # DataLoader seeds from this, not the global RNG
-    train_loader = DataLoader(train_ds, batch_size=tc.batch_size, sampler=EpochSampler(len(train_ds), tc.seed),
-                              collate_fn=collate_fn, num_workers=tc.num_workers, generator=loader_gen)
-    drafter, optimizer, train_loader, scheduler = accelerator.prepare(drafter, optimizer, train_loader, scheduler)
-    eval_loader = None
-    if eval_ds is not None:
-        eval_loader = accelerator.prepare(DataLoader(eval_ds, batch_size=tc.batch_size, shuffle=False,
-                                                     collate_fn=collate_fn, num_workers=tc.num_workers))
-    if accelerator.gradient_accumulation_steps != tc.gradient_accumulation_steps:
-        raise ValueError(
-            "The accelerate/DeepSpeed config sets gradient_accumulation_steps="
-            f"{accelerator.gradient_accumulation_steps} but trainer.gradient_accumulation_steps="
-            f"{tc.gradient_accumulation_steps}: set it in one place only (leave it out of the DeepSpeed config; "
-            "it is filled from the trainer)."
-        )
-    register_trainable_state_hooks(accelerator)
-    logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if is_main else None
-
-    # Resume (after everything that might draw random numbers, since the RNG states are restored here).
-    step, tokens_seen = 0, 0
-    resume_from = resolve_resume(tc.resume, ckpt_dir)
-    if tc.resume and resume_from is None and is_main:
-        print(f"[selfspec] trainer.resume={tc.resume}: no checkpoint in {ckpt_dir} yet; starting fresh.",
-              file=sys.stderr)
-    earlier = list_checkpoints(ckpt_dir) if resume_from is None else []
-    if earlier and not tc.overwrite:
-        raise RunExistsError(
-            f"{ckpt_dir} holds checkpoints of an earlier run (up to step {earlier[-1][0]}): continue it with "
-            "trainer.resume=true, start over with trainer.overwrite=true (deletes them), or choose another run_name."
-        )
-    if earlier:
-        accelerator.wait_for_everyone()
-        if is_main:
-            print(f"[selfspec] trainer.overwrite=true: deleting {len(earlier)} checkpoint(s) of an earlier run in "
-                  f"{ckpt_dir}.", file=sys.stderr)
-            for _, folder in earlier:
-                shutil.rmtree(folder)
-        accelerator.wait_for_everyone()
-    if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from)
-        step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
-        if (state.get("num_processes"), state.get("batch_size"), state.get("gradient_accumulation_steps")) != (
-            world, tc.batch_size, tc.gradient_accumulation_steps
-        ) and is_main:
-            print("[selfspec] resuming with another process count or batch layout than the checkpoint's: the run "
-                  "continues from the same number of optimizer steps but will not repeat the original exactly.",
-                  file=sys.stderr)
-        if step > tc.max_steps:
-            raise ValueError(
-                f"{resume_from} is at step {step}, past trainer.max_steps={tc.max_steps}: resume with "
-                f"trainer.max_steps >= {step} to train on (the learning-rate schedule is rebuilt for the new length), "
-                f"or use the heads that run saved."
-            )
-        # The schedule's own rate at this step: the restored one unless max_steps changed (older checkpoints do not
-        # record it).
-        lr = _schedule_at(scheduler, step)
-        planned = state.get("max_steps")
-        if planned is not None and int(planned) != tc.max_steps and is_main:
-            print(f"[selfspec] the checkpoint's run was to end at step {planned}, trainer.max_steps={tc.max_steps} "
-                  f"now: the {tc.lr_scheduler} learning-rate schedule is rebuilt for {tc.max_steps} steps and "
-                  f"goes on from step {step} at learning rate {lr:.3g}.", file=sys.stderr)
-        if is_main:
-            print(f"[selfspec] resumed from {resume_from} at step {step}", file=sys.stderr)
-
-    accum = tc.gradient_accumulation_steps
-    stream = _micro_batches(accelerator, train_loader, start=step * accum)
-    has_counts = callable(getattr(method, "count_items", None))
-    history: list[dict[str, float]] = []
-    eval_metrics: dict[str, float] = {}
-    last_ckpt = latest_checkpoint(ckpt_dir) if resume_from is not None else None
-    window_loss = torch.zeros((), device=accelerator.device)
-    window_metrics: dict[str, torch.Tensor] = {}
-    window_tokens = torch.zeros((), device=accelerator.device)
-    window_steps, t_window, t_start = 0, time.perf_counter(), time.perf_counter()
-    train_time, trained_tokens = 0.0, 0
-    bar = tqdm(total=tc.max_steps, initial=step, desc=f"train {method.name}", unit="step", disable=not is_main,
-               dynamic_ncols=True)
-    drafter.train()
-    try:
-        while step < tc.max_steps:
-            micro = [next(stream) for _ in range(accum)]
-            num_items = None
-            if has_counts:
-                local = sum(method.count_items(b).to(accelerator.device, torch.float64) for b in micro)
-                num_items = accelerator.reduce(local, reduction="sum").clamp(min=1)
-            for batch in micro:
-                with accelerator.accumulate(drafter), accelerator.autocast():
-                    loss, metrics = method.compute_loss(
-                        batch, target, drafter, **({"num_items": num_items} if has_counts else {})
-                    )
-                    _stop_if_not_finite(accelerator, loss.detach(), "loss", step + 1, ckpt_dir)
-                    # num_items already normalises over the step: undo the mean over micro-batches and ranks.
-                    accelerator.backward(loss * (accum * world) if has_counts else loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = None
-                        if tc.max_grad_norm:
-                            grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), tc.max_grad_norm)
-                        if grad_norm is not None and accelerator.mixed_precision != "fp16":
-                            _stop_if_not_finite(accelerator, torch.as_tensor(grad_norm).detach().float(),
-                                                "gradient norm", step + 1, ckpt_dir)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                window_loss += loss.detach().float() * (1 if has_counts else 1 / accum)
-                for k, v in metrics.items():
-                    window_metrics[k] = window_metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
-                window_tokens += batch["attention_mask"].sum()
-            step += 1
-            window_steps += 1
-            bar.update(1)
-
-            if step % max(tc.log_every, 1) == 0 or step == tc.max_steps:
-                record, n_tok = _reduce_window(accelerator, window_loss, window_metrics, window_tokens, window_steps,
-                                               has_counts, world)
-                elapsed = time.perf_counter() - t_window
-                train_time += elapsed
-                trained_tokens += n_tok
-                tokens_seen += n_tok
-                record.update(lr=scheduler.get_last_lr()[0], tokens_per_s=n_tok / max(elapsed, 1e-9),
-                              tokens_seen=tokens_seen)
-                history.append({"step": step, **record})
-                if is_main:
-                    logger.log(record, step=step)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}")
-                window_loss.zero_()
-                window_tokens.zero_()
-                window_metrics, window_steps = {}, 0
-                t_window = time.perf_counter()
-
-            if eval_loader is not None and tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
-                eval_metrics = _evaluate(method, eval_loader, target, drafter, accelerator)
-                if is_main:
-                    logger.log(eval_metrics, step=step)
-                    tqdm.write(_format_eval(step, eval_metrics))
-                t_window = time.perf_counter()  # evaluation is not training time
-
-            if tc.save_every and (step % tc.save_every == 0 or step == tc.max_steps):
-                last_ckpt = save_checkpoint(accelerator, ckpt_dir, step, _trainer_state(step, tokens_seen, tc, world),
-                                            tc.keep_last)
-                t_window = time.perf_counter()
-    finally:
-        bar.close()
-
-    if eval_loader is not None:
-        eval_metrics = _evaluate(method, eval_loader, target, drafter, accelerator)
-        if is_main:
-            logger.log(eval_metrics, step=step)
-    drafter.eval()
-
-    heads_dir = run_dir / "heads"
-    full_state = accelerator.get_state_dict(drafter)  # gathers shards (ZeRO-3/FSDP); every rank must call it
-    if is_main:
-        meta = {
-            "run_name": cfg_get(cfg, "run_name"),
-            "method": method.name,
-            "steps": step,
-            "tokens_seen": tokens_seen,
-            "data": to_dict(cfg_get(cfg, "data", {})),
-            "trainer": asdict(tc),
-            "eval": eval_metrics,
-        }
-        method.save(heads_dir, accelerator.unwrap_model(drafter), target, meta, state_dict=full_state)
-    accelerator.wait_for_everyone()
-
-    result = TrainResult(
-        run_dir=run_dir, heads_dir=heads_dir, steps=step, eval_metrics=eval_metrics, history=history,
-        train_tokens_per_s=trained_tokens / train_time if train_time > 0 else 0.0, train_tokens=trained_tokens,
-        wall_s=time.perf_counter() - t_start, peak_memory_bytes=_peak_memory(accelerator.device),
-        last_checkpoint=last_ckpt,
-    )
-    if is_main:
-        print(summary(result, method.name), file=sys.stderr)
-        logger.finish()
-    return result
 
 
 def _micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
@@ -565,17 +736,6 @@ def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, 
             f"update, and {where}. Lower trainer.learning_rate, keep trainer.max_grad_norm set, or train in fp32 "
             "(trainer.mixed_precision=no); resume with trainer.resume=true."
         )
-
-
-def _reduce_window(accelerator, loss, metrics, tokens, steps, has_counts, world) -> tuple[dict[str, float], int]:
-    """Mean over the logging window; the loss summed over ranks (count-normalised) or averaged (per-batch means)."""
-    loss = accelerator.reduce(loss.clone(), reduction="sum")
-    loss = loss / steps if has_counts else loss / (steps * world)
-    record = {"loss": loss.item()}
-    for k, v in sorted(metrics.items()):
-        record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / steps).item()
-    n_tok = int(accelerator.reduce(tokens.clone(), reduction="sum").item())
-    return record, n_tok
 
 
 def _evaluate(method, loader, target, drafter, accelerator) -> dict[str, float]:
@@ -633,6 +793,7 @@ def summary(result: TrainResult, name: str) -> str:
 
 
 __all__ = [
+    "CONF_DIR",
     "EmptyDatasetError",
     "EpochSampler",
     "NonFiniteLossError",
@@ -640,5 +801,8 @@ __all__ = [
     "TrainMethod",
     "TrainResult",
     "TrainerConfig",
+    "run_training",
+    "settings_from_cfg",
     "train",
+    "unwrap",
 ]

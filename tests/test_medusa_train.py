@@ -398,3 +398,32 @@ def test_default_config_is_the_documented_cpu_run():
         MedusaMethod(compose("medusa", ["heads=medusa2", "features=store"]))
     with pytest.raises(ValueError, match="Unknown trainer option"):
         TrainerConfig.from_cfg(compose("medusa", ["+trainer.max_stepz=3"]).trainer)
+
+
+def test_settings_defaults_are_written_once_in_conf():
+    """The trainer's and the heads' defaults live in conf/ only: their dataclasses set none (Medusa-2's fields are
+    None under Medusa-1), so the two cannot disagree; the entry point trains with exactly the yaml's values."""
+    import dataclasses
+
+    from conftest import compose
+    from omegaconf import OmegaConf
+
+    from train.eagle_method import EagleSettings
+    from train.medusa_method import MedusaSettings
+
+    for cls in (TrainerConfig, MedusaSettings, EagleSettings):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+        assert all(value is None for value in defaults.values()), (cls.__name__, defaults)
+    trainer_yaml = OmegaConf.to_container(OmegaConf.load(CONF / "trainer" / "default.yaml"))
+    assert set(trainer_yaml) == {f.name for f in dataclasses.fields(TrainerConfig)}
+    expected = {**trainer_yaml, **OmegaConf.to_container(OmegaConf.load(CONF / "medusa.yaml").trainer)}
+    expected["adam_betas"] = tuple(expected["adam_betas"])
+    assert TrainerConfig.from_cfg(compose("medusa").trainer) == TrainerConfig(**expected)
+    with pytest.raises(ValueError, match=r"Missing trainer option\(s\) \['max_steps'\]"):
+        TrainerConfig.from_cfg({k: v for k, v in trainer_yaml.items() if k != "max_steps"})
+    # heads.shared_lm_head of conf/heads/medusa.yaml is what the trained heads get (MedusaConfig's own default,
+    # for heads built by hand, is not used).
+    shared = OmegaConf.load(CONF / "heads" / "medusa.yaml").shared_lm_head
+    heads = MedusaMethod(compose("medusa", ["experiment=debug"])).build_drafter(tiny_target())
+    assert heads.config.shared_lm_head is shared and (heads.lm_heads is None) is shared

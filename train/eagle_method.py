@@ -26,7 +26,7 @@ are saved with its weights.
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +50,18 @@ HEAD_TYPES = ("eagle", "eagle3")
 
 @dataclass
 class EagleSettings:
-    type: str = "eagle"  # eagle | eagle3
-    fc_bias: bool = True
-    init_layer_from: int | None = None
-    layout: str = "fc"
-    layer_ids: list[int] | None = None
-    draft_vocab_size: int | None = None
-    unroll_steps: int = 1
-    feature_noise: float = 0.0
-    loss: dict = field(default_factory=dict)
-    tree: dict = field(default_factory=dict)
+    """``cfg.heads``; the defaults are in conf/heads/eagle.yaml and eagle3.yaml only."""
+
+    type: str  # eagle | eagle3
+    fc_bias: bool
+    init_layer_from: int | None
+    layout: str
+    layer_ids: list[int] | None
+    draft_vocab_size: int | None
+    unroll_steps: int
+    feature_noise: float
+    loss: dict
+    tree: dict
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "EagleSettings":

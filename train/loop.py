@@ -38,7 +38,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 
@@ -106,37 +106,33 @@ class TrainMethod(Protocol):
 
 @dataclass
 class TrainerConfig:
-    """``cfg.trainer`` (conf/trainer/*.yaml). Steps are optimizer steps; batch_size is per device."""
+    """``cfg.trainer``. Its defaults, and what each setting does, are in conf/trainer/default.yaml, the only place
+    they are written: every field is required here. Steps are optimizer steps; batch_size is per device."""
 
-    max_steps: int = 100
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    lr_scheduler: str = "cosine"  # cosine | linear | constant, each after a linear warmup
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0  # null: no clipping
-    mixed_precision: str | None = None  # no | bf16 | fp16 | null (from the accelerate config, default no)
-    seed: int = 0
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_max_examples: int | None = None  # cap on eval examples (the first ones of the eval split)
-    save_every: int = 0  # 0: no checkpoints
-    keep_last: int | None = 2  # null: keep every checkpoint
-    log_every: int = 10
-    resume: Any = False  # false | true (latest of this run) | path of a checkpoint or run folder
-    overwrite: bool = False  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
-    num_workers: int = 0
+    max_steps: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    weight_decay: float
+    adam_betas: tuple[float, float]
+    adam_eps: float
+    lr_scheduler: str  # cosine | linear | constant, each after a linear warmup
+    warmup_steps: int
+    max_grad_norm: float | None  # null: no clipping
+    mixed_precision: str | None  # no | bf16 | fp16 | null (from the accelerate config, default no)
+    seed: int
+    eval_every: int  # 0: evaluate only at the end
+    eval_max_examples: int | None  # cap on eval examples (the first ones of the eval split)
+    save_every: int  # 0: no checkpoints
+    keep_last: int | None  # null: keep every checkpoint
+    log_every: int
+    resume: Any  # false | true (latest of this run) | path of a checkpoint or run folder
+    overwrite: bool  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
+    num_workers: int
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "TrainerConfig":
-        data = to_dict(cfg)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown trainer option(s) {unknown}; known: {sorted(known)}.")
-        out = cls(**data)
+        out = settings_from_cfg(cls, cfg, group="trainer")
         out.adam_betas = tuple(out.adam_betas)  # type: ignore[assignment]
         problems = []
         if out.max_steps < 1:
@@ -156,11 +152,18 @@ _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_wit
 
 
 def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
-    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)."""
+    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)
+    and naming the fields without a default that the group does not set (its conf/ yaml sets them)."""
     data = to_dict(cfg)
-    unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}.")
+        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(known)}.")
+    missing = sorted(name for name, f in known.items()
+                     if name not in data and f.default is MISSING and f.default_factory is MISSING)
+    if missing:
+        raise ValueError(f"Missing {group} option(s) {missing}: conf/{group}/ holds their defaults; compose the "
+                         "config from conf/, or give every one.")
     return cls(**data)
 
 

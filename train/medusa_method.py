@@ -48,18 +48,21 @@ TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 
 
 @dataclass
 class MedusaSettings:
-    type: str = "medusa"  # medusa | medusa2
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = True
-    decay: float = 0.8
-    loss: str = "ce"  # ce | kl
-    # Medusa-2
+    """``cfg.heads``. The defaults are in conf/heads/medusa.yaml and medusa2.yaml only; the Medusa-2 fields are None
+    under Medusa-1 (medusa.yaml does not set them)."""
+
+    type: str  # medusa | medusa2
+    num_heads: int
+    num_layers: int
+    shared_lm_head: bool
+    decay: float
+    loss: str  # ce | kl
+    # Medusa-2 only
     lora: dict | None = None
-    target_loss: str = "lm"  # lm | kl
-    target_loss_weight: float = 1.0
-    heads_loss_weight: float = 0.2
-    heads_lr_multiplier: float = 4.0
+    target_loss: str | None = None  # lm | kl
+    target_loss_weight: float | None = None
+    heads_loss_weight: float | None = None
+    heads_lr_multiplier: float | None = None
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "MedusaSettings":
@@ -69,12 +72,17 @@ class MedusaSettings:
             problems.append(f"heads.type={out.type!r}: use medusa or medusa2")
         if out.loss not in ("ce", "kl"):
             problems.append(f"heads.loss={out.loss!r}: use ce or kl")
-        if out.target_loss not in ("lm", "kl"):
-            problems.append(f"heads.target_loss={out.target_loss!r}: use lm or kl")
         if out.num_heads < 1 or out.num_layers < 1:
             problems.append("heads.num_heads and heads.num_layers must be >= 1")
-        if out.type == "medusa2" and not out.lora:
-            problems.append("heads=medusa2 needs heads.lora (r, alpha, dropout, target_modules)")
+        if out.type == "medusa2":
+            if not out.lora:
+                problems.append("heads=medusa2 needs heads.lora (r, alpha, dropout, target_modules)")
+            if out.target_loss not in ("lm", "kl"):
+                problems.append(f"heads.target_loss={out.target_loss!r}: use lm or kl")
+            unset = [k for k in ("target_loss_weight", "heads_loss_weight", "heads_lr_multiplier")
+                     if getattr(out, k) is None]
+            if unset:
+                problems.append(f"heads=medusa2 needs heads.{', heads.'.join(unset)} (conf/heads/medusa2.yaml)")
         if problems:
             raise ValueError("; ".join(problems) + ".")
         return out

@@ -35,7 +35,7 @@ from decode.kernels import small_batch_linears, use_small_batch
 from decode.pipeline import Session, hf_generate, load_session, prompt_ids, read_questions, warm_up
 from decode.tree import Tree, load_tree
 from decode.types import DecodeSetupError, DecodeState, Draft
-from heads.config import cfg_get, to_plain
+from heads.config import cfg_get, to_dict, to_plain
 from heads.errors import SelfspecError
 from heads.kv import crop_cache
 from heads.target import cache_kwarg, check_fingerprint, fingerprint
@@ -404,9 +404,11 @@ def _max_depth(drafter: Any) -> int | None:
     return int(tree.max_depth) if tree is not None else getattr(drafter, "depth", None)
 
 
-def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int) -> list[Method]:
+def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
+                  draft: dict | None = None) -> list[Method]:
     """The methods ``names`` asks for, HF generate first (the reference of losslessness and speedup, always run);
-    hf_early_exit gets its layer later (:func:`choose_early_exit`)."""
+    hf_early_exit gets its layer later (:func:`choose_early_exit`). A training-free drafter takes the ``draft``
+    settings it knows (e.g. the suffix drafter's ``corpus``)."""
     methods = [Method("hf", base)]
     if "hf_prompt_lookup" in names:
         methods.append(Method("hf_prompt_lookup", base, generate_config={"prompt_lookup_num_tokens": prompt_lookup},
@@ -423,7 +425,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
-        settings = entry.settings(None, {})
+        settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
         drafter = entry.build(None, base.target, settings)
         methods.append(Method(entry.name, base, _engine(base, drafter),
                               info={"drafter": entry.name, "settings": settings, "max_depth": _max_depth(drafter)}))
@@ -710,7 +712,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     names = method_names(to_plain(cfg_get(cfg, "methods")))
     questions = load_prompts(cfg_get(cfg, "prompts"), cfg_get(cfg, "limit"))
     base, sessions = load_sessions(cfg, heads_folders(to_plain(cfg_get(cfg, "heads"))) if "heads" in names else [])
-    methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)))
+    methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)),
+                            to_dict(cfg_get(cfg, "draft")))
     tokenizer, s = base.target.tokenizer, base.settings
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"], s["system_prompt"])
     early_exit = None

@@ -17,15 +17,14 @@ from torch.nn import functional as F
 
 @dataclass
 class MedusaConfig:
-    """The shape of a set of heads, as saved with them. Training passes every field from ``cfg.heads``
-    (conf/heads/medusa.yaml, where the training defaults live: e.g. ``shared_lm_head: true``); the defaults here are
-    for heads built by hand, and ``shared_lm_head=False`` is also what a saved config without that key means."""
+    """The shape of a set of heads, as saved with them. Every field is given: training passes them from
+    ``cfg.heads`` (conf/heads/medusa.yaml holds the training defaults, and only there)."""
 
     hidden_size: int
     vocab_size: int
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = False
+    num_heads: int
+    num_layers: int
+    shared_lm_head: bool
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +173,7 @@ def expected_accept_length(accuracy: list[float] | torch.Tensor) -> float:
 
 def build_medusa_heads(config: dict, target_model: nn.Module | None = None) -> MedusaHeads:
     """Build heads from a saved config dict (``MedusaConfig`` fields); the head-type builder used by heads.io."""
-    fields = {k: config[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers", "shared_lm_head")
-              if k in config}
+    fields = {k: config[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers")}
+    fields["shared_lm_head"] = bool(config.get("shared_lm_head", False))  # heads saved before the option had their own
     lm_head = target_model.get_output_embeddings() if target_model is not None else None
     return MedusaHeads(MedusaConfig(**fields), lm_head)

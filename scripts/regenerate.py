@@ -12,12 +12,14 @@ Rerunning the same command resumes: ids already in `out` are skipped. Train on t
 import hydra
 from omegaconf import DictConfig
 
+from heads.errors import reported_errors
 from train.regenerate import run
 
 
 @hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    with reported_errors():
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from decode import registry
+
 from conftest import CONF
 from decode.bench import load_prompts, method_names
 from decode.engine import SpeculativeDecoder
@@ -64,7 +66,8 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
         assert imread(out / png).ndim == 3
     saved = json.loads((out / "bench.json").read_text())
     assert saved["figures"] == json.loads(json.dumps(report["figures"]))
-    methods = ["hf", "hf_prompt_lookup", "hf_early_exit", "vanilla", "medusa:medusa-tiny", "medusa:random"]
+    methods = ["hf", "hf_prompt_lookup", "hf_early_exit", "vanilla", "medusa:medusa-tiny", "medusa:random",
+               *(name for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
     assert list(saved["figures"]) == methods and saved["categories"] == ["math", "writing"]
     assert saved["early_exit"]["layer"] == 2 and saved["methods"]["hf_early_exit"]["assistant_early_exit"] == 2
     assert saved["mismatches"] == [] and saved["lossless_checked"]  # every method equals HF generate, token by token

@@ -237,7 +237,7 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     from heads.target import Target
 
     model, tokenizer = build_tiny("llama")
-    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2), model.lm_head)
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False), model.lm_head)
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), Target(model, tokenizer, "tiny-llama"))
     conf = Path(__file__).resolve().parents[1] / "conf" / "decode"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):

@@ -20,13 +20,15 @@ from typing import Any
 
 import torch
 
+from heads.errors import SelfspecError
+
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 STATE_NAME = "trainer_state.json"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SelfspecError, RuntimeError):
     """A checkpoint cannot be found or does not fit this run."""
 
 

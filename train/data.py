@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from heads.config import cfg_get, to_dict
+from heads.errors import SelfspecError
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 1 << 20
@@ -83,7 +84,7 @@ TEMPLATE_UNSTABLE = "chat template not prefix-stable"
 TEMPLATE_FAILED = "chat template raised an error"
 
 
-class DataError(ValueError):
+class DataError(SelfspecError, ValueError):
     """The training data cannot be used; the message names the problem and how to fix it."""
 
 

@@ -12,18 +12,32 @@
     accelerate launch --config_file conf/accelerate/ddp.yaml train/eagle.py heads=eagle3 trainer=gpu
 
 Outputs in outputs/<run_name>/ (run_name defaults to eagle-smollm2 / eagle3-smollm2): heads/ (load with
-``heads.load(path, target)``; decode with ``python decode/run.py heads_path=outputs/eagle-smollm2/heads``),
+``heads.load(path, target)``; decode with ``python decode/run.py heads=outputs/eagle-smollm2/heads``),
 checkpoints/, config.yaml, metrics.jsonl.
 """
 
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
-    # Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
-    # installed packages of those names and `train` would not import without an install: the repository root instead.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-    from train.eagle_method import EagleMethod
-    from train.loop import run_training
+# Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
+# installed packages of those names and `train` would not import without an install; put the repository root there.
+_ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
+    sys.path[0] = str(_ROOT)
 
-    run_training("eagle", EagleMethod)
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from heads.errors import reported_errors  # noqa: E402
+from train.eagle_method import EagleMethod  # noqa: E402
+from train.loop import train  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="eagle", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with reported_errors():
+        train(cfg, EagleMethod(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from heads.config import cfg_get, to_dict
+from heads.errors import SelfspecError
 from train.data import IGNORE_INDEX
 
 FORMAT = 1
@@ -44,7 +45,7 @@ STORE_KEYS = ("dir", "dtype", "batch_size", "examples_per_shard")  # what cfg.fe
 Extract = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-class FeatureStoreError(RuntimeError):
+class FeatureStoreError(SelfspecError, RuntimeError):
     """A feature store is missing, incomplete, or does not fit the run."""
 
 

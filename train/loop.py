@@ -1,7 +1,6 @@
 """The training loop every drafter family shares (Medusa and EAGLE; layer-skip exits are planned), on accelerate.
 
-    result = train(cfg, method)           # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
-    run_training("medusa", MedusaMethod)  # an entry script's body: conf/medusa.yaml + the command line, then train
+    result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 
 ``method`` says what is trained and how (see :class:`TrainMethod`); the loop owns everything else, in this order
 (one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with a
@@ -37,7 +36,6 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
@@ -47,6 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from heads.config import cfg_get, to_dict
+from heads.errors import SelfspecError
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -57,18 +56,17 @@ from train.checkpoint import (
     save_checkpoint,
 )
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-class EmptyDatasetError(ValueError):
+class EmptyDatasetError(SelfspecError, ValueError):
     """The training split has no example."""
 
 
-class RunExistsError(ValueError):
+class RunExistsError(SelfspecError, ValueError):
     """A fresh run would mix its checkpoints with those of an earlier run in the same folder."""
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(SelfspecError, RuntimeError):
     """The loss or the gradient norm became NaN or infinite; training stopped before the update."""
 
 
@@ -212,19 +210,6 @@ def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = Non
     _evaluate_at_end(run, progress)
     heads_dir = _save(run, progress)
     return _finish(run, progress, heads_dir)
-
-
-def run_training(config_name: str, method_cls: Callable[[Any], TrainMethod]) -> None:
-    """The body of an entry script (train/medusa.py, train/eagle.py): compose ``conf/<config_name>.yaml`` with the
-    command line's overrides (Hydra, which also names its job and log file after ``config_name``) and train
-    ``method_cls(cfg)``."""
-    import hydra
-
-    def main(cfg: Any) -> None:
-        train(cfg, method_cls(cfg))
-
-    main.__module__ = config_name  # Hydra's job name (its log file in the run folder) comes from the task's module
-    hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(main)()
 
 
 @dataclass
@@ -796,7 +781,6 @@ def summary(result: TrainResult, name: str) -> str:
 
 
 __all__ = [
-    "CONF_DIR",
     "EmptyDatasetError",
     "EpochSampler",
     "NonFiniteLossError",
@@ -804,7 +788,6 @@ __all__ = [
     "TrainMethod",
     "TrainResult",
     "TrainerConfig",
-    "run_training",
     "settings_from_cfg",
     "train",
     "unwrap",

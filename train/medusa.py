@@ -20,11 +20,25 @@ metrics.jsonl.
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
-    # Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
-    # installed packages of those names and `train` would not import without an install: the repository root instead.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-    from train.loop import run_training
-    from train.medusa_method import MedusaMethod
+# Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
+# installed packages of those names and `train` would not import without an install; put the repository root there.
+_ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
+    sys.path[0] = str(_ROOT)
 
-    run_training("medusa", MedusaMethod)
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from heads.errors import reported_errors  # noqa: E402
+from train.loop import train  # noqa: E402
+from train.medusa_method import MedusaMethod  # noqa: E402
+
+
+@hydra.main(config_path="../conf", config_name="medusa", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with reported_errors():
+        train(cfg, MedusaMethod(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from train.data import (
-    DataError, EMPTY_TURN, INVALID_TURN, NOT_AN_OBJECT, chat_ids, open_records, parse_turns, read_records,
+    EMPTY_TURN,
+    INVALID_TURN,
+    NOT_AN_OBJECT,
+    DataError,
+    chat_ids,
+    open_records,
+    parse_turns,
+    read_records,
 )
 
 NO_USER_TURN = "no user turn"

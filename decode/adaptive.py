@@ -7,8 +7,9 @@ probability that drafted node i is accepted (the node's whole branch matches the
 
     (1 + p_1 + ... + p_k) / cost(1 + k)            k = 0 (the root alone: plain decoding) .. budget
 
-- :class:`CostCurve`: ``cost(n)`` measured once per model, dtype, device, thread count and linear kernel on this
-  machine with :func:`decode.bench.verify_cost_curve`, cached as JSON under the selfspec cache.
+- :func:`verify_cost_curve`: the time of one tree-verify forward of 1..64 nodes over a filled KV cache (cheap to grow
+  on a GPU until it is compute bound, expensive on a CPU); :class:`CostCurve`: ``cost(n)`` from it, measured once per
+  model, dtype, device, thread count and linear kernel on this machine and cached as JSON under the selfspec cache.
 - :class:`Calibration`: a drafter's raw scores are not probabilities. Per bucket (e.g. a match length), it keeps the
   drafted nodes' summed scores and how many of them were accepted, and scales scores by their ratio, shrunk towards
   the ratio over all buckets, itself shrunk towards a prior of ``prior_weight`` nodes at ``prior_rate``.
@@ -20,11 +21,21 @@ import hashlib
 import json
 import os
 import platform
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from decode.cache import new_cache
+from decode.engine import tree_forward
+from decode.kernels import small_batch_linears, use_small_batch
+from decode.tree import Tree, load_tree
+from decode.types import DecodeState, Draft
+from heads.kv import crop_cache
+from heads.target import cache_kwarg
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -95,6 +106,61 @@ class Calibration:
 # --- the measured curve, cached -------------------------------------------------------------------------------------
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def verify_cost_curve(
+    model: torch.nn.Module,
+    cache_length: int = 256,
+    sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    repeats: int = 5,
+    tree: Tree | None = None,
+    linear_kernel: str = "torch",
+) -> list[dict]:
+    """Median time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default mc_sim_7b_63 and
+    chains beyond its size) over a ``cache_length`` cache, with the linear layers of ``linear_kernel`` (see
+    decode.kernels). Returns [{"nodes", "ms", "ms_per_node"}]."""
+    device = next(model.parameters()).device
+    with small_batch_linears(model, enabled=use_small_batch(linear_kernel, device)):
+        return _verify_cost_curve(model, device, cache_length, sizes, repeats, tree)
+
+
+def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> list[dict]:
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    shape = tree or load_tree("mc_sim_7b_63")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (cache_length,), generator=g).to(device)
+    cache = new_cache()
+    model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
+    for n in (max(sizes), min(sizes)):  # warm up kernels and allocator on both ends of the curve
+        state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length, next_token=0,
+                            hidden=torch.empty(0, device=device))
+        tokens = torch.zeros(n, dtype=torch.long, device=device)
+        tree_forward(model, state, Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, n - 1))).to(device)))
+        crop_cache(cache, cache_length)
+    rows = []
+    for n in sizes:
+        parents = shape.parents[:n].tolist() if n <= shape.num_nodes else list(range(-1, n - 1))
+        sub = Tree.from_parents(parents).to(device)
+        tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
+        state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length, next_token=int(tokens[0]),
+                            hidden=torch.empty(0, device=device))
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            tree_forward(model, state, Draft(tokens=tokens, tree=sub))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            crop_cache(cache, cache_length)
+        ms = 1000 * statistics.median(times)
+        rows.append({"nodes": n, "ms": ms, "ms_per_node": ms / n})
+    return rows
+
+
 def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
     from heads.target import cache_dir, fingerprint
 
@@ -112,8 +178,6 @@ def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", ca
     if path.is_file():
         data = json.loads(path.read_text())
         return CostCurve(sizes=tuple(data["sizes"]), ms=tuple(data["ms"]))
-    from decode.bench import verify_cost_curve
-
     cache_length = min(cache_length, getattr(model.config, "max_position_embeddings", cache_length) - max(CURVE_SIZES))
     rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=5, linear_kernel=linear_kernel)
     curve = CostCurve(sizes=tuple(r["nodes"] for r in rows), ms=tuple(r["ms"] for r in rows))

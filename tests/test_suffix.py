@@ -13,8 +13,7 @@ import torch
 from decode.adaptive import Calibration, CostCurve, best_size
 from decode.engine import SpeculativeDecoder
 from decode.suffix import Candidates, NgramIndex, SuffixArray, SuffixDrafter, corpus_documents, load_corpus
-from decode.verify import Sampling, target_probs
-from heads.target import build_tiny
+from decode.verify import Sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -143,27 +142,17 @@ def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_pat
 
 
 def test_sampled_tokens_follow_the_target_distribution():
+    from test_engine import exact_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
 
-    model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=1)
+    model = small_vocab_target()
     prompt = torch.tensor([3, 5, 7, 1])
     sampling = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)
     v = model.config.vocab_size
-    with torch.no_grad():
-        p1 = target_probs(model(input_ids=prompt[None]).logits[0, -1], 0.9, 0, 0.9)
-        one = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)
-        p2 = target_probs(model(input_ids=one).logits[:, -1], 0.9, 0, 0.9)
-        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(torch.arange(v), torch.arange(v))], 1)
-        p3 = target_probs(model(input_ids=two).logits[:, -1], 0.9, 0, 0.9).reshape(v, v, v)
-    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    exact = exact_first_three(model, prompt).reshape(-1)
     # a corpus of the target's own samples after the prompt: drafts that are often right, and often wrong
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for _ in range(40):
-        a = int(torch.multinomial(p1, 1, generator=g))
-        b = int(torch.multinomial(p2[a], 1, generator=g))
-        c = int(torch.multinomial(p3[a, b], 1, generator=g))
-        samples.append([3, 5, 7, 1, a, b, c])
+    draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
+    samples = [[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws]
     drafter = SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=8)
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
     counts, accepted, seeds = torch.zeros(v ** 3), 0, 1500

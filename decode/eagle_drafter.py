@@ -27,6 +27,7 @@ from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
 from heads.eagle import EagleDrafter
 from heads.kv import crop_cache
+from heads.errors import SettingError
 
 
 class EagleTreeDrafter(DrafterBase):
@@ -35,7 +36,7 @@ class EagleTreeDrafter(DrafterBase):
 
     def __init__(self, heads: EagleDrafter, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
         if depth < 0 or top_k < 1 or total_tokens < 0:
-            raise ValueError(f"EAGLE tree needs depth >= 0, top_k >= 1, total_tokens >= 0 "
+            raise SettingError(f"EAGLE tree needs depth >= 0, top_k >= 1, total_tokens >= 0 "
                              f"(got depth={depth}, top_k={top_k}, total_tokens={total_tokens}).")
         if not isinstance(heads, EagleDrafter):
             raise TypeError(f"EagleTreeDrafter drafts with EAGLE heads (heads.eagle.EagleDrafter), got "

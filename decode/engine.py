@@ -34,7 +34,7 @@ from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
-from heads.errors import SelfspecError
+from heads.errors import SelfspecError, SettingError
 from heads.target import cache_kwarg
 
 TREE_MASK_ATTENTION = ("sdpa", "eager")
@@ -339,7 +339,7 @@ class SpeculativeDecoder:
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) -> DecodeResult:
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+            raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if stop and self.decode is None:
             raise ValueError("Stop strings need a decode function: SpeculativeDecoder(..., decode=tokenizer.decode).")
         ids = self.prompt_tensor(prompt_ids)

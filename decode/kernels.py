@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from heads.errors import SettingError
 
 MAX_ROWS = 64  # above this the ordinary x @ W.T kernel is as good (compute bound)
 KERNELS = ("auto", "torch", "small_batch")
@@ -54,7 +55,7 @@ class SmallBatchLinear(nn.Linear):
 def use_small_batch(kernel: str, device: torch.device | str) -> bool:
     """Whether ``linear_kernel=kernel`` means the small-batch linears on ``device`` (auto: on CPUs only)."""
     if kernel not in KERNELS:
-        raise ValueError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
+        raise SettingError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
     return kernel == "small_batch" or (kernel == "auto" and torch.device(device).type == "cpu")
 
 

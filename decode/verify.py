@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.tree import Tree
+from heads.errors import SettingError
 
 ACCEPTANCE_RULES = ("greedy", "sample", "typical")
 
@@ -42,16 +43,16 @@ class Sampling:
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance={self.acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}.")
+            raise SettingError(f"acceptance={self.acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}.")
         if self.acceptance != "greedy" and not self.temperature > 0:
-            raise ValueError(
+            raise SettingError(
                 f"acceptance={self.acceptance} needs temperature > 0 (got {self.temperature}); "
                 "for deterministic output use acceptance=greedy."
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise SettingError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
+            raise SettingError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}.")
 
 
 @dataclass

@@ -57,6 +57,7 @@ from torch.nn import functional as F
 
 from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
+from heads.errors import SettingError
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -75,15 +76,15 @@ class EagleConfig:
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
-            raise ValueError(f"Unknown EAGLE variant {self.variant!r}; use one of {VARIANTS}.")
+            raise SettingError(f"Unknown EAGLE variant {self.variant!r}; use one of {VARIANTS}.")
         if self.layer_ids is not None:
             self.layer_ids = [int(i) for i in self.layer_ids]
         if self.layout not in LAYOUTS:
-            raise ValueError(f"Unknown EAGLE layout {self.layout!r}; use one of {LAYOUTS}.")
+            raise SettingError(f"Unknown EAGLE layout {self.layout!r}; use one of {LAYOUTS}.")
         if self.layout == "midlayer" and self.variant != "eagle3":
-            raise ValueError("layout='midlayer' (EAGLE-3's widened q/k/v) is for variant='eagle3'; EAGLE-1 uses 'fc'.")
+            raise SettingError("layout='midlayer' (EAGLE-3's widened q/k/v) is for variant='eagle3'; EAGLE-1 uses 'fc'.")
         if self.variant == "eagle3" and self.layer_ids is not None and len(self.layer_ids) != 3:
-            raise ValueError(f"eagle3 fuses exactly 3 target layers (low, mid, high); got layer_ids={self.layer_ids}.")
+            raise SettingError(f"eagle3 fuses exactly 3 target layers (low, mid, high); got layer_ids={self.layer_ids}.")
 
     @property
     def effective_draft_vocab_size(self) -> int:
@@ -445,7 +446,7 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
     counts = torch.as_tensor(token_counts).reshape(-1)
     vocab_size = counts.numel()
     if draft_vocab_size <= 0:
-        raise ValueError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
+        raise SettingError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
     size = min(int(draft_vocab_size), vocab_size)
     order = torch.sort(counts.double(), descending=True, stable=True).indices  # stable: ties keep lower ids first
     kept = torch.sort(order[:size]).values  # [Vd] target ids, ascending
@@ -507,7 +508,7 @@ class EagleLossWeights:
 
     def __post_init__(self):
         if self.token_loss not in ("kl", "ce"):
-            raise ValueError(f"token_loss must be 'kl' or 'ce', got {self.token_loss!r}")
+            raise SettingError(f"token_loss must be 'kl' or 'ce', got {self.token_loss!r}")
 
 
 TeacherLogits = Union[torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
@@ -644,7 +645,7 @@ def drafter_loss(
     regression_target = None
     if weights.regression > 0:
         if drafter.variant != "eagle":
-            raise ValueError("eagle3 has no feature regression target: set heads.loss.regression=0.")
+            raise SettingError("eagle3 has no feature regression target: set heads.loss.regression=0.")
         regression_target = hidden_states[-1].to(steps[0].dtype)
     return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher)
 

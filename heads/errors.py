@@ -15,6 +15,10 @@ class SelfspecError(Exception):
     from the built-in it refines (ValueError, RuntimeError), so callers catching those keep working."""
 
 
+class SettingError(SelfspecError, ValueError):
+    """A setting has a value it cannot take; the message names the setting and the values it can."""
+
+
 @contextmanager
 def reported_errors() -> Iterator[None]:
     """Around an entry point's body: a :class:`SelfspecError` prints ``error: <message>`` and exits with status 2."""

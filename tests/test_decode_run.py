@@ -5,6 +5,7 @@ greedy decoding, trained heads bring their own target, and bad input fails clear
 from __future__ import annotations
 
 import io
+import os
 import json
 import sys
 
@@ -169,3 +170,21 @@ def test_tree_sweep_script(tmp_path, capsys):
         sweep.main(["model=tiny", "drafter=eagle", f"prompts={questions}", "--trees", "chain"])
     with pytest.raises(DecodeSetupError, match="depth:top_k:total_tokens, e.g."):
         sweep.main(["model=tiny", "drafter=eagle", f"prompts={questions}", "--eagle", "5:8"])
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("decode/run.py", ["heads=/no/such/heads", "prompt=hi"], "error: No heads folder at /no/such/heads"),
+    ("decode/run.py", ["model=tiny", "draft.tree=nosuch", "prompt=hi"], "error: Unknown tree 'nosuch'"),
+    ("train/medusa.py", ["experiment=debug", "trainer.max_steps=abc"], "error: trainer.max_steps='abc' is not a whole"),
+])
+def test_expected_mistakes_print_one_line_without_a_traceback(script, args, message, tmp_path):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    cmd = [sys.executable, str(CONF.parent / script), *args, f"run_dir={tmp_path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    full = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=tmp_path,
+                          timeout=300)
+    assert full.returncode != 0 and "Traceback" in full.stderr  # the whole trace, for debugging

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
 from heads.config import cfg_get, to_dict
-from heads.errors import SelfspecError
+from heads.errors import SelfspecError, SettingError
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -142,7 +142,7 @@ class TrainerConfig:
         if out.mixed_precision not in (None, "no", "bf16", "fp16"):
             problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16 or null")
         if problems:
-            raise ValueError("; ".join(problems) + ".")
+            raise SettingError("; ".join(problems) + ".")
         return out
 
 
@@ -156,13 +156,32 @@ def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"Unknown {group} option(s) {unknown}; known: {sorted(known)}.")
+        raise SettingError(f"Unknown {group} option(s) {unknown}; known: {sorted(known)}.")
     missing = sorted(name for name, f in known.items()
                      if name not in data and f.default is MISSING and f.default_factory is MISSING)
     if missing:
-        raise ValueError(f"Missing {group} option(s) {missing}: conf/{group}/ holds their defaults; compose the "
+        raise SettingError(f"Missing {group} option(s) {missing}: conf/{group}/ holds their defaults; compose the "
                          "config from conf/, or give every one.")
+    wrong = [f"{group}.{name}={value!r} is not {_TYPE_NAMES[typ]}" for name, value in data.items()
+             for typ in [_SIMPLE_TYPES.get(str(known[name].type))] if typ and not _fits(value, typ)]
+    if wrong:
+        raise SettingError("; ".join(wrong) + ".")
     return cls(**data)
+
+
+# A field annotated with one of these must hold that type (bool is not taken for a number, an int is for a float).
+_SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float}
+_TYPE_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _fits(value: Any, typ: type) -> bool:
+    if value is None:
+        return True  # optional fields; required ones are checked where they are used
+    if typ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if typ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typ)
 
 
 @dataclass

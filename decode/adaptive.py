@@ -103,6 +103,74 @@ class Calibration:
         self.accepted[bucket] = self.accepted.get(bucket, 0.0) + float(accepted)
 
 
+@dataclass
+class AdaptiveDepth:
+    """How deep each draft goes, for drafters whose trees can be cut by depth (Medusa's static trees, EAGLE's dynamic
+    ones): the depth d (0: the root alone, no drafting) that maximises the expected tokens per second::
+
+        (1 + a_1 + ... + a_d) / (cost(nodes at depth d) + drafting cost)
+
+    ``a_j`` is the share of verified trees deep enough to reach level j whose accepted branch did reach it (a prior
+    of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
+    drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the measured seconds per drafted step over one
+    forward's. A depth not chosen for ``explore_every`` steps is tried again, so estimates follow the text.
+    """
+
+    curve: CostCurve
+    measure_draft: bool = True  # False: drafting counted free (tests with injected curves)
+    explore_every: int = 16
+    prior_steps: float = 2.0
+    prior_accept: float = 0.6
+    tried: dict[int, float] = field(default_factory=dict)  # level j -> verified trees that reached it
+    reached: dict[int, float] = field(default_factory=dict)  # level j -> of those, accepted branches that reached it
+    nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
+    full_depth: int | None = None  # the deepest tree the drafter proposes (seen on the first step)
+    draft_s: float = 0.0  # moving average of seconds spent drafting a step
+    since_explore: int = 0
+
+    def acceptance(self, level: int) -> float:
+        prior = self.prior_steps * self.prior_accept ** level
+        return (self.reached.get(level, 0.0) + prior) / (self.tried.get(level, 0.0) + self.prior_steps)
+
+    def _nodes(self, depth: int) -> int:
+        known = [d for d in self.nodes if d >= depth]
+        return self.nodes[depth] if depth in self.nodes else (self.nodes[min(known)] if known else depth + 1)
+
+    def rate(self, depth: int) -> float:
+        """Expected tokens per one-token forward time when drafting to ``depth``."""
+        if depth == 0:
+            return 1.0 / self.curve.cost(1)
+        expected = 1.0 + sum(self.acceptance(j) for j in range(1, depth + 1))
+        draft = self.draft_s / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
+        return expected / (self.curve.cost(self._nodes(depth)) + draft)
+
+    def choose(self, max_depth: int) -> int:
+        if self.full_depth is None:
+            return max_depth  # the first step shows how deep the drafter goes
+        top = min(max_depth, self.full_depth)
+        best = max(range(top + 1), key=self.rate)
+        self.since_explore = 0 if best == top else self.since_explore + 1
+        if self.since_explore > self.explore_every:
+            self.since_explore = 0
+            return top
+        return best
+
+    def observe(self, asked: int, draft, accepted: int, draft_seconds: float) -> None:
+        depth = int(draft.tree.max_depth)
+        if asked == 0 or depth == 0:
+            return
+        if self.full_depth is None:
+            self.full_depth = depth
+        levels = draft.tree.depth.tolist()
+        for level in range(1, depth):  # a first estimate of shallower cuts: this tree's nodes down to that level
+            self.nodes.setdefault(level, sum(1 for d in levels if d <= level))
+        self.nodes[min(asked, self.full_depth)] = int(draft.tree.num_nodes)
+        for level in range(1, depth + 1):
+            self.tried[level] = self.tried.get(level, 0.0) + 1.0
+            self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
+        self.draft_s = draft_seconds if not self.draft_s else 0.9 * self.draft_s + 0.1 * draft_seconds
+
+
 # --- the measured curve, cached -------------------------------------------------------------------------------------
 
 

@@ -17,13 +17,9 @@ from typing import Sequence
 
 import torch
 
-from decode.tree import Tree, load_tree, single_node_tree
-from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput
+from decode.tree import Tree, load_tree
+from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from heads.medusa import MedusaHeads
-
-
-def root_only(state: DecodeState, device: torch.device) -> Draft:
-    return Draft(tokens=torch.tensor([state.next_token], device=device), tree=single_node_tree().to(device))
 
 
 class VanillaDrafter(DrafterBase):

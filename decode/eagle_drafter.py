@@ -21,13 +21,12 @@ from __future__ import annotations
 import torch
 
 from decode.cache import new_cache
-from decode.drafters import root_only
 from decode.dynamic_tree import DraftTreeExpander, grow_dynamic_tree, topk_children
-from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput
+from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
 from heads.eagle import EagleDrafter
-from heads.kv import crop_cache
 from heads.errors import SettingError
+from heads.kv import crop_cache
 
 
 class EagleTreeDrafter(DrafterBase):

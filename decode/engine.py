@@ -27,12 +27,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from decode.cache import commit_kv, new_cache
 from decode.kernels import small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
-from decode.types import DecodeSetupError, DecodeState, Draft, Drafter, ForwardOutput
+from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
 from decode.verify import Sampling, Verdict, verify
 from heads.errors import SelfspecError, SettingError
 from heads.target import cache_kwarg
@@ -286,6 +285,8 @@ class SpeculativeDecoder:
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
     ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
     ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs.
+    ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
+    drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     """
 
     def __init__(
@@ -295,10 +296,12 @@ class SpeculativeDecoder:
         eos_token_ids: Sequence[int] | None = None,
         decode: Callable[[list[int]], str] | None = None,
         linear_kernel: str = "auto",
+        depth_policy: DepthPolicy | None = None,
     ):
         check_tree_attention(model)
         self.model = model
         self.drafter = drafter
+        self.depth_policy = depth_policy
         self.eos_token_ids = frozenset(eos_token_ids) if eos_token_ids is not None else default_eos_ids(model)
         self.decode = decode
         self.device = next(model.parameters()).device
@@ -337,6 +340,11 @@ class SpeculativeDecoder:
         with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
 
+    def _depth(self, room: int) -> int:
+        """How deep this step's draft may go: the tokens left after the target's own (``room``), or less if the
+        depth policy says so."""
+        return room if self.depth_policy is None else min(room, self.depth_policy.choose(room))
+
     def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) -> DecodeResult:
         if max_new_tokens < 1:
             raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
@@ -360,9 +368,9 @@ class SpeculativeDecoder:
 
         while not state.done:
             t0 = _clock(self.device)
-            budget = rule.budget(state)
-            draft = self.drafter.propose(state, max_depth=budget - 1)
-            draft = on_device(truncate_draft(draft, budget - 1), self.device)
+            depth = self._depth(rule.budget(state) - 1)
+            draft = self.drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, self.device)
+            draft = on_device(truncate_draft(draft, depth), self.device)
             if int(draft.tokens[0]) != state.next_token:
                 raise RuntimeError(
                     f"{type(self.drafter).__name__}.propose returned a tree whose root is token {int(draft.tokens[0])}"
@@ -378,6 +386,8 @@ class SpeculativeDecoder:
 
             emitted = draft.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
             state, kept = settle(state, emitted, rule)
+            if self.depth_policy is not None:
+                self.depth_policy.observe(depth, draft, len(verdict.path) - 1, (t1 - t0) + (t3 - t2))
             stats.draft_s += (t1 - t0) + (t3 - t2)
             stats.verify_s += t2 - t1
             stats.drafted += draft.tree.num_nodes - 1

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from heads.errors import SettingError
 
 MAX_ROWS = 64  # above this the ordinary x @ W.T kernel is as good (compute bound)

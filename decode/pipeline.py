@@ -19,14 +19,14 @@ from typing import Any, Callable, TextIO
 import torch
 
 from decode import registry
+from decode.adaptive import AdaptiveDepth, measured_cost_curve
 from decode.engine import DecodeResult, SpeculativeDecoder
-from decode.kernels import KERNELS
+from decode.kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
 from decode.types import DecodeSetupError
 from decode.verify import Sampling
 from heads.config import cfg_get, to_dict, to_plain
 from heads.target import SMOLLM2_ID, Target, load_target
-
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
 
@@ -118,6 +118,13 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
+def depth_policy(model: torch.nn.Module, linear_kernel: str) -> AdaptiveDepth:
+    """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run."""
+    device = next(model.parameters()).device
+    curve = measured_cost_curve(model, "small_batch" if use_small_batch(linear_kernel, device) else "torch")
+    return AdaptiveDepth(curve)
+
+
 def load_session(cfg: Any) -> Session:
     """Everything decode/run.py needs, from a composed ``conf/decode/decode.yaml``."""
     heads = cfg_get(cfg, "heads", "random")
@@ -139,7 +146,8 @@ def load_session(cfg: Any) -> Session:
     kernel = str(cfg_get(cfg, "linear_kernel", "auto"))
     if kernel not in KERNELS:
         raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
-    decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel)
+    decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel,
+                                 depth_policy=depth_policy(target.model, kernel) if draft_settings.get("adaptive") else None)
     settings = {
         "max_new_tokens": int(cfg_get(cfg, "max_new_tokens", 256)),
         "stop": [str(s) for s in (to_plain(cfg_get(cfg, "stop")) or [])],

@@ -8,6 +8,7 @@ Each entry says:
 - ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
   training-free family), the target (``heads.target.Target``: model and tokenizer) and its decode settings;
 - ``defaults``: the decode settings it takes and their defaults (the ``draft.*`` keys of conf/decode/decode.yaml);
+  ``adaptive: true`` lets the engine choose each step how deep the draft goes (decode/adaptive.py:AdaptiveDepth);
 - ``saved_key``: where a heads folder's config.json keeps the settings training chose for it (e.g. EAGLE's ``tree``),
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
@@ -138,14 +139,15 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
     return _on_target(heads, model)
 
 
-EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48}
+EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48, "adaptive": True}
 
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix,
                       defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
-                      defaults={"tree": "mc_sim_7b_63"}, saved_key="decode", random_heads=random_medusa_heads))
+                      defaults={"tree": "mc_sim_7b_63", "adaptive": True}, saved_key="decode",
+                      random_heads=random_medusa_heads))
 for _variant in ("eagle", "eagle3"):
     register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
                           _eagle, defaults=dict(EAGLE_TREE), saved_key="tree",

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.tree import Tree
+from decode.tree import Tree, single_node_tree
 from decode.verify import Verdict
 from heads.errors import SelfspecError
 
@@ -62,6 +62,23 @@ class DecodeState:
         return int(self.prompt_ids.shape[0])
 
 
+def root_only(state: DecodeState, device: torch.device) -> Draft:
+    """The root alone: a plain decoding step."""
+    return Draft(tokens=torch.tensor([state.next_token], device=device), tree=single_node_tree().to(device))
+
+
+class DepthPolicy(Protocol):
+    """How deep the next draft may go (decode/adaptive.py: :class:`~decode.adaptive.AdaptiveDepth`); 0 skips drafting
+    and runs a plain step. The engine reports every step back."""
+
+    def choose(self, max_depth: int) -> int:
+        """A depth in 0..max_depth for the next draft."""
+
+    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
+        """The draft verified after asking for depth ``asked``, how many drafted nodes were accepted, and the seconds
+        drafting took (propose and commit hooks)."""
+
+
 class Drafter(Protocol):
     """What the engine calls. ``state`` is read-only to a drafter."""
 
@@ -80,20 +97,6 @@ class Drafter(Protocol):
 
     def modules(self) -> Sequence[torch.nn.Module]:
         """The neural modules the drafter runs (the engine gives their linear layers its small-batch kernels)."""
-
-
-class DrafterBase:
-    """No-op hooks; subclasses implement ``propose``."""
-
-    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        return None
-
-    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        return None
-
-    def propose(self, state: DecodeState, max_depth: int) -> Draft:
-        raise NotImplementedError
-
 
 
 class DrafterBase:

@@ -302,8 +302,8 @@ def exact_first_three(model, prompt) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_first_three(model, drafter, seeds: int) -> tuple[torch.Tensor, float]:
-    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+def sampled_first_three(model, drafter, seeds: int, depth_policy=None) -> tuple[torch.Tensor, float]:
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=depth_policy)
     prompt = torch.tensor([3, 5, 7, 1])
     v = model.config.vocab_size
     counts = torch.zeros(v ** 3)

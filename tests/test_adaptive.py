@@ -1,0 +1,78 @@
+"""Adaptive speculation with an injected cost curve: the root alone when drafts are never accepted, the whole tree
+when they always are; and decoding stays lossless (greedy equality, the sampling test) while the depth changes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode.adaptive import AdaptiveDepth, CostCurve
+from decode.drafters import MedusaDrafter
+from decode.engine import SpeculativeDecoder
+from decode.tree import load_tree
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CPU_LIKE = CostCurve.from_relative({1: 1.0, 4: 1.0, 8: 1.29, 16: 1.5, 32: 2.05, 64: 3.24})
+
+
+def draft_of(tree):
+    return SimpleNamespace(tree=tree)
+
+
+def run_policy(policy: AdaptiveDepth, accepted_of, steps: int = 60, tree: str = "mc_sim_7b_63") -> list[int]:
+    """Drive the policy as the engine does, with a tree of depth 4; returns the depths it chose."""
+    tree = load_tree(tree, num_heads=4)
+    chosen = []
+    for _ in range(steps):
+        depth = policy.choose(100)
+        chosen.append(depth)
+        if depth:
+            cut = tree.truncate(min(depth, tree.max_depth))
+            policy.observe(depth, draft_of(cut), accepted_of(cut.max_depth), 0.0)
+        else:
+            policy.observe(0, draft_of(tree.truncate(0)), 0, 0.0)
+    return chosen
+
+
+def test_never_accepted_drafts_give_way_to_plain_decoding():
+    chosen = run_policy(AdaptiveDepth(CPU_LIKE, measure_draft=False), lambda depth: 0)
+    assert chosen[0] == 100  # the first step shows how deep the drafter goes
+    late = chosen[20:]
+    assert late.count(0) >= 0.9 * len(late)  # the root alone, but for a rare exploring step
+
+
+def test_always_accepted_drafts_go_as_deep_as_the_tree():
+    chosen = run_policy(AdaptiveDepth(CPU_LIKE, measure_draft=False), lambda depth: depth, tree="chain-4")
+    assert chosen[5:].count(4) == len(chosen[5:])
+
+
+def test_costly_drafting_is_counted():
+    # accepted half the time at level 1 only; drafting costs as much as a forward: not worth it
+    policy = AdaptiveDepth(CPU_LIKE, measure_draft=True)
+    policy.draft_s = 1.0  # seconds per drafted step, against a one-token forward of 1 ms
+    chosen = run_policy(policy, lambda depth: 1 if torch.rand(1).item() < 0.5 else 0)
+    assert chosen[20:].count(0) >= 0.9 * len(chosen[20:])
+
+
+def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
+    from test_engine import exact_first_three, random_heads, sampled_first_three, small_vocab_target
+    from test_verify import chi_square_pvalue
+
+    model, _ = tiny_llama
+    policy = AdaptiveDepth(CPU_LIKE, measure_draft=False, explore_every=3)
+    decoder = SpeculativeDecoder(model, MedusaDrafter(random_heads(model), "mc_sim_7b_63"), depth_policy=policy)
+    for prompt in ([5, 6, 7, 8], [9, 10, 11, 12, 13, 14]):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, pad_token_id=0)[0]
+        assert decoder.generate(prompt, max_new_tokens=30).tokens == ref[len(prompt):].tolist()
+    assert len(policy.nodes) >= 2  # several depths were verified
+
+    small = small_vocab_target()
+    exact = exact_first_three(small, torch.tensor([3, 5, 7, 1])).reshape(-1)
+    drafter = MedusaDrafter(random_heads(small, num_heads=2, seed=3), [[0], [1], [2], [0, 0], [1, 0]])
+    counts, _ = sampled_first_three(small, drafter, seeds=800,
+                                    depth_policy=AdaptiveDepth(CPU_LIKE, measure_draft=False, explore_every=2))
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3

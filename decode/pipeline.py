@@ -146,8 +146,9 @@ def load_session(cfg: Any) -> Session:
     kernel = str(cfg_get(cfg, "linear_kernel", "auto"))
     if kernel not in KERNELS:
         raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
+    policy = depth_policy(target.model, kernel) if draft_settings.get("adaptive") else None
     decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel,
-                                 depth_policy=depth_policy(target.model, kernel) if draft_settings.get("adaptive") else None)
+                                 depth_policy=policy)
     settings = {
         "max_new_tokens": int(cfg_get(cfg, "max_new_tokens", 256)),
         "stop": [str(s) for s in (to_plain(cfg_get(cfg, "stop")) or [])],

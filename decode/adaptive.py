@@ -113,8 +113,9 @@ class AdaptiveDepth:
     ``a_j`` is the share of verified trees deep enough to reach level j whose accepted branch did reach it (a prior
     of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
     drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the
-    measured seconds per drafted step over one forward's. When the deepest cut has not been chosen for
-    ``explore_every`` steps it is tried again, so the estimates follow the text.
+    measured seconds per drafted step over one forward's. Every ``explore_every`` steps a depth one level deeper than
+    the best is verified, so the estimates follow the text; while those looks do not pay, they come half as often
+    (down to one in ``32 * explore_every`` steps).
     """
 
     curve: CostCurve
@@ -127,7 +128,9 @@ class AdaptiveDepth:
     nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
     full_depth: int | None = None  # the deepest tree the drafter proposes (seen on the first step)
     draft_s: float = 0.0  # moving average of seconds spent drafting a step
-    since_explore: int = 0
+    since_explore: int = 0  # steps since the last look one level deeper than the best
+    interval: int = 0  # steps between such looks (0: explore_every); doubles while they do not pay
+    last_best: int = 0
 
     def acceptance(self, level: int) -> float:
         prior = self.prior_steps * self.prior_accept ** level
@@ -150,11 +153,19 @@ class AdaptiveDepth:
             return max_depth  # the first step shows how deep the drafter goes
         top = min(max_depth, self.full_depth)
         best = max(range(top + 1), key=self.rate)
-        self.since_explore = 0 if best == top else self.since_explore + 1
-        if self.since_explore > self.explore_every:
+        if best > self.last_best:
+            self.interval = self.explore_every  # deeper paid off: look further again soon
+        self.last_best = best
+        if best == top:
             self.since_explore = 0
-            return top
-        return best
+            return best
+        self.since_explore += 1
+        if self.since_explore <= (self.interval or self.explore_every):
+            return best
+        # one level deeper than the best, the cheapest look; looked at less often while looking does not pay
+        self.since_explore = 0
+        self.interval = min(2 * (self.interval or self.explore_every), 32 * self.explore_every)
+        return best + 1
 
     def observe(self, asked: int, draft, accepted: int, draft_seconds: float) -> None:
         depth = int(draft.tree.max_depth)

@@ -13,7 +13,6 @@ import torch
 from decode.adaptive import Calibration, CostCurve, best_size
 from decode.engine import SpeculativeDecoder
 from decode.suffix import Candidates, NgramIndex, SuffixArray, SuffixDrafter, corpus_documents, load_corpus
-from decode.verify import Sampling
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -142,26 +141,19 @@ def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_pat
 
 
 def test_sampled_tokens_follow_the_target_distribution():
-    from test_engine import exact_first_three, small_vocab_target
+    from test_engine import exact_first_three, sampled_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
 
     model = small_vocab_target()
     prompt = torch.tensor([3, 5, 7, 1])
-    sampling = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)
     v = model.config.vocab_size
     exact = exact_first_three(model, prompt).reshape(-1)
     # a corpus of the target's own samples after the prompt: drafts that are often right, and often wrong
     draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
     samples = [[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws]
     drafter = SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=8)
-    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
-    counts, accepted, seeds = torch.zeros(v ** 3), 0, 1500
-    for seed in range(seeds):
-        res = decoder.generate(prompt, max_new_tokens=3, sampling=sampling, seed=seed)
-        a, b, c = res.tokens
-        counts[(a * v + b) * v + c] += 1
-        accepted += res.stats.accepted
-    assert accepted / seeds > 0.5  # drafts were accepted often enough for the test to mean something
+    counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)  # temperature 0.9, top-p 0.9
+    assert accept_rate > 0.5  # drafts were accepted often enough for the test to mean something
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
     assert chi_square_pvalue(counts, exact) > 1e-3
 

@@ -129,8 +129,11 @@ class AdaptiveDepth:
     full_depth: int | None = None  # the deepest tree the drafter proposes (seen on the first step)
     draft_s: float = 0.0  # moving average of seconds spent drafting a step
     since_explore: int = 0  # steps since the last look one level deeper than the best
-    interval: int = 0  # steps between such looks (0: explore_every); doubles while they do not pay
+    interval: int = 0  # steps between such looks (explore_every at first); doubles while they do not pay
     last_best: int = 0
+
+    def __post_init__(self) -> None:
+        self.interval = self.interval or self.explore_every
 
     def acceptance(self, level: int) -> float:
         prior = self.prior_steps * self.prior_accept ** level
@@ -160,11 +163,11 @@ class AdaptiveDepth:
             self.since_explore = 0
             return best
         self.since_explore += 1
-        if self.since_explore <= (self.interval or self.explore_every):
+        if self.since_explore <= self.interval:
             return best
         # one level deeper than the best, the cheapest look; looked at less often while looking does not pay
         self.since_explore = 0
-        self.interval = min(2 * (self.interval or self.explore_every), 32 * self.explore_every)
+        self.interval = min(2 * self.interval, 32 * self.explore_every)
         return best + 1
 
     def observe(self, asked: int, draft, accepted: int, draft_seconds: float) -> None:

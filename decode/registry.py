@@ -98,11 +98,7 @@ def _suffix(heads, target, settings) -> Drafter:
     from decode.suffix import SuffixDrafter, load_corpus
 
     corpus = load_corpus(settings["corpus"], target.tokenizer) if settings.get("corpus") else None
-    budget = settings["budget"]
-    if budget != "auto":
-        if not str(budget).isdigit():
-            raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
-        budget = int(budget)
+    budget = int(settings["budget"]) if str(settings["budget"]).isdigit() else settings["budget"]  # checked there
     return SuffixDrafter(target.model, corpus=corpus, budget=budget, max_nodes=int(settings["max_nodes"]),
                          max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]))
 

@@ -65,13 +65,15 @@ class CostCurve:
         return cls(sizes=sizes, ms=tuple(float(costs[n]) for n in sizes))
 
 
-def best_size(scores: Sequence[float], curve: CostCurve, budget: int) -> int:
+def best_size(scores: Sequence[float], curve: CostCurve, budget: int, base_nodes: int = 1,
+              base_expected: float = 1.0) -> int:
     """How many of the ranked drafted nodes (``scores``: acceptance probabilities, best first) to verify, at most
-    ``budget``: the k that maximises (1 + sum of the first k) / cost(1 + k). 0 means the root alone."""
-    best_k, best_rate, expected = 0, 1.0 / curve.cost(1), 1.0
+    ``budget``: the k that maximises (base_expected + sum of the first k) / cost(base_nodes + k). 0 means none: the
+    root alone (base 1 node, 1 token), or only what another drafter put in the tree (a hybrid tree's base)."""
+    best_k, best_rate, expected = 0, base_expected / curve.cost(base_nodes), base_expected
     for k, p in enumerate(scores[:budget], start=1):
         expected += p
-        rate = expected / curve.cost(1 + k)
+        rate = expected / curve.cost(base_nodes + k)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k
@@ -143,11 +145,15 @@ class AdaptiveDepth:
         known = [d for d in self.nodes if d >= depth]
         return self.nodes[depth] if depth in self.nodes else (self.nodes[min(known)] if known else depth + 1)
 
+    def expected(self, depth: int) -> float:
+        """Expected tokens of a step that drafts to ``depth``: the target's own plus the accepted drafted ones."""
+        return 1.0 + sum(self.acceptance(j) for j in range(1, depth + 1))
+
     def rate(self, depth: int) -> float:
         """Expected tokens per one-token forward time when drafting to ``depth``."""
         if depth == 0:
             return 1.0 / self.curve.cost(1)
-        expected = 1.0 + sum(self.acceptance(j) for j in range(1, depth + 1))
+        expected = self.expected(depth)
         draft = self.draft_s / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
         return expected / (self.curve.cost(self._nodes(depth)) + draft)
 

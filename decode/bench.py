@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from decode import registry
 from decode.adaptive import verify_cost_curve
 from decode.engine import SpeculativeDecoder
-from decode.pipeline import Session, hf_generate, load_session, prompt_ids, read_questions
+from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, read_questions
 from decode.types import DecodeSetupError
 from heads.config import cfg_get, to_dict, to_plain
 from heads.errors import SelfspecError
@@ -94,7 +94,7 @@ def format_sweep(ways: dict[str, dict]) -> str:
 # --- the one-command benchmark (scripts/bench.py) ---------------------------------------------------------------------
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
-METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "training_free")  # what ``methods=`` names (plus registry names)
+METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # what ``methods=`` names (plus registry names)
 
 
 class LosslessnessError(SelfspecError, RuntimeError):
@@ -294,6 +294,17 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         for name, s in sessions.items():
             methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
                                                             "max_depth": _max_depth(s.decoder.drafter)}))
+    if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
+        for name, s in sessions.items():
+            if s.draft_settings.get("suffix"):
+                continue  # already a hybrid under "heads"
+            settings = {**s.draft_settings, "suffix": True, "corpus": (draft or {}).get("corpus")}
+            inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
+            decoder = build_decoder(s.target, inner, settings, base.decoder.linear_kernel,
+                                    sorted(base.decoder.eos_token_ids))
+            methods.append(Method(f"{name}+suffix", s, decoder, info={"drafter": f"{s.drafter}+suffix",
+                                                                      "settings": settings,
+                                                                      "max_depth": _max_depth(inner)}))
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue

@@ -23,7 +23,7 @@ from decode.adaptive import AdaptiveDepth, measured_cost_curve
 from decode.engine import DecodeResult, SpeculativeDecoder
 from decode.kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
-from decode.types import DecodeSetupError
+from decode.types import DecodeSetupError, Drafter
 from decode.verify import Sampling
 from heads.config import cfg_get, to_dict, to_plain
 from heads.target import SMOLLM2_ID, Target, load_target
@@ -125,6 +125,21 @@ def depth_policy(model: torch.nn.Module, linear_kernel: str) -> AdaptiveDepth:
     return AdaptiveDepth(curve)
 
 
+def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
+                  eos_token_ids: list[int] | None = None) -> SpeculativeDecoder:
+    """The engine for ``drafter`` under its settings: adaptive depth if ``adaptive``; with ``suffix``, the drafter
+    and the suffix drafter merged into one tree per step (decode/hybrid.py; it then owns the depth policy)."""
+    policy = depth_policy(target.model, kernel) if settings.get("adaptive") else None
+    if settings.get("suffix"):
+        from decode.hybrid import HybridDrafter
+
+        suffix_entry = registry.entry("suffix")
+        suffix = suffix_entry.build(None, target, suffix_entry.settings(None, {"corpus": settings.get("corpus")}))
+        drafter, policy = HybridDrafter(drafter, suffix, policy), None
+    return SpeculativeDecoder(target.model, drafter, eos_token_ids=eos_token_ids, decode=target.tokenizer.decode,
+                              linear_kernel=kernel, depth_policy=policy)
+
+
 def load_session(cfg: Any) -> Session:
     """Everything decode/run.py needs, from a composed ``conf/decode/decode.yaml``."""
     heads = cfg_get(cfg, "heads", "random")
@@ -146,9 +161,7 @@ def load_session(cfg: Any) -> Session:
     kernel = str(cfg_get(cfg, "linear_kernel", "auto"))
     if kernel not in KERNELS:
         raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
-    policy = depth_policy(target.model, kernel) if draft_settings.get("adaptive") else None
-    decoder = SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel,
-                                 depth_policy=policy)
+    decoder = build_decoder(target, drafter, draft_settings, kernel)
     settings = {
         "max_new_tokens": int(cfg_get(cfg, "max_new_tokens", 256)),
         "stop": [str(s) for s in (to_plain(cfg_get(cfg, "stop")) or [])],

@@ -13,6 +13,9 @@ Each entry says:
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
 
+Every trained family also takes ``suffix`` (merge the suffix drafter's proposals into its tree: decode/hybrid.py,
+built by decode/pipeline.py:build_decoder) and that drafter's ``corpus``.
+
 A new family adds one :class:`DrafterEntry` with :func:`register` (see docs/architecture.md).
 """
 
@@ -136,15 +139,16 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
 
 
 EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48, "adaptive": True}
+HYBRID = {"suffix": False, "corpus": None}  # trained families: merge the suffix drafter's proposals (decode/hybrid.py)
 
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix,
                       defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
-                      defaults={"tree": "mc_sim_7b_63", "adaptive": True}, saved_key="decode",
+                      defaults={"tree": "mc_sim_7b_63", "adaptive": True, **HYBRID}, saved_key="decode",
                       random_heads=random_medusa_heads))
 for _variant in ("eagle", "eagle3"):
     register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
-                          _eagle, defaults=dict(EAGLE_TREE), saved_key="tree",
+                          _eagle, defaults={**EAGLE_TREE, **HYBRID}, saved_key="tree",
                           random_heads=functools.partial(random_eagle_heads, variant=_variant)))

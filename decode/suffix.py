@@ -218,6 +218,16 @@ class Candidates:
         return order
 
 
+@dataclass
+class SuffixPlan:
+    """One step's candidates (``cands``, from a match of length class ``bucket``) and the nodes chosen to verify,
+    best first (each after its parent)."""
+
+    bucket: int
+    cands: Candidates
+    chosen: list[int]
+
+
 def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device) -> Draft:
     """The root plus the ``chosen`` nodes (each after its parent) as a Draft."""
     slot = {node: i + 1 for i, node in enumerate(chosen)}
@@ -250,7 +260,7 @@ class SuffixDrafter(DrafterBase):
         self.calibration = Calibration()
         self.index = NgramIndex(max_match)
         self.device = torch.device("cpu")
-        self._pending: tuple[int, list[float]] | None = None  # (bucket, probabilities of the nodes verified)
+        self._pending: SuffixPlan | None = None  # the plan of the draft being verified
 
     def curve(self) -> CostCurve:
         if self.cost_curve is None:
@@ -276,21 +286,35 @@ class SuffixDrafter(DrafterBase):
             n = max(n, n_corpus)
         return min(n, 8), cands
 
-    @torch.no_grad()
-    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+    def plan(self, state: DecodeState, max_depth: int, base_nodes: int = 1,
+             base_expected: float = 1.0) -> SuffixPlan:
+        """This step's candidates and the nodes worth verifying, on top of ``base_nodes`` tree nodes already
+        expected to yield ``base_expected`` tokens (the root alone: 1 and 1.0; a hybrid tree passes its other
+        drafter's share, so the suffix's nodes pay for what they add to the cost of the whole tree)."""
         self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
         bucket, cands = self._candidates(min(self.max_depth, max_depth))
         limit = self.max_nodes if self.budget == "auto" else self.budget
         ranked = cands.ranked(limit)
-        probs = self.calibration.probabilities([cands.scores[n] for n in ranked], bucket)
-        k = best_size(probs, self.curve(), limit) if self.budget == "auto" else len(ranked)
-        chosen = sorted(ranked[:k])  # creation order: parents first
-        self._pending = (bucket, [cands.scores[n] for n in ranked[:k]])
-        return candidates_draft(state.next_token, cands, chosen, self.device)
+        if self.budget == "auto":
+            probs = self.calibration.probabilities([cands.scores[n] for n in ranked], bucket)
+            k = best_size(probs, self.curve(), limit, base_nodes, base_expected)
+        else:
+            k = len(ranked)
+        return SuffixPlan(bucket, cands, ranked[:k])
+
+    def record(self, plan: SuffixPlan, accepted: int) -> None:
+        """``accepted`` of the plan's chosen nodes were accepted: the calibration learns from it."""
+        if plan.chosen:
+            self.calibration.update(plan.bucket, [plan.cands.scores[n] for n in plan.chosen], accepted)
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        self._pending = self.plan(state, max_depth)
+        return candidates_draft(state.next_token, self._pending.cands, sorted(self._pending.chosen), self.device)
 
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        if self._pending is not None and self._pending[1]:
-            self.calibration.update(self._pending[0], self._pending[1], len(verdict.path) - 1)
+        if self._pending is not None:
+            self.record(self._pending, len(verdict.path) - 1)
         self._pending = None
 
 

@@ -67,7 +67,7 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
     saved = json.loads((out / "bench.json").read_text())
     assert saved["figures"] == json.loads(json.dumps(report["figures"]))
     methods = ["hf", "hf_prompt_lookup", "hf_early_exit", "vanilla", "medusa:medusa-tiny", "medusa:random",
-               *(name for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
+               "medusa:medusa-tiny+suffix", "medusa:random+suffix", *(name for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
     assert list(saved["figures"]) == methods and saved["categories"] == ["math", "writing"]
     assert saved["early_exit"]["layer"] == 2 and saved["methods"]["hf_early_exit"]["assistant_early_exit"] == 2
     assert saved["mismatches"] == [] and saved["lossless_checked"]  # every method equals HF generate, token by token
@@ -97,7 +97,7 @@ def check_figures(saved: dict, methods: list[str]) -> None:
             assert f["tokens_per_s"] == pytest.approx(rate(mine))
             assert f["speedup_vs_hf"] == pytest.approx(rate(mine) / rate(hf))
             assert f["speedup_vs_vanilla"] == pytest.approx(rate(mine) / rate(vanilla))
-            if name.startswith(("vanilla", "medusa")):
+            if name.startswith(("vanilla", "medusa")):  # hybrids too
                 steps = sum(r["steps"] for r in mine)
                 assert f["tau"] == pytest.approx(sum(sum(r["accept_lengths"]) for r in mine) / steps)
                 assert f["nodes_per_step"] == pytest.approx((sum(r["drafted"] for r in mine) + steps) / steps)

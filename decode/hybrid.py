@@ -1,0 +1,126 @@
+"""Hybrid trees: a trained drafter's tree and the suffix drafter's proposals, verified as one tree.
+
+Each step (:class:`HybridDrafter`):
+
+1. the trained drafter (Medusa, EAGLE, ...) drafts as deep as its adaptive depth policy says pays
+   (:class:`decode.adaptive.AdaptiveDepth`; the whole tree with ``adaptive: false``);
+2. the suffix drafter (decode/suffix.py) ranks its candidates and keeps those whose expected tokens pay for what
+   they add to the cost of the *whole* tree, the trained drafter's nodes included
+   (:func:`decode.adaptive.best_size` with that tree as its base);
+3. :func:`merge_drafts` merges both into one tree under one node budget (``max_nodes``): a node's token under the
+   same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
+   come first (they were chosen by their calibrated acceptance), then the trained drafter's, each after its parent;
+   what does not fit the budget is dropped with its subtree.
+
+After the verify, each part learns from its own share of the accepted branch (the accepted nodes it proposed, from
+the root down): the suffix drafter's calibration and the depth policy's acceptance per level. The trained drafter's
+own hooks (an EAGLE draft cache) see the merged draft and the accepted branch, whichever part proposed it.
+
+Every part's draft is deterministic, so the merged draft is too (``probs=None``): greedy and sampling verification
+stay lossless, and merging keeps sibling tokens distinct, as point-mass verification expects.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from decode.adaptive import AdaptiveDepth
+from decode.engine import truncate_draft
+from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
+from decode.tree import Tree
+from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
+from decode.verify import Verdict
+
+
+def merge_drafts(drafts: Sequence[Draft], max_nodes: int) -> tuple[Draft, list[set[int]]]:
+    """One tree from drafts with the same root: each draft's nodes in its own order (parents first), a node with
+    the same token under the same parent shared, at most ``max_nodes`` drafted nodes (a node that does not fit is
+    dropped with its subtree). Returns the merged draft and, per input draft, the merged node ids it proposed."""
+    root = int(drafts[0].tokens[0])
+    tokens, parents = [root], [-1]
+    index: dict[tuple[int, int], int] = {}
+    sources: list[set[int]] = []
+    for draft in drafts:
+        if int(draft.tokens[0]) != root:
+            raise ValueError("merge_drafts: the drafts have different roots.")
+        mine: dict[int, int] = {0: 0}  # this draft's node id -> merged id
+        for node, (parent, token) in enumerate(zip(draft.tree.parents.tolist(), draft.tokens.tolist())):
+            if node == 0 or parent not in mine:
+                continue
+            key = (mine[parent], int(token))
+            if key not in index:
+                if len(tokens) - 1 >= max_nodes:
+                    continue
+                index[key] = len(tokens)
+                tokens.append(int(token))
+                parents.append(mine[parent])
+            mine[node] = index[key]
+        sources.append(set(mine.values()) - {0})
+    device = drafts[0].tokens.device
+    merged = Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                   tree=Tree.from_parents(parents).to(device))
+    return merged, sources
+
+
+def accepted_from(path: Sequence[int], nodes: set[int]) -> int:
+    """How many accepted nodes (``path``: root first) a part proposed, counted from the root down while they are
+    its own (a part's nodes are closed under parents, so its share of the branch is a prefix)."""
+    count = 0
+    for node in path[1:]:
+        if node not in nodes:
+            break
+        count += 1
+    return count
+
+
+class HybridDrafter(DrafterBase):
+    """A trained drafter (``inner``) and a :class:`SuffixDrafter` merged into one tree per step (module docstring).
+
+    ``policy``: the inner drafter's adaptive depth (None: its whole tree every step). ``max_nodes``: the merged
+    tree's drafted-node budget.
+    """
+
+    def __init__(self, inner: Drafter, suffix: SuffixDrafter, policy: AdaptiveDepth | None = None,
+                 max_nodes: int = 64):
+        self.inner, self.suffix, self.policy, self.max_nodes = inner, suffix, policy, max_nodes
+        self._step: tuple[int, Draft, SuffixPlan, list[set[int]], float] | None = None
+
+    def modules(self) -> Sequence[torch.nn.Module]:
+        return self.inner.modules()
+
+    def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
+        self.inner.start(state, prefill)
+        self.suffix.start(state, prefill)
+        self._step = None
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        device = self.suffix.device
+        t0 = time.perf_counter()
+        asked = max_depth if self.policy is None else min(max_depth, self.policy.choose(max_depth))
+        inner = self.inner.propose(state, asked) if asked > 0 else root_only(state, device)
+        inner = Draft(tokens=inner.tokens.to(device), tree=inner.tree.to(device))
+        inner = truncate_draft(inner, asked)  # as the engine would cut it
+        inner_seconds = time.perf_counter() - t0
+        expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
+        plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)
+        suffix = candidates_draft(state.next_token, plan.cands, sorted(plan.chosen), device)
+        merged, sources = merge_drafts([suffix, inner], self.max_nodes)
+        self._step = (asked, inner, plan, sources, inner_seconds)
+        return merged
+
+    @torch.no_grad()
+    def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+        t0 = time.perf_counter()
+        self.inner.on_commit(state, draft, verdict, out)
+        inner_seconds = time.perf_counter() - t0
+        if self._step is None:
+            return
+        asked, inner, plan, (suffix_nodes, inner_nodes), propose_seconds = self._step
+        self._step = None
+        self.suffix.record(plan, accepted_from(verdict.path, suffix_nodes))
+        if self.policy is not None:
+            self.policy.observe(asked, inner, accepted_from(verdict.path, inner_nodes), propose_seconds + inner_seconds)

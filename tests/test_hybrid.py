@@ -1,0 +1,159 @@
+"""Hybrid trees (decode/hybrid.py): merging keeps every proposed branch once and respects the budget; a trained
+drafter (Medusa, EAGLE, EAGLE-3) with the suffix drafter's proposals stays lossless (greedy equality with HF
+generate, and the sampling test); each part learns from its own share of the accepted branch; decode/run.py builds
+it with draft.suffix=true."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from decode.adaptive import AdaptiveDepth, CostCurve
+from decode.drafters import MedusaDrafter
+from decode.engine import SpeculativeDecoder
+from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
+from decode.registry import random_eagle_heads, random_medusa_heads
+from decode.suffix import SuffixArray, SuffixDrafter
+from decode.tree import Tree
+from decode.types import Draft
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FLAT = CostCurve.from_relative({1: 1.0, 64: 1.0})  # verifying is free: the suffix drafts whatever it has
+
+
+def random_draft(rng: random.Random, root: int, nodes: int, vocab: int) -> Draft:
+    parents, tokens = [-1], [root]
+    for _ in range(1, nodes):
+        parent = rng.randrange(len(tokens))
+        taken = {tokens[j] for j in range(1, len(tokens)) if parents[j] == parent}
+        free = [t for t in range(vocab) if t not in taken]
+        if not free:
+            continue
+        parents.append(parent)
+        tokens.append(rng.choice(free))
+    return Draft(tokens=torch.tensor(tokens), tree=Tree.from_parents(parents))
+
+
+def branches(draft: Draft) -> set[tuple[int, ...]]:
+    """Every node's token path from the root (root excluded)."""
+    parents, tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
+    out = set()
+    for node in range(1, len(tokens)):
+        path, n = [], node
+        while n > 0:
+            path.append(tokens[n])
+            n = parents[n]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merge_keeps_every_branch_once_within_the_budget(seed):
+    rng = random.Random(seed)
+    a, b = random_draft(rng, 7, rng.randrange(1, 15), 4), random_draft(rng, 7, rng.randrange(1, 15), 4)
+    merged, (mine_a, mine_b) = merge_drafts([a, b], max_nodes=64)
+    assert branches(merged) == branches(a) | branches(b)  # nothing lost, shared prefixes once
+    assert merged.tree.num_nodes - 1 == len(branches(a) | branches(b))
+    assert {len(p) for p in branches(merged)} and int(merged.tokens[0]) == 7
+    by_node = {}
+    parents, tokens = merged.tree.parents.tolist(), merged.tokens.tolist()
+    for node in range(1, len(tokens)):  # sibling tokens are distinct (point-mass verification relies on it)
+        assert (parents[node], tokens[node]) not in by_node
+        by_node[(parents[node], tokens[node])] = node
+    assert len(mine_a) == a.tree.num_nodes - 1 and len(mine_b) == b.tree.num_nodes - 1
+
+    cap = rng.randrange(0, 6)
+    small, (first, _) = merge_drafts([a, b], max_nodes=cap)
+    assert small.tree.num_nodes - 1 == min(cap, len(branches(a) | branches(b)))
+    assert branches(small) <= branches(a) | branches(b)
+    # closed under parents (Tree.from_parents checks order) and the first draft is served first
+    assert len(first) == min(cap, a.tree.num_nodes - 1)
+
+
+def test_each_part_is_credited_with_its_own_accepted_prefix():
+    assert accepted_from([0, 3, 5, 9], {3, 5}) == 2
+    assert accepted_from([0, 3, 5, 9], {5, 9}) == 0
+    assert accepted_from([0], {1, 2}) == 0
+
+
+def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
+    if family == "medusa":
+        inner = MedusaDrafter(random_medusa_heads(model, seed=1), tree="small_16")
+    else:
+        from decode.eagle_drafter import EagleTreeDrafter
+
+        inner = EagleTreeDrafter(random_eagle_heads(model, seed=1, variant=family), depth=3, top_k=2, total_tokens=6)
+    suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
+    return HybridDrafter(inner, suffix, policy, max_nodes=16)
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen2):
+    model, _ = tiny_llama if arch == "llama" else tiny_qwen2
+    corpus = SuffixArray.build([[9, 10, 11, 12, 13] * 4, list(range(20, 60))])
+    policy = AdaptiveDepth(FLAT, measure_draft=False, explore_every=2) if adaptive else None
+    drafter = hybrid(model, family, corpus, policy)
+    decoder = SpeculativeDecoder(model, drafter)
+    suffix_accepted = 0
+    for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, pad_token_id=0)[0]
+        res = decoder.generate(prompt, max_new_tokens=24)
+        assert res.tokens == ref[len(prompt):].tolist()[: len(res.tokens)]
+        assert len(res.tokens) == min(24, len(ref) - len(prompt)) or res.finish_reason == "eos"
+        suffix_accepted += sum(drafter.suffix.calibration.accepted.values())
+    assert res.stats.drafted > 0
+    assert suffix_accepted > 0  # the suffix's part was verified and accepted, not only the heads'
+
+
+def test_sampled_tokens_follow_the_target_distribution():
+    from test_engine import SAMPLE_TREE, exact_first_three, random_heads, sampled_first_three, small_vocab_target
+    from test_verify import chi_square_pvalue
+
+    model = small_vocab_target()
+    prompt = torch.tensor([3, 5, 7, 1])
+    v = model.config.vocab_size
+    exact = exact_first_three(model, prompt).reshape(-1)
+    draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
+    samples = [[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws]
+    inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
+    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=4), max_nodes=12)
+    counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
+    assert accept_rate > 0.5
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
+    """Heads whose drafts are never accepted are switched off by the policy while the suffix keeps drafting."""
+    model, _ = tiny_llama
+    steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
+    policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
+    drafter = hybrid(model, "medusa", policy=policy)
+    drafter.suffix.cost_curve = steep
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+    for seed in range(4):  # random heads on a random model: their drafts are almost never the target's
+        decoder.generate([5, 6, 7, 8] * 6 + [seed + 20], max_new_tokens=30)
+    assert policy.reached.get(1, 0.0) < 0.2 * policy.tried[1]
+    assert policy.choose(8) == 0
+
+
+def test_decode_run_builds_a_hybrid_with_draft_suffix(tmp_path):
+    from conftest import compose
+
+    from decode.pipeline import load_session
+
+    session = load_session(compose("decode", ["model=tiny", "draft.suffix=true", "draft.tree=small_16",
+                                              "max_new_tokens=12"]))
+    drafter = session.decoder.drafter
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.inner, MedusaDrafter)
+    assert session.decoder.depth_policy is None and drafter.policy is not None  # the hybrid owns it
+    ids = [5, 6, 7, 8, 5, 6, 7]
+    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
+    plain = load_session(compose("decode", ["model=tiny", "max_new_tokens=12"]))
+    assert isinstance(plain.decoder.drafter, MedusaDrafter)

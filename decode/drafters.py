@@ -50,9 +50,20 @@ class MedusaDrafter(DrafterBase):
             raise ValueError("MedusaDrafter needs a static tree of rank paths (Tree.from_paths or a tree file).")
         self.top_k = self.tree.max_rank + 1
         self._by_depth: dict[tuple[int, str], tuple[Tree, torch.Tensor]] = {}
+        # decode-time LM heads over the heads' draft vocabulary (the token_map rows; the full heads without one)
+        self.draft_heads = heads.draft_lm_heads()
+        self.token_map = heads.token_map
 
     def modules(self) -> Sequence[torch.nn.Module]:
-        return (self.heads,)
+        return (self.heads, *self.draft_heads)
+
+    def _logits(self, depth: int, features: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [depth, V'] of heads 0..depth-1 over the draft vocabulary; a shared LM head takes them as one
+        batch of rows (one pass over its weight)."""
+        if len(self.draft_heads) == 1:
+            head = self.draft_heads[0]
+            return head(torch.stack(features[:depth]).to(head.weight.dtype))
+        return torch.stack([self.draft_heads[k](features[k]) for k in range(depth)])
 
     def _layout(self, max_depth: int, device: torch.device) -> tuple[Tree, torch.Tensor]:
         """The tree cut to max_depth on ``device`` and its candidate gather index [N - 1] (built once each)."""
@@ -72,6 +83,8 @@ class MedusaDrafter(DrafterBase):
             return Draft(tokens=root, tree=tree)
         hidden = state.hidden.to(next(self.heads.parameters()).dtype)  # [H]
         features = self.heads.features(hidden)  # K x [H]
-        logits = self.heads.project_first(tree.max_depth, features)  # [D, V]
-        candidates = logits.topk(self.top_k, dim=-1).indices.reshape(-1)  # [D * top_k]
+        logits = self._logits(tree.max_depth, features)  # [D, V']
+        candidates = logits.topk(self.top_k, dim=-1).indices.reshape(-1)  # [D * top_k] draft ids
+        if self.token_map is not None:
+            candidates = self.token_map[candidates]  # target ids
         return Draft(tokens=torch.cat([root, candidates[index]]), tree=tree)

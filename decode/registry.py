@@ -118,7 +118,7 @@ def random_medusa_heads(model: torch.nn.Module, seed: int = 0, num_heads: int = 
 
     config = model.config.get_text_config(decoder=True)
     heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads, num_layers=1,
-                                     shared_lm_head=False),
+                                     shared_lm_head=False, draft_vocab_size=None),
                         model.get_output_embeddings())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -14,7 +14,7 @@ Two variants share one module, :class:`EagleDrafter`:
     default ``[2, L//2, L-3]``, index i = ``out.hidden_states[i]``, the input of layer i) through ``fuse`` (3H -> H,
     no bias). The draft has its own final ``norm`` and its own ``lm_head`` over a reduced draft vocabulary (the most
     frequent tokens of the training data; ``d2t`` / ``t2d`` buffers with SGLang's convention, see
-    :func:`build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
+    :func:`heads.vocab.build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
     the draft reads its own previous output feature.
 
 The draft layer is ONE decoder layer of the target's own class, built from the target's config
@@ -55,9 +55,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from heads.errors import SettingError
 from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
-from heads.errors import SettingError
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -195,7 +195,7 @@ class EagleDrafter(nn.Module):
     """One draft decoder layer over (feature, next-token embedding); see the module docstring.
 
     ``target``: the frozen Hugging Face CausalLM it drafts for (its embedding, rotary embedding and, for ``eagle``,
-    LM head are used in place). ``d2t``: eagle3's draft vocabulary (:func:`build_draft_vocab`); None keeps the first
+    LM head are used in place). ``d2t``: eagle3's draft vocabulary (:func:`heads.vocab.build_draft_vocab`); None keeps the first
     ``draft_vocab_size`` ids until :meth:`set_draft_vocab` (or a loaded state dict) sets one.
     """
 
@@ -292,7 +292,7 @@ class EagleDrafter(nn.Module):
         return [-1] if self.variant == "eagle" else list(self.config.layer_ids)
 
     def set_draft_vocab(self, d2t: torch.Tensor, init_lm_head_from: nn.Module | None = None) -> None:
-        """eagle3: install a draft vocabulary (``d2t`` from :func:`build_draft_vocab`), optionally copying the
+        """eagle3: install a draft vocabulary (``d2t`` from :func:`heads.vocab.build_draft_vocab`), optionally copying the
         matching rows of the target's LM head into the draft LM head."""
         if self.variant != "eagle3":
             raise ValueError("only eagle3 drafters have a reduced draft vocabulary")
@@ -423,37 +423,6 @@ class EagleDrafter(nn.Module):
             current = self(current, tokens, positions + step, mask, cache)
             outputs.append(current)
         return outputs
-
-
-# --- draft vocabulary ------------------------------------------------------------------------------------------------
-
-
-def count_tokens(token_ids: torch.Tensor, vocab_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Token frequencies [V] (long) of ``token_ids`` (any shape), counting only where ``mask`` is true."""
-    ids = token_ids.reshape(-1)
-    if mask is not None:
-        ids = ids[mask.reshape(-1).bool()]
-    ids = ids[(ids >= 0) & (ids < vocab_size)]
-    return torch.bincount(ids.long(), minlength=vocab_size)
-
-
-def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``draft_vocab_size`` most frequent target ids (ties: lower id first) as SGLang's maps.
-
-    Returns ``d2t`` [Vd] long with target id = draft id + d2t[draft id] (draft ids ordered by target id), and ``t2d``
-    [V] bool, true for target ids in the draft vocabulary.
-    """
-    counts = torch.as_tensor(token_counts).reshape(-1)
-    vocab_size = counts.numel()
-    if draft_vocab_size <= 0:
-        raise SettingError(f"draft_vocab_size must be positive, got {draft_vocab_size}")
-    size = min(int(draft_vocab_size), vocab_size)
-    order = torch.sort(counts.double(), descending=True, stable=True).indices  # stable: ties keep lower ids first
-    kept = torch.sort(order[:size]).values  # [Vd] target ids, ascending
-    d2t = kept - torch.arange(size)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t.long(), t2d
 
 
 # --- losses (pure functions) -----------------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ Facts the mappings rely on (from those projects' sources):
 
 - vLLM Medusa: config ``model_type: medusa``, ``num_heads``, ``num_hidden_layers`` (residual blocks per head),
   ``medusa_fc_bias``; weights ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``; with
-  ``original_lm_head: true`` the heads share ``lm_heads.0.weight`` (how our ``shared_lm_head`` is written). vLLM's
+  ``original_lm_head: true`` the heads share ``lm_heads.0.weight`` (how our ``shared_lm_head`` is written). A reduced
+  draft vocabulary is ``truncated_vocab_size`` < ``vocab_size`` with a ``token_map`` tensor (draft id -> target id):
+  vLLM builds its LM heads with ``truncated_vocab_size`` rows (slicing fuller ones by the map) and scatters their
+  logits into a full vocabulary of -inf at the map's ids. vLLM's
   config reader renames any key holding "num" and "heads" to ``num_heads``, so no other such key is written.
 - EAGLE-3 (SGLang ``LlamaForCausalLMEagle3``): a Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size``,
   ``tie_word_embeddings: false``; weights ``fc.weight`` [H, 3H], ``midlayer.{input_layernorm (embedding side),
@@ -93,24 +96,30 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
 
 
 def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dict) -> tuple[dict, dict]:
-    """Medusa heads -> (config.json dict, state dict) of vLLM's Medusa model."""
+    """Medusa heads -> (config.json dict, state dict) of vLLM's Medusa model. Heads with a reduced draft vocabulary
+    are written as vLLM's truncated vocabulary: ``truncated_vocab_size`` rows per LM head and the ``token_map``
+    (draft id -> target id) it scatters their logits through."""
     cfg = heads.config
+    token_map = getattr(heads, "token_map", None)
+    rows = (lambda w: w) if token_map is None else (lambda w: w[token_map.to(w.device)].contiguous())  # noqa: E731
     state = {}
     for h, block in enumerate(heads.blocks):
         for i, res in enumerate(block):
             state[f"blocks.{h}.layers.{i}.weight"] = res.linear.weight
             state[f"blocks.{h}.layers.{i}.bias"] = res.linear.bias
     if heads.lm_heads is None:  # shared: the target's LM head, written once
-        state["lm_heads.0.weight"] = target_lm_head.weight
+        state["lm_heads.0.weight"] = rows(target_lm_head.weight)
     else:
         for h, lm_head in enumerate(heads.lm_heads):
-            state[f"lm_heads.{h}.weight"] = lm_head.weight
+            state[f"lm_heads.{h}.weight"] = rows(lm_head.weight)
+    if token_map is not None:
+        state["token_map"] = token_map
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
-        "truncated_vocab_size": cfg.vocab_size,
+        "truncated_vocab_size": cfg.vocab_size if token_map is None else int(token_map.numel()),
         "num_heads": cfg.num_heads,
         "num_hidden_layers": cfg.num_layers,
         "medusa_fc_bias": True,

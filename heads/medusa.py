@@ -4,6 +4,11 @@ Head k (0-based) reads the hidden state at position t and predicts the token at 
 predicts t + 1). Each head is ``num_layers`` residual blocks ``x + SiLU(W x + b)`` with W zero-initialised (so an
 untrained head starts as the target's LM head), followed by an LM head initialised from the target's, or the frozen
 target LM head itself when ``shared_lm_head`` is set (saves memory and the full-vocabulary gradient).
+
+A reduced draft vocabulary (``draft_vocab_size``; heads/vocab.py) is a ``token_map`` buffer of the target ids the
+heads draft from, chosen by coverage of the training data and saved with them: decoding projects onto those rows of
+the LM head only (:meth:`MedusaHeads.draft_lm_heads`), which makes a draft step several times cheaper on a small
+target. Training still sees the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class MedusaConfig:
     num_heads: int
     num_layers: int
     shared_lm_head: bool
+    draft_vocab_size: int | None  # None: draft over the whole vocabulary; else the size of ``token_map``
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +65,40 @@ class MedusaHeads(nn.Module):
                 self.init_lm_heads_from(target_lm_head)
         # The frozen target head is used, never owned: kept out of state_dict and parameters().
         self._target_lm_head = [target_lm_head]
+        if config.draft_vocab_size is not None:
+            if not 0 < config.draft_vocab_size <= config.vocab_size:
+                raise ValueError(f"draft_vocab_size={config.draft_vocab_size} must be in 1..{config.vocab_size}.")
+            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # set_token_map sets the real one
+        else:
+            self.token_map = None
+
+    def set_token_map(self, token_map: torch.Tensor) -> None:
+        """The target ids the heads draft from (ascending, ``draft_vocab_size`` of them; heads/vocab.py:token_map)."""
+        token_map = torch.as_tensor(token_map, dtype=torch.long).reshape(-1)
+        if self.token_map is None or token_map.shape != self.token_map.shape:
+            raise ValueError(f"token_map has {token_map.numel()} ids; these heads take draft_vocab_size="
+                             f"{self.config.draft_vocab_size}.")
+        if token_map.numel() and (token_map.min() < 0 or token_map.max() >= self.config.vocab_size
+                                  or bool((token_map[1:] <= token_map[:-1]).any())):
+            raise ValueError("token_map must hold distinct target ids in ascending order.")
+        self.token_map.copy_(token_map.to(self.token_map.device))
+
+    def draft_lm_heads(self) -> list[nn.Linear]:
+        """Decode-time LM heads over the draft vocabulary (the ``token_map`` rows; the full heads without a map):
+        one per head, or one shared. New modules holding copies of those rows, built once by the drafter."""
+        full = list(self.lm_heads) if self.lm_heads is not None else [self._target_lm_head[0]]
+        if full[0] is None:
+            raise RuntimeError("shared_lm_head heads need the target's LM head: call attach_target_lm_head(...).")
+        if self.token_map is None:
+            return full
+        out = []
+        for head in full:
+            rows = head.weight.detach()[self.token_map.to(head.weight.device)]
+            small = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+            small.weight.data.copy_(rows)
+            small.requires_grad_(False)
+            out.append(small)
+        return out
 
     def init_lm_heads_from(self, target_lm_head: nn.Linear) -> None:
         if self.lm_heads is None:
@@ -82,13 +122,6 @@ class MedusaHeads(nn.Module):
         if lm_head is None:
             raise RuntimeError("shared_lm_head heads need the target's LM head: call attach_target_lm_head(...).")
         return lm_head(feature.to(lm_head.weight.dtype))
-
-    def project_first(self, depth: int, features: list[torch.Tensor]) -> torch.Tensor:
-        """Logits [depth, ..., V] of heads 0..depth-1 from their features. With the shared LM head the heads go
-        through it as one batch of rows (one pass over the LM head's weight instead of one per head)."""
-        if self.lm_heads is not None or depth <= 1:
-            return torch.stack([self.project(k, features[k]) for k in range(depth)])
-        return self.project(0, torch.stack(features[:depth]))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [K, ..., V]."""
@@ -175,5 +208,6 @@ def build_medusa_heads(config: dict, target_model: nn.Module | None = None) -> M
     """Build heads from a saved config dict (``MedusaConfig`` fields); the head-type builder used by heads.io."""
     fields = {k: config[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers")}
     fields["shared_lm_head"] = bool(config.get("shared_lm_head", False))  # heads saved before the option had their own
+    fields["draft_vocab_size"] = config.get("draft_vocab_size")  # heads saved before reduced vocabularies: None
     lm_head = target_model.get_output_embeddings() if target_model is not None else None
     return MedusaHeads(MedusaConfig(**fields), lm_head)

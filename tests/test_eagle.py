@@ -18,15 +18,12 @@ from transformers import DynamicCache
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
 from decode.verify import Sampling, target_probs
-
 from heads.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleLossWeights,
     add_uniform_noise,
-    build_draft_vocab,
     causal_mask,
-    count_tokens,
     default_layer_ids,
     drafter_loss,
     eagle_loss,
@@ -36,7 +33,7 @@ from heads.eagle import (
     token_kl_loss,
 )
 from heads.target import build_tiny
-
+from heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -590,9 +587,9 @@ def saved_weights(run_dir):
 
 @pytest.mark.parametrize("heads_option", VARIANTS)
 def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
-    import heads
     from test_medusa_train import tiny_datasets, tiny_target
 
+    import heads
     from train.eagle_method import EagleMethod
     from train.loop import train
 
@@ -618,7 +615,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     assert loaded.config["eval"]["eval/accept_length_chain"] >= 0 and loaded.config["tree"]["top_k"] >= 1
     if heads_option != "eagle":
         # The draft vocabulary is the 64 most frequent assistant tokens of the training split, saved with the heads.
-        from train.eagle_method import draft_vocab_counts
+        from train.data import draft_vocab_counts
 
         counts = draft_vocab_counts(tiny_datasets()["train"], 320)
         d2t, t2d = build_draft_vocab(counts, 64)
@@ -755,3 +752,22 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     save_heads(tmp_path / "medusa", medusa, "medusa", medusa.config.to_dict(), session.target)
     with pytest.raises(DecodeSetupError, match="drafter=eagle drafts with eagle heads"):
         load_session(compose("decode", ["drafter=eagle", f"heads={tmp_path / 'medusa'}"]))
+
+
+def test_eagle3_draft_vocabulary_size_is_chosen_by_coverage(tmp_path):
+    from test_medusa_train import tiny_datasets, tiny_target
+
+    from heads.vocab import size_for_coverage
+    from train.data import draft_vocab_counts
+    from train.eagle_method import EagleMethod
+
+    cfg = eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_coverage=0.8")
+    assert cfg.heads.draft_vocab_size == "auto"  # the default: sized by coverage
+    method, target, data = EagleMethod(cfg), tiny_target(), tiny_datasets()
+    method.prepare_data(data, target, None, None)
+    counts = draft_vocab_counts(data["train"], 320)
+    size = size_for_coverage(counts, 0.8)
+    drafter = method.build_drafter(target).drafter
+    assert drafter.d2t.numel() == size < 256 and method.draft_vocab_coverage >= 0.8
+    with pytest.raises(ValueError, match="draft_vocab_coverage"):
+        EagleMethod(eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_coverage=null"))

@@ -73,7 +73,7 @@ def reference(arch: str, model, i: int) -> tuple[list[int], int]:
 def random_heads(model, num_heads: int = 6, seed: int = 0) -> MedusaHeads:
     config = model.config
     heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads, num_layers=1,
-                                     shared_lm_head=False), model.lm_head)
+                                     shared_lm_head=False, draft_vocab_size=None), model.lm_head)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for block in heads.blocks:

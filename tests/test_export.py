@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
-from heads.eagle import EagleConfig, EagleDrafter, build_draft_vocab, count_tokens
+from heads.eagle import EagleConfig, EagleDrafter
 from heads.export import ExportError, export_heads, push_to_hub, resolve_format
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import build_tiny
+from heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,21 +32,37 @@ def read_export(folder):
 
 def vllm_medusa_logits(config, w, hidden):
     """vLLM's Medusa: per head, x = x + SiLU(layer(x)) over its blocks, then its LM head (lm_heads.0 for all heads
-    when original_lm_head)."""
+    when original_lm_head) of truncated_vocab_size rows (a fuller one sliced by token_map at load); with a token_map
+    the logits are scattered into a vocab_size row of -inf at the map's ids."""
+    token_map = w.get("token_map") if config["truncated_vocab_size"] < config["vocab_size"] else None
+    assert (config["truncated_vocab_size"] == config["vocab_size"]) or token_map is not None  # vLLM asserts this
     out = []
     for h in range(config["num_heads"]):
         x = hidden
         for i in range(config["num_hidden_layers"]):
             x = x + F.silu(x @ w[f"blocks.{h}.layers.{i}.weight"].T + w[f"blocks.{h}.layers.{i}.bias"])
         head = w["lm_heads.0.weight"] if config["original_lm_head"] else w[f"lm_heads.{h}.weight"]
-        out.append(x @ head.T)
+        if token_map is not None and head.shape[0] > token_map.shape[0]:
+            head = head[token_map]
+        assert head.shape[0] == config["truncated_vocab_size"]
+        logits = x @ head.T
+        if token_map is not None:
+            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf)
+            full[..., token_map] = logits
+            logits = full
+        out.append(logits)
     return torch.stack(out)
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
     model, _ = tiny_llama
-    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=3, num_layers=2, shared_lm_head=shared), model.lm_head)
+    token_map = torch.tensor([2, 5, 7, 11, 64, 300]) if mapped else None
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=3, num_layers=2, shared_lm_head=shared,
+                                     draft_vocab_size=None if token_map is None else len(token_map)), model.lm_head)
+    if mapped:
+        heads.set_token_map(token_map)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in heads.parameters():
@@ -60,8 +77,16 @@ def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared):
     assert [k for k in config if "num" in k and "heads" in k] == ["num_heads"]
     hidden = torch.randn(2, 5, 64)
     with torch.no_grad():
-        torch.testing.assert_close(vllm_medusa_logits(config, w, hidden), heads(hidden), atol=1e-5, rtol=1e-5)
+        expected = heads(hidden)
+        if mapped:  # the draft vocabulary's logits at their ids, nothing elsewhere
+            outside = torch.ones(320, dtype=torch.bool)
+            outside[token_map] = False
+            expected[..., outside] = -torch.inf
+        torch.testing.assert_close(vllm_medusa_logits(config, w, hidden), expected, atol=1e-5, rtol=1e-5)
     assert ("lm_heads.1.weight" in w) == (not shared)
+    assert config["truncated_vocab_size"] == (len(token_map) if mapped else 320)
+    if mapped:
+        assert torch.equal(w["token_map"], token_map) and w["lm_heads.0.weight"].shape == (len(token_map), 64)
 
 
 # --- EAGLE-3 -> SGLang / speculators ----------------------------------------------------------------------------------
@@ -237,7 +262,8 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     from heads.target import Target
 
     model, tokenizer = build_tiny("llama")
-    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False), model.lm_head)
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False,
+                                     draft_vocab_size=None), model.lm_head)
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), Target(model, tokenizer, "tiny-llama"))
     conf = Path(__file__).resolve().parents[1] / "conf" / "decode"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):

@@ -11,12 +11,13 @@ from torch import nn
 
 import heads
 from heads.io import HeadsLoadError, register_head_type, save_heads
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
 from heads.target import TargetMismatchError, build_tiny
 
 
 def trained_heads(model, shared: bool = False, seed: int = 0) -> MedusaHeads:
-    config = MedusaConfig(hidden_size=64, vocab_size=320, num_heads=3, num_layers=2, shared_lm_head=shared)
+    config = MedusaConfig(hidden_size=64, vocab_size=320, num_heads=3, num_layers=2, shared_lm_head=shared,
+                          draft_vocab_size=None)
     module = MedusaHeads(config, model.get_output_embeddings())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -141,12 +142,33 @@ def test_head_type_registry(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_projecting_the_first_heads_at_once_equals_projecting_each(tiny_llama, shared):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_draft_logits_are_the_heads_logits_on_the_draft_vocabulary(tiny_llama, tmp_path, shared, mapped):
+    """The drafter's projection (one batch through a shared head, each head otherwise) equals each head's own logits,
+    restricted to the token map's rows when the heads have one; the map survives saving and loading."""
+    from decode.drafters import MedusaDrafter
+
     model, _ = tiny_llama
     module = trained_heads(model, shared=shared).eval()
+    ids = torch.tensor([3, 9, 17, 40, 200, 301])
+    if mapped:
+        config = {**module.config.to_dict(), "draft_vocab_size": len(ids)}
+        state = module.state_dict()
+        module = build_medusa_heads(config, model).eval()
+        module.load_state_dict({**state, "token_map": torch.zeros(len(ids), dtype=torch.long)})
+        module.set_token_map(ids)
+        save_heads(tmp_path / "mapped", module, "medusa", module.config.to_dict(), model)
+        module = heads.load(tmp_path / "mapped", model).module.eval()
+        assert torch.equal(module.token_map, ids)
+    drafter = MedusaDrafter(module, tree="chain-3")
     hidden = torch.randn(64)
     with torch.no_grad():
         features = module.features(hidden)
         each = torch.stack([module.project(k, features[k]) for k in range(3)])
+        if mapped:
+            each = each[:, ids]
         for depth in (1, 2, 3):
-            torch.testing.assert_close(module.project_first(depth, features), each[:depth])
+            torch.testing.assert_close(drafter._logits(depth, features), each[:depth])
+    with pytest.raises(ValueError, match="ascending"):
+        module.set_token_map(ids.flip(0)) if mapped else build_medusa_heads(
+            {**module.config.to_dict(), "draft_vocab_size": 2}, model).set_token_map(torch.tensor([5, 1]))

@@ -427,3 +427,51 @@ def test_settings_defaults_are_written_once_in_conf():
     shared = OmegaConf.load(CONF / "heads" / "medusa.yaml").shared_lm_head
     heads = MedusaMethod(compose("medusa", ["experiment=debug"])).build_drafter(tiny_target())
     assert heads.config.shared_lm_head is shared and (heads.lm_heads is None) is shared
+
+
+def test_size_for_coverage_is_the_fewest_most_frequent_tokens():
+    from heads.vocab import resolve_size, size_for_coverage
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        counts = torch.randint(0, 50, (40,), generator=g) ** 2
+        coverage = float(torch.rand(1, generator=g)) * 0.99 + 0.01
+        share = torch.cumsum(counts.sort(descending=True).values.double(), 0) / counts.sum()
+        brute = next(n for n in range(1, 41) if share[n - 1] >= coverage - 1e-12)
+        assert size_for_coverage(counts, coverage) == brute
+    assert resolve_size(torch.ones(10), 4, None) == 4 and resolve_size(torch.ones(10), None, None) == 10
+    assert resolve_size(torch.ones(10), 99, None) == 10
+
+
+def test_draft_vocabulary_is_chosen_by_coverage_and_saved_with_the_heads(tmp_path):
+    import heads
+    from decode.drafters import MedusaDrafter
+    from decode.engine import SpeculativeDecoder
+    from heads.vocab import count_tokens
+
+    target, data = tiny_target(), tiny_datasets()
+    cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=2", "heads.draft_vocab_coverage=0.9")
+    result = train(cfg, MedusaMethod(cfg), target=target, datasets=data)
+    loaded = heads.load(result.run_dir / "heads", target)
+    token_map = loaded.module.token_map
+    counts = sum(count_tokens(torch.tensor(ex["input_ids"]), 320, torch.tensor(ex["labels"]) != -100)
+                 for ex in data["train"])
+    share = lambda ids: float(counts[ids].sum()) / float(counts.sum())  # noqa: E731
+    assert share(token_map) >= 0.9 and loaded.config["draft_vocab_coverage"] == pytest.approx(share(token_map))
+    least = token_map[counts[token_map].argmin()]
+    assert share(token_map[token_map != least]) < 0.9  # the fewest: one token less does not cover
+    assert counts[token_map].min() >= counts[~torch.isin(torch.arange(320), token_map)].max()  # the most frequent
+    assert loaded.module.config.draft_vocab_size == len(token_map) < 256
+
+    drafter = MedusaDrafter(loaded.module, tree="small_16")
+    seen = []
+    original = drafter._logits
+    drafter._logits = lambda depth, features: seen.append(depth) or original(depth, features)
+    decoder = SpeculativeDecoder(target.model, drafter, eos_token_ids=[])
+    prompt = data["eval"][0]["input_ids"][:12]
+    ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    assert decoder.generate(prompt, max_new_tokens=16).tokens == ref and seen  # lossless with the reduced heads
+    state = type("S", (), {"hidden": torch.randn(64), "next_token": 5})()
+    drafted = drafter.propose(state, max_depth=4).tokens[1:]
+    assert bool(torch.isin(drafted, token_map).all())  # drafts come from the map only

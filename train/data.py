@@ -52,6 +52,7 @@ import torch
 
 from heads.config import cfg_get, to_dict
 from heads.errors import SelfspecError
+from heads.vocab import count_tokens
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 1 << 20
@@ -723,3 +724,27 @@ def collate(examples: Iterable[Mapping[str, Any]], pad_token_id: int) -> dict[st
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] -> [B, T] positions counting only real tokens (right or left padding alike)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --- draft vocabularies ----------------------------------------------------------------------------------------------
+
+
+def draft_vocab_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
+    """Token counts [V] over the assistant tokens (labels != -100) of a tokenized split."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for example in dataset:
+        ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
+        labels = torch.as_tensor(example["labels"], dtype=torch.long)
+        counts += count_tokens(ids, vocab_size, labels != IGNORE_INDEX)
+    return counts
+
+
+def draft_vocab_problems(size: Any, coverage: Any) -> list[str]:
+    """What is wrong with ``heads.draft_vocab_size`` / ``heads.draft_vocab_coverage`` (empty: nothing)."""
+    problems = []
+    if size is not None and str(size) != "auto" and (not isinstance(size, int) or size < 1):
+        problems.append(f"heads.draft_vocab_size={size!r}: use a number >= 1, auto (by heads.draft_vocab_coverage) "
+                        "or null (the full vocabulary)")
+    if str(size) == "auto" and (coverage is None or not 0 < float(coverage) <= 1):
+        problems.append(f"heads.draft_vocab_size=auto needs heads.draft_vocab_coverage in (0, 1], got {coverage!r}")
+    return problems

@@ -37,11 +37,10 @@ from heads.eagle import (
     EagleConfig,
     EagleDrafter,
     EagleLossWeights,
-    build_draft_vocab,
-    count_tokens,
     drafter_loss,
 )
-from train.data import IGNORE_INDEX, position_ids_from_mask
+from heads.vocab import build_draft_vocab, resolve_size
+from train.data import IGNORE_INDEX, draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -57,7 +56,8 @@ class EagleSettings:
     init_layer_from: int | None
     layout: str
     layer_ids: list[int] | None
-    draft_vocab_size: int | None
+    draft_vocab_size: int | str | None  # eagle3: a number, auto (by draft_vocab_coverage), or null (the full vocab)
+    draft_vocab_coverage: float | None
     unroll_steps: int
     feature_noise: float
     loss: dict
@@ -79,8 +79,7 @@ class EagleSettings:
             problems.append(f"heads.layout={out.layout!r}: use fc or midlayer (eagle3 only)")
         elif out.layout == "midlayer" and out.type != "eagle3":
             problems.append("heads.layout=midlayer (EAGLE-3's widened q/k/v) is for heads=eagle3; EAGLE-1 uses fc")
-        if out.draft_vocab_size is not None and out.draft_vocab_size < 1:
-            problems.append(f"heads.draft_vocab_size={out.draft_vocab_size} must be >= 1 (or null: the full vocab)")
+        problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if problems:
             raise ValueError("; ".join(problems) + ".")
         out.loss_weights()  # validates token_loss
@@ -96,7 +95,8 @@ class EagleSettings:
         return EagleConfig.from_target(
             target_model, variant=self.type, fc_bias=self.fc_bias, init_layer_from=self.init_layer_from,
             layout=self.layout,
-            layer_ids=self.layer_ids, draft_vocab_size=self.draft_vocab_size,
+            layer_ids=self.layer_ids,
+            draft_vocab_size=None if self.draft_vocab_size == "auto" else self.draft_vocab_size,  # auto: until counted
         )
 
 
@@ -115,16 +115,6 @@ class EagleTrainModule(nn.Module):
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
             feature_noise=self.feature_noise if self.training else 0.0,
         )
-
-
-def draft_vocab_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
-    """Token counts [V] over the assistant tokens (labels != -100) of a tokenized split."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for example in dataset:
-        ids = torch.as_tensor(example["input_ids"], dtype=torch.long)
-        labels = torch.as_tensor(example["labels"], dtype=torch.long)
-        counts += count_tokens(ids, vocab_size, labels != IGNORE_INDEX)
-    return counts
 
 
 class EagleMethod:
@@ -151,7 +141,8 @@ class EagleMethod:
     def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
         config = self.settings.eagle_config(model)
         counts = draft_vocab_counts(train_ds, config.vocab_size)
-        size = config.effective_draft_vocab_size
+        size = resolve_size(counts, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage)
+        self.settings.draft_vocab_size = size
         self.d2t, t2d = build_draft_vocab(counts, size)
         total = int(counts.sum())
         self.draft_vocab_coverage = float(counts[t2d].sum()) / total if total else 0.0

@@ -22,6 +22,7 @@ not depend on how the batch is split over processes and micro-batches.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ from heads.medusa import (
     medusa_topk_hits,
     weighted_head_loss,
 )
-from train.data import IGNORE_INDEX, position_ids_from_mask
+from heads.vocab import resolve_size, token_map
+from train.data import IGNORE_INDEX, draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -57,6 +59,8 @@ class MedusaSettings:
     shared_lm_head: bool
     decay: float
     loss: str  # ce | kl
+    draft_vocab_size: int | str | None  # decoding drafts from these many most frequent tokens; auto: by coverage
+    draft_vocab_coverage: float | None
     # Medusa-2 only
     lora: dict | None = None
     target_loss: str | None = None  # lm | kl
@@ -74,6 +78,7 @@ class MedusaSettings:
             problems.append(f"heads.loss={out.loss!r}: use ce or kl")
         if out.num_heads < 1 or out.num_layers < 1:
             problems.append("heads.num_heads and heads.num_layers must be >= 1")
+        problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if out.type == "medusa2":
             if not out.lora:
                 problems.append("heads=medusa2 needs heads.lora (r, alpha, dropout, target_modules)")
@@ -145,6 +150,8 @@ class MedusaMethod:
             raise ValueError("heads.loss=kl with features=store needs the target's logits in the store: set "
                              "feature_store.teacher_topk (e.g. 64), or use features=online.")
         self.is_medusa2 = self.settings.type == "medusa2"
+        self.token_map: torch.Tensor | None = None  # the draft vocabulary, counted in prepare_data
+        self.draft_vocab_coverage: float | None = None
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -153,8 +160,11 @@ class MedusaMethod:
         model = target.model
         lm_head = model.get_output_embeddings()
         config = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=lm_head.weight.shape[0],
-                              num_heads=s.num_heads, num_layers=s.num_layers, shared_lm_head=s.shared_lm_head)
+                              num_heads=s.num_heads, num_layers=s.num_layers, shared_lm_head=s.shared_lm_head,
+                              draft_vocab_size=None if self.token_map is None else int(self.token_map.numel()))
         heads = MedusaHeads(config, lm_head).to(device=lm_head.weight.device, dtype=torch.float32)
+        if self.token_map is not None:
+            heads.set_token_map(self.token_map)
         if not self.is_medusa2:
             return heads
         from peft import LoraConfig, get_peft_model
@@ -177,7 +187,24 @@ class MedusaMethod:
         lora = [p for p in drafter.target.parameters() if p.requires_grad and id(p) not in head_ids]
         return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.settings.heads_lr_multiplier}]
 
+    def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
+        """The token map decoding drafts from: the most frequent answer tokens of the training split."""
+        vocab = model.get_output_embeddings().weight.shape[0]
+        counts = draft_vocab_counts(train_ds, vocab)
+        size = resolve_size(counts, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage)
+        if size >= vocab:
+            return
+        self.token_map = token_map(counts, size)
+        total = int(counts.sum())
+        self.draft_vocab_coverage = float(counts[self.token_map].sum()) / total if total else 0.0
+        if accelerator is None or accelerator.is_main_process:
+            print(f"[selfspec] medusa draft vocabulary: {size:,} of {vocab:,} tokens cover "
+                  f"{self.draft_vocab_coverage:.1%} of {total:,} assistant tokens in the training split",
+                  file=sys.stderr)
+
     def prepare_data(self, datasets, target, accelerator, collate_fn):
+        if self.settings.draft_vocab_size is not None:
+            self._build_draft_vocab(datasets["train"], target.model, accelerator)
         if self.features.online:
             return datasets["train"], datasets.get("eval"), collate_fn
         dtype, topk, model = self.features.dtype, int(self.features.settings.get("teacher_topk") or 0), target.model
@@ -315,6 +342,8 @@ class MedusaMethod:
         extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
         extra["heads"] = {k: v for k, v in self.settings.__dict__.items()}
         extra["features"] = self.features.kind
+        if self.draft_vocab_coverage is not None:
+            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
         return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra,
                           adapter=drafter.target if self.is_medusa2 else None, state_dict=heads_state,
                           adapter_state_dict=adapter_state)

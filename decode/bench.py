@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +27,14 @@ from tqdm.auto import tqdm
 
 from decode import registry
 from decode.adaptive import verify_cost_curve
-from decode.engine import SpeculativeDecoder
+from decode.drafters import VanillaDrafter
+from decode.engine import SpeculativeDecoder, prefill, tree_forward
+from decode.kernels import small_batch_linears
 from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, read_questions
-from decode.types import DecodeSetupError
+from decode.types import DecodeSetupError, root_only
 from heads.config import cfg_get, to_dict, to_plain
 from heads.errors import SelfspecError
+from heads.kv import crop_cache
 from heads.target import check_fingerprint, fingerprint
 
 
@@ -344,6 +349,42 @@ def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[
     return {"layer": layer, "sweep": sweep}
 
 
+# --- the drafters' own cost -----------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def draft_step_cost(method: Method, ids: list[int], repeats: int = 9) -> dict | None:
+    """What one draft step of ``method``'s drafter costs against one one-token target forward, after a prefill of
+    ``ids`` (medians of ``repeats``): a whole proposal at the drafter's full depth (no adaptive cut), and per draft
+    step (one proposal for Medusa and the suffix drafter, one draft forward per level for EAGLE trees). A hybrid's
+    trained drafter is measured alone. None for HF methods and plain decoding."""
+    if not method.engine:
+        return None
+    decoder = method.decoder
+    drafter = getattr(decoder.drafter, "inner", decoder.drafter)
+    if isinstance(drafter, VanillaDrafter):
+        return None
+    prompt = decoder.prompt_tensor(ids)
+    with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch):
+        state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
+        drafter.start(state, out)
+        propose, forward = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            draft = drafter.propose(state, max_depth=64)
+            t1 = time.perf_counter()
+            tree_forward(decoder.model, state, root_only(state, decoder.device))
+            t2 = time.perf_counter()
+            crop_cache(state.cache, state.length)
+            propose.append(t1 - t0)
+            forward.append(t2 - t1)
+    levels = int(draft.tree.max_depth)
+    steps = max(1, levels) if getattr(drafter, "draft_forward_per_level", False) else 1
+    p, f = statistics.median(propose), statistics.median(forward)
+    return {"propose_ms": 1000 * p, "forward_ms": 1000 * f, "levels": levels, "nodes": int(draft.tree.num_nodes),
+            "draft_steps": steps, "step_vs_forward": p / steps / f}
+
+
 # --- the run --------------------------------------------------------------------------------------------------------
 
 
@@ -505,6 +546,14 @@ def format_markdown(report: dict) -> str:
         acc = per_cat["overall"]["acceptance_by_depth"]
         if acc:
             lines.append(f"- {name}: " + ", ".join(f"d{d}={a:.2f}" for d, a in enumerate(acc, start=1)))
+    costs = {k: v for k, v in (report.get("draft_cost") or {}).items() if v}
+    if costs:
+        lines += ["", "One draft step against one one-token target forward (a whole proposal at full depth, and per "
+                  "draft step: one per proposal, or one per level for EAGLE trees):", "",
+                  "| method | proposal ms | levels | nodes | draft steps | forward ms | draft step / forward |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {c['propose_ms']:.2f} | {c['levels']} | {c['nodes']} | {c['draft_steps']} | "
+                  f"{c['forward_ms']:.2f} | {c['step_vs_forward']:.1%} |" for name, c in costs.items()]
     if report.get("early_exit"):
         lines += ["", f"hf_early_exit: assistant_early_exit={report['early_exit']['layer']}"]
     lines += ["", _mismatch_text(report)]
@@ -617,6 +666,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
                            "heads": heads_folders(to_plain(cfg_get(cfg, "heads")))},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
               "verify_cost": cost_curves(base, cfg)}
+    first = prompt_ids(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}], s["chat"], s["system_prompt"])
+    report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"
     records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress)
     report["categories"], report["figures"] = summarize_runs(records, methods)

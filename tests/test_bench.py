@@ -76,6 +76,13 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
     assert len(saved["runs"]) == 4 * len(methods)  # 3 first turns + 1 second turn, every method
     md = (out / "bench.md").read_text()
     assert all(f"| {m} |" in md for m in methods) and "Lossless" in md
+    costs = saved["draft_cost"]  # every drafter's own cost, against one target forward
+    assert costs["vanilla"] is None and "hf" not in costs
+    for name in ("medusa:medusa-tiny", "medusa:random+suffix", "suffix"):
+        c = costs[name]
+        assert c["propose_ms"] > 0 and c["forward_ms"] > 0 and c["draft_steps"] == 1
+        assert c["step_vs_forward"] == pytest.approx(c["propose_ms"] / c["forward_ms"])
+    assert costs["medusa:medusa-tiny"]["levels"] == 4 and "draft step / forward" in md
     check_figures(saved, methods)
 
 

@@ -40,7 +40,7 @@ from heads.eagle import (
     drafter_loss,
 )
 from heads.vocab import build_draft_vocab, resolve_size
-from train.data import IGNORE_INDEX, draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
+from train.data import draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 

@@ -38,6 +38,8 @@ from heads.kv import crop_cache
 from heads.target import cache_kwarg
 
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CURVE_REPEATS = 15  # forwards per size, sizes interleaved; the median of each
+CURVE_METHOD = 2  # part of the cache key: curves measured by an earlier method are measured again
 
 
 @dataclass(frozen=True)
@@ -230,24 +232,37 @@ def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> lis
         tokens = torch.zeros(n, dtype=torch.long, device=device)
         tree_forward(model, state, Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, n - 1))).to(device)))
         crop_cache(cache, cache_length)
-    rows = []
+    layouts = {}
     for n in sizes:
         parents = shape.parents[:n].tolist() if n <= shape.num_nodes else list(range(-1, n - 1))
-        sub = Tree.from_parents(parents).to(device)
         tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
-        state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length, next_token=int(tokens[0]),
-                            hidden=torch.empty(0, device=device))
-        times = []
-        for _ in range(repeats):
+        layouts[n] = Draft(tokens=tokens, tree=Tree.from_parents(parents).to(device))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):  # sizes interleaved: a drift of the machine's speed hits every size alike
+        for n in sizes:
+            state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length,
+                                next_token=int(layouts[n].tokens[0]), hidden=torch.empty(0, device=device))
             _sync(device)
             t0 = time.perf_counter()
-            tree_forward(model, state, Draft(tokens=tokens, tree=sub))
+            tree_forward(model, state, layouts[n])
             _sync(device)
-            times.append(time.perf_counter() - t0)
+            times[n].append(time.perf_counter() - t0)
             crop_cache(cache, cache_length)
-        ms = 1000 * statistics.median(times)
+    rows = []
+    for n in sizes:
+        ms = 1000 * statistics.median(times[n])
         rows.append({"nodes": n, "ms": ms, "ms_per_node": ms / n})
     return rows
+
+
+def monotone(ms: Sequence[float]) -> tuple[float, ...]:
+    """Costs made non-decreasing in the number of nodes (right to left: a smaller tree never costs more than a
+    larger one, since it could be padded to it). What is left of timing noise after medians, e.g. 2 nodes measured
+    above 4 when both run the same 4-row kernel."""
+    out = list(ms)
+    for i in range(len(out) - 2, -1, -1):
+        out[i] = min(out[i], out[i + 1])
+    return tuple(out)
 
 
 def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
@@ -257,7 +272,7 @@ def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
     key = json.dumps({"model": fingerprint(model)["digest"], "layers": model.config.num_hidden_layers,
                       "dtype": str(param.dtype), "device": str(param.device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "kernel": linear_kernel,
-                      "torch": torch.__version__}, sort_keys=True)
+                      "torch": torch.__version__, "method": CURVE_METHOD}, sort_keys=True)
     return cache_dir() / "cost_curves" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -268,8 +283,9 @@ def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", ca
         data = json.loads(path.read_text())
         return CostCurve(sizes=tuple(data["sizes"]), ms=tuple(data["ms"]))
     cache_length = min(cache_length, getattr(model.config, "max_position_embeddings", cache_length) - max(CURVE_SIZES))
-    rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=5, linear_kernel=linear_kernel)
-    curve = CostCurve(sizes=tuple(r["nodes"] for r in rows), ms=tuple(r["ms"] for r in rows))
+    rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=CURVE_REPEATS,
+                             linear_kernel=linear_kernel)
+    curve = CostCurve(sizes=tuple(r["nodes"] for r in rows), ms=monotone([r["ms"] for r in rows]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"sizes": list(curve.sizes), "ms": list(curve.ms)}))

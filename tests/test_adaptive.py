@@ -76,3 +76,10 @@ def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
                                     depth_policy=AdaptiveDepth(CPU_LIKE, measure_draft=False, explore_every=2))
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
     assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_the_cached_curve_never_charges_a_smaller_tree_more():
+    from decode.adaptive import monotone
+
+    assert monotone([70.9, 108.7, 96.2, 103.4, 123.0, 156.2, 225.3]) == (70.9, 96.2, 96.2, 103.4, 123.0, 156.2, 225.3)
+    assert monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)

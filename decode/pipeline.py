@@ -390,3 +390,48 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     (answers_path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     out.write(f"\n{len(questions)} questions -> {answers_path}\n" + format_summary(summary) + "\n")
     return summary
+
+
+# --- after training ---------------------------------------------------------------------------------------------------
+
+SPEED_CHECK_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a Python function that checks whether a string is a palindrome, with a few tests.",
+    "What are the main differences between a list and a tuple in Python?",
+)
+DECODE_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "decode" / "decode.yaml"
+
+
+def speed_check(heads_dir: str | Path, prompts: int = 3, max_new_tokens: int = 64, out: TextIO = sys.stderr) -> dict:
+    """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
+    few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the
+    same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}."""
+    from omegaconf import OmegaConf
+
+    command = f'python decode/run.py heads={heads_dir} prompt="Write a haiku about the sea."'
+    print(f"[selfspec] decode with these heads:\n  {command}", file=out)
+    if prompts <= 0:
+        return {}
+    cfg = OmegaConf.load(DECODE_CONFIG)
+    cfg.heads, cfg.max_new_tokens = str(heads_dir), int(max_new_tokens)
+    session = load_session(cfg)
+    plain = build_decoder(session.target, registry.entry("vanilla").build(None, session.target, {}), {},
+                          session.decoder.linear_kernel, sorted(session.decoder.eos_token_ids))
+    tokenizer = session.target.tokenizer
+    ids = [prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in SPEED_CHECK_PROMPTS[:prompts]]
+    for decoder in (session.decoder, plain):
+        decoder.generate(ids[0], max_new_tokens=8)  # warm-up
+    totals = {"heads": [0, 0.0], "plain": [0, 0.0]}
+    for prompt in ids:
+        for name, decoder in (("heads", session.decoder), ("plain", plain)):
+            res = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+            totals[name][0] += res.stats.new_tokens
+            totals[name][1] += res.stats.total_s
+    rate = {k: n / s if s > 0 else 0.0 for k, (n, s) in totals.items()}
+    result = {**rate, "ratio": rate["heads"] / rate["plain"] if rate["plain"] else 0.0}
+    print(f"[selfspec] quick speed check ({len(ids)} prompts, {max_new_tokens} new tokens, greedy, "
+          f"{session.drafter} with its defaults {session.draft_settings}): {rate['heads']:.1f} tokens/s against "
+          f"{rate['plain']:.1f} for plain decoding: {result['ratio']:.2f}x. The benchmark: scripts/bench.py.",
+          file=out)
+    return result

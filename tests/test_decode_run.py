@@ -188,3 +188,23 @@ def test_expected_mistakes_print_one_line_without_a_traceback(script, args, mess
     full = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=tmp_path,
                           timeout=300)
     assert full.returncode != 0 and "Traceback" in full.stderr  # the whole trace, for debugging
+
+
+def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):
+    import io
+
+    from decode.pipeline import speed_check
+    from heads.io import save_heads
+
+    session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
+    folder = tmp_path / "run" / "heads"
+    save_heads(folder, session.heads, "medusa", session.heads.config.to_dict(), session.target)
+    out = io.StringIO()
+    result = speed_check(folder, prompts=2, max_new_tokens=6, out=out)
+    text = out.getvalue()
+    assert f"python decode/run.py heads={folder}" in text and "quick speed check (2 prompts, 6 new tokens" in text
+    assert result["heads"] > 0 and result["plain"] > 0
+    assert result["ratio"] == pytest.approx(result["heads"] / result["plain"])
+    assert f"{result['ratio']:.2f}x" in text
+    quiet = io.StringIO()
+    assert speed_check(folder, prompts=0, out=quiet) == {} and "decode/run.py" in quiet.getvalue()

@@ -111,17 +111,14 @@ def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen
 
 
 def test_sampled_tokens_follow_the_target_distribution():
-    from test_engine import SAMPLE_TREE, exact_first_three, random_heads, sampled_first_three, small_vocab_target
+    from test_engine import SAMPLE_TREE, random_heads, sampled_first_three, small_vocab_target
+    from test_suffix import own_samples_corpus
     from test_verify import chi_square_pvalue
 
     model = small_vocab_target()
-    prompt = torch.tensor([3, 5, 7, 1])
-    v = model.config.vocab_size
-    exact = exact_first_three(model, prompt).reshape(-1)
-    draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
-    samples = [[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws]
+    exact, corpus = own_samples_corpus(model)
     inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
-    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=4), max_nodes=12)
+    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1

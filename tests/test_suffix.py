@@ -140,18 +140,24 @@ def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_pat
     assert res.stats.drafted > 0
 
 
+def own_samples_corpus(model) -> tuple[torch.Tensor, SuffixArray]:
+    """The target's exact distribution of its first three tokens after the sampling tests' prompt [3, 5, 7, 1], and a
+    corpus of 40 of its own samples there: drafts that are often right, and often wrong."""
+    from test_engine import exact_first_three
+
+    v = model.config.vocab_size
+    exact = exact_first_three(model, torch.tensor([3, 5, 7, 1])).reshape(-1)
+    draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
+    return exact, SuffixArray.build([[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws])
+
+
 def test_sampled_tokens_follow_the_target_distribution():
-    from test_engine import exact_first_three, sampled_first_three, small_vocab_target
+    from test_engine import sampled_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
 
     model = small_vocab_target()
-    prompt = torch.tensor([3, 5, 7, 1])
-    v = model.config.vocab_size
-    exact = exact_first_three(model, prompt).reshape(-1)
-    # a corpus of the target's own samples after the prompt: drafts that are often right, and often wrong
-    draws = torch.multinomial(exact, 40, replacement=True, generator=torch.Generator().manual_seed(0)).tolist()
-    samples = [[3, 5, 7, 1, d // (v * v), d // v % v, d % v] for d in draws]
-    drafter = SuffixDrafter(model, corpus=SuffixArray.build(samples), budget=8)
+    exact, corpus = own_samples_corpus(model)
+    drafter = SuffixDrafter(model, corpus=corpus, budget=8)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)  # temperature 0.9, top-p 0.9
     assert accept_rate > 0.5  # drafts were accepted often enough for the test to mean something
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1

@@ -130,7 +130,8 @@ class AdaptiveDepth:
     tried: dict[int, float] = field(default_factory=dict)  # level j -> verified trees that reached it
     reached: dict[int, float] = field(default_factory=dict)  # level j -> of those, accepted branches that reached it
     nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
-    full_depth: int | None = None  # the deepest tree the drafter proposes (seen on the first step)
+    full_depth: int | None = None  # the deepest draft the drafter proposes (given, or seen on the first step); a
+    # drafter that stops early by itself (a confidence threshold) gives it, so a short first draft does not cap it
     draft_s: float = 0.0  # moving average of seconds spent drafting a step
     since_explore: int = 0  # steps since the last look one level deeper than the best
     interval: int = 0  # steps between such looks (explore_every at first); doubles while they do not pay
@@ -183,7 +184,7 @@ class AdaptiveDepth:
         if asked == 0 or depth == 0:
             return
         if self.full_depth is None:
-            self.full_depth = depth
+            self.full_depth = depth  # the drafter did not say how deep it drafts: its first draft shows it
         levels = draft.tree.depth.tolist()
         for level in range(1, depth):  # a first estimate of shallower cuts: this tree's nodes down to that level
             self.nodes.setdefault(level, sum(1 for d in levels if d <= level))

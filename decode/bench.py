@@ -27,10 +27,19 @@ from tqdm.auto import tqdm
 
 from decode import registry
 from decode.adaptive import verify_cost_curve
+from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import SpeculativeDecoder, prefill, tree_forward
 from decode.kernels import small_batch_linears
-from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, read_questions
+from decode.pipeline import (
+    Session,
+    build_decoder,
+    hf_generate,
+    load_session,
+    max_draft_depth,
+    prompt_ids,
+    read_questions,
+)
 from decode.types import DecodeSetupError, root_only
 from heads.config import cfg_get, to_dict, to_plain
 from heads.errors import SelfspecError
@@ -276,11 +285,6 @@ def _engine(base: Session, drafter: Any) -> SpeculativeDecoder:
                               decode=base.decoder.decode, linear_kernel=base.decoder.linear_kernel)
 
 
-def _max_depth(drafter: Any) -> int | None:
-    tree = getattr(drafter, "tree", None)
-    return int(tree.max_depth) if tree is not None else getattr(drafter, "depth", None)
-
-
 def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
                   draft: dict | None = None) -> list[Method]:
     """The methods ``names`` asks for, HF generate first (the reference of losslessness and speedup, always run);
@@ -298,7 +302,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     if "heads" in names:
         for name, s in sessions.items():
             methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
-                                                            "max_depth": _max_depth(s.decoder.drafter)}))
+                                                            "max_depth": max_draft_depth(s.decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
             if s.draft_settings.get("suffix"):
@@ -309,14 +313,14 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                                     sorted(base.decoder.eos_token_ids))
             methods.append(Method(f"{name}+suffix", s, decoder, info={"drafter": f"{s.drafter}+suffix",
                                                                       "settings": settings,
-                                                                      "max_depth": _max_depth(inner)}))
+                                                                      "max_depth": max_draft_depth(inner)}))
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
         settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
         drafter = entry.build(None, base.target, settings)
         methods.append(Method(entry.name, base, _engine(base, drafter),
-                              info={"drafter": entry.name, "settings": settings, "max_depth": _max_depth(drafter)}))
+                              info={"drafter": entry.name, "settings": settings, "max_depth": max_draft_depth(drafter)}))
     return methods
 
 
@@ -356,7 +360,8 @@ def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[
 def draft_step_cost(method: Method, ids: list[int], repeats: int = 9) -> dict | None:
     """What one draft step of ``method``'s drafter costs against one one-token target forward, after a prefill of
     ``ids`` (medians of ``repeats``): a whole proposal at the drafter's full depth (no adaptive cut), and per draft
-    step (one proposal for Medusa and the suffix drafter, one draft forward per level for EAGLE trees). A hybrid's
+    step (one proposal for Medusa and the suffix drafter, one draft forward per level for EAGLE trees and layer-skip
+    chains). A hybrid's
     trained drafter is measured alone. None for HF methods and plain decoding."""
     if not method.engine:
         return None
@@ -373,6 +378,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9) -> dict | 
             t0 = time.perf_counter()
             draft = drafter.propose(state, max_depth=64)
             t1 = time.perf_counter()
+            commit_kv(state.cache, state.length, [])  # rows a drafter wrote into the target's cache (layer-skip)
             tree_forward(decoder.model, state, root_only(state, decoder.device))
             t2 = time.perf_counter()
             crop_cache(state.cache, state.length)

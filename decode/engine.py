@@ -340,6 +340,12 @@ class SpeculativeDecoder:
         with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
 
+    @property
+    def _verify_forward(self):
+        """The verify forward: the drafter's own when it has one (a layer-skip drafter runs only the layers its draft
+        did not), else one target forward over the tree."""
+        return getattr(self.drafter, "verify_forward", None) or tree_forward
+
     def _depth(self, room: int) -> int:
         """How deep this step's draft may go: the tokens left after the target's own (``room``), or less if the
         depth policy says so."""
@@ -377,7 +383,7 @@ class SpeculativeDecoder:
                     f"; the root must be state.next_token ({state.next_token})."
                 )
             t1 = _clock(self.device)
-            out = tree_forward(self.model, state, draft)
+            out = self._verify_forward(self.model, state, draft)
             verdict = verify(out.logits, draft.tokens, draft.tree, sampling, draft.probs, generator)
             state = commit(state, draft, verdict, out)
             t2 = _clock(self.device)

@@ -118,18 +118,29 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
-def depth_policy(model: torch.nn.Module, linear_kernel: str) -> AdaptiveDepth:
-    """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run."""
+def max_draft_depth(drafter: Any) -> int | None:
+    """The deepest draft ``drafter`` proposes (its static tree's depth, its dynamic tree's or chain's levels); None
+    when it does not say."""
+    tree = getattr(drafter, "tree", None)
+    if tree is not None:
+        return int(tree.max_depth)
+    depth = getattr(drafter, "depth", getattr(drafter, "max_depth", None))
+    return None if depth is None else int(depth)
+
+
+def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | None = None) -> AdaptiveDepth:
+    """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run;
+    ``full_depth``: the deepest draft the drafter proposes (None: the first step shows it)."""
     device = next(model.parameters()).device
     curve = measured_cost_curve(model, "small_batch" if use_small_batch(linear_kernel, device) else "torch")
-    return AdaptiveDepth(curve)
+    return AdaptiveDepth(curve, full_depth=full_depth)
 
 
 def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
                   eos_token_ids: list[int] | None = None) -> SpeculativeDecoder:
     """The engine for ``drafter`` under its settings: adaptive depth if ``adaptive``; with ``suffix``, the drafter
     and the suffix drafter merged into one tree per step (decode/hybrid.py; it then owns the depth policy)."""
-    policy = depth_policy(target.model, kernel) if settings.get("adaptive") else None
+    policy = depth_policy(target.model, kernel, max_draft_depth(drafter)) if settings.get("adaptive") else None
     if settings.get("suffix"):
         from decode.hybrid import HybridDrafter
 

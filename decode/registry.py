@@ -106,6 +106,16 @@ def _suffix(heads, target, settings) -> Drafter:
                          max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]))
 
 
+def _layerskip(heads, target, settings) -> Drafter:
+    from decode.layerskip import LayerSkipDrafter
+
+    layers = int(target.model.config.get_text_config(decoder=True).num_hidden_layers)
+    exit_layer = settings["exit_layer"]
+    exit_layer = max(1, layers // 2) if exit_layer in (None, "auto") else int(exit_layer)
+    return LayerSkipDrafter(target.model, exit_layer=exit_layer, threshold=float(settings["threshold"]),
+                            max_depth=int(settings["max_depth"]))
+
+
 def _on_target(heads: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
     param = next(model.parameters())
     return heads.to(device=param.device, dtype=param.dtype).eval()
@@ -145,6 +155,9 @@ register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix,
                       defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
+register(DrafterEntry("layerskip", "training-free self-speculation: the target's first layers and its own final norm "
+                      "and LM head draft a chain, the remaining layers verify it (no layer recomputed)", _layerskip,
+                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True}))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
                       defaults={"tree": "mc_sim_7b_63", "adaptive": True, **HYBRID}, saved_key="decode",
                       random_heads=random_medusa_heads))

@@ -98,6 +98,10 @@ class Drafter(Protocol):
     def modules(self) -> Sequence[torch.nn.Module]:
         """The neural modules the drafter runs (the engine gives their linear layers its small-batch kernels)."""
 
+    # Optional: ``verify_forward(model, state, draft) -> ForwardOutput`` replaces the engine's one target forward over
+    # the tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every cache
+    # layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden states.
+
 
 class DrafterBase:
     """No-op hooks and no modules; subclasses implement ``propose``."""

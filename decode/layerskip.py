@@ -157,3 +157,41 @@ class LayerSkipDrafter(DrafterBase):
 
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
         self._rows = []
+
+
+# --- how often an exit agrees with the final layer ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def exit_agreement(model: nn.Module, examples, thresholds: Sequence[float] = (0.5, 0.8),
+                   norm: nn.Module | None = None, lm_head: nn.Module | None = None) -> list[dict]:
+    """Per exit layer E (1..L-1), over the labelled positions of ``examples`` (``input_ids`` and ``labels``, -100 =
+    unlabelled): how often the exit's top token on layer E's hidden state equals the full model's (``agreement``),
+    and per confidence threshold, the share of positions where the exit's top probability reaches it and how often
+    it is right there. The exit is (``norm``, ``lm_head``), the target's own final ones by default."""
+    stack = LayerStack(model)
+    norm = norm if norm is not None else stack.decoder.norm
+    lm_head = lm_head if lm_head is not None else stack.lm_head
+    layers = stack.num_layers
+    agree = torch.zeros(layers)
+    confident = {t: torch.zeros(layers) for t in thresholds}
+    right = {t: torch.zeros(layers) for t in thresholds}
+    total = 0
+    for example in examples:
+        ids = torch.as_tensor(example["input_ids"])[None].to(stack.lm_head.weight.device)
+        labelled = torch.as_tensor(example["labels"]).to(ids.device) != -100
+        out = model(input_ids=ids, output_hidden_states=True)
+        final = out.logits[0].argmax(-1)[labelled]
+        total += int(labelled.sum())
+        for e in range(1, layers):
+            probs = torch.softmax(lm_head(norm(out.hidden_states[e][0][labelled])).float(), dim=-1)
+            p, top = probs.max(dim=-1)
+            agree[e] += float((top == final).sum())
+            for t in thresholds:
+                sure = p >= t
+                confident[t][e] += float(sure.sum())
+                right[t][e] += float((top[sure] == final[sure]).sum())
+    return [{"exit_layer": e, "agreement": float(agree[e]) / max(total, 1), "positions": total,
+             **{f"share_p>={t}": float(confident[t][e]) / max(total, 1) for t in thresholds},
+             **{f"right_p>={t}": float(right[t][e]) / max(float(confident[t][e]), 1.0) for t in thresholds}}
+            for e in range(1, layers)]

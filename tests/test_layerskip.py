@@ -123,3 +123,26 @@ def test_decode_run_drafts_with_the_target_own_first_layers():
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
     default = load_session(compose("decode", ["model=tiny", "drafter=layerskip"])).decoder.drafter
     assert default.exit_layer == session.target.model.config.num_hidden_layers // 2
+
+
+def test_exit_agreement_counts_what_a_direct_comparison_counts(tiny_llama):
+    from decode.layerskip import exit_agreement
+
+    model, _ = tiny_llama
+    g = torch.Generator().manual_seed(0)
+    examples = [{"input_ids": torch.randint(3, 300, (12,), generator=g).tolist(),
+                 "labels": [-100] * 4 + list(range(8))} for _ in range(3)]
+    rows = exit_agreement(model, examples, thresholds=(0.0, 1.01))
+    layers = model.config.num_hidden_layers
+    assert [r["exit_layer"] for r in rows] == list(range(1, layers)) and rows[0]["positions"] == 24
+    decoder = model.get_decoder()
+    for r in rows:
+        same = 0
+        for ex in examples:
+            with torch.no_grad():
+                out = model(input_ids=torch.tensor([ex["input_ids"]]), output_hidden_states=True)
+                exit_top = model.lm_head(decoder.norm(out.hidden_states[r["exit_layer"]][0])).argmax(-1)
+            same += int((exit_top == out.logits[0].argmax(-1))[4:].sum())
+        assert r["agreement"] == pytest.approx(same / 24)
+        assert r["share_p>=0.0"] == 1.0 and r["right_p>=0.0"] == pytest.approx(r["agreement"])
+        assert r["share_p>=1.01"] == 0.0

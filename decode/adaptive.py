@@ -91,7 +91,8 @@ class Calibration:
     accepted: dict[int, float] = field(default_factory=dict)  # bucket -> how many of them were accepted
 
     def factor(self, bucket: int) -> float:
-        """accepted / scored in this bucket, shrunk towards all buckets' ratio (itself shrunk towards the prior)."""
+        """accepted / scored in this bucket, shrunk towards all buckets' ratio (itself shrunk towards the prior). A
+        bucket pulled down by others' failures learns its own ratio from the drafter's occasional looks."""
         overall = ((sum(self.accepted.values()) + self.prior_rate * self.prior_weight)
                    / (sum(self.scored.values()) + self.prior_weight))
         scored = self.scored.get(bucket, 0.0)

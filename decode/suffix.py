@@ -261,6 +261,8 @@ class SuffixDrafter(DrafterBase):
         self.index = NgramIndex(max_match)
         self.device = torch.device("cpu")
         self._pending: SuffixPlan | None = None  # the plan of the draft being verified
+        self.explore_every = 16  # budget=auto: after this many steps with candidates but none verified, verify one
+        self._idle = 0
 
     def curve(self) -> CostCurve:
         if self.cost_curve is None:
@@ -298,6 +300,9 @@ class SuffixDrafter(DrafterBase):
         if self.budget == "auto":
             probs = self.calibration.probabilities([cands.scores[n] for n in ranked], bucket)
             k = best_size(probs, self.curve(), limit, base_nodes, base_expected)
+            self._idle = self._idle + 1 if ranked and k == 0 else 0
+            if self._idle > self.explore_every:  # a cheap look (the best candidate alone), so estimates that fell
+                k, self._idle = 1, 0  # too low can recover when the text turns predictable
         else:
             k = len(ranked)
         return SuffixPlan(bucket, cands, ranked[:k])

@@ -43,7 +43,6 @@ from decode.pipeline import (
 from decode.types import DecodeSetupError, root_only
 from heads.config import cfg_get, to_dict, to_plain
 from heads.errors import SelfspecError
-from heads.kv import crop_cache
 from heads.target import check_fingerprint, fingerprint
 
 
@@ -381,7 +380,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9) -> dict | 
             commit_kv(state.cache, state.length, [])  # rows a drafter wrote into the target's cache (layer-skip)
             tree_forward(decoder.model, state, root_only(state, decoder.device))
             t2 = time.perf_counter()
-            crop_cache(state.cache, state.length)
+            commit_kv(state.cache, state.length, [])
             propose.append(t1 - t0)
             forward.append(t2 - t1)
     levels = int(draft.tree.max_depth)

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from decode.adaptive import AdaptiveDepth
-from decode.engine import truncate_draft
+from decode.engine import on_device, truncate_draft
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
@@ -102,8 +102,7 @@ class HybridDrafter(DrafterBase):
         t0 = time.perf_counter()
         asked = max_depth if self.policy is None else min(max_depth, self.policy.choose(max_depth))
         inner = self.inner.propose(state, asked) if asked > 0 else root_only(state, device)
-        inner = Draft(tokens=inner.tokens.to(device), tree=inner.tree.to(device))
-        inner = truncate_draft(inner, asked)  # as the engine would cut it
+        inner = truncate_draft(on_device(inner, device), asked)  # as the engine would cut it
         inner_seconds = time.perf_counter() - t0
         expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
         plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from decode.cache import layer_lengths
 from decode.tree import chain_tree
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
@@ -66,22 +67,17 @@ class LayerStack:
         q = hidden.shape[1]
         position_ids = positions[None]
         rotary = self.decoder.rotary_emb(hidden, position_ids=position_ids)
+        lengths = layer_lengths(cache)
+        masks: dict[int, torch.Tensor] = {}  # by cached length: one per group of layers that hold the same rows
         for i in range(start, stop):
-            past = layer_length(cache, i)
-            allowed = torch.ones(q, past + q, dtype=torch.bool, device=hidden.device)
-            allowed[:, past:] = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
-            mask = additive_mask(allowed, hidden.dtype if hidden.dtype.is_floating_point else torch.float32)
-            hidden = self.layers[i](hidden, attention_mask=mask[None, None], position_ids=position_ids, cache=cache,
+            past = lengths[i] if i < len(lengths) else 0
+            if past not in masks:
+                allowed = torch.ones(q, past + q, dtype=torch.bool, device=hidden.device)
+                allowed[:, past:] = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
+                masks[past] = additive_mask(allowed, hidden.dtype)[None, None]
+            hidden = self.layers[i](hidden, attention_mask=masks[past], position_ids=position_ids, cache=cache,
                                     use_cache=True, position_embeddings=rotary)
         return hidden
-
-
-def layer_length(cache, layer: int) -> int:
-    """Rows cached by decoder layer ``layer`` (0 before its first use)."""
-    if layer >= len(cache.layers):
-        return 0
-    entry = cache.layers[layer]
-    return int(entry.keys.shape[-2]) if getattr(entry, "is_initialized", True) and entry.keys is not None else 0
 
 
 class LayerSkipDrafter(DrafterBase):

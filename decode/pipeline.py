@@ -414,6 +414,16 @@ SPEED_CHECK_PROMPTS = (
 DECODE_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "decode" / "decode.yaml"
 
 
+def after_training(cfg: Any, heads_dir: str | Path) -> None:
+    """The end of a training entry (train/medusa.py, train/eagle.py): :func:`speed_check` as ``cfg.speed_check``
+    says (``prompts: null``: nothing), on the main process only (the one that saved the heads)."""
+    from accelerate import PartialState
+
+    check = to_dict(cfg_get(cfg, "speed_check")) or {}
+    if check.get("prompts") is not None and PartialState().is_main_process:
+        speed_check(heads_dir, int(check["prompts"]), int(check.get("max_new_tokens", 64)))
+
+
 def speed_check(heads_dir: str | Path, prompts: int = 3, max_new_tokens: int = 64, out: TextIO = sys.stderr) -> dict:
     """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
     few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the

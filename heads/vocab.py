@@ -6,8 +6,8 @@ times cheaper, and a token outside them is one the drafter rarely gets right any
 
 - :func:`count_tokens`: token frequencies of a split's answer tokens;
 - :func:`size_for_coverage`: the fewest most-frequent tokens whose share of the counted tokens reaches a coverage;
-- :func:`build_draft_vocab`: those tokens as SGLang's ``d2t`` / ``t2d`` maps (EAGLE-3), and :func:`token_map`: as
-  vLLM Medusa's ``token_map`` (draft id -> target id, ascending).
+- :func:`build_draft_vocab`: those tokens as SGLang's ``d2t`` / ``t2d`` maps (EAGLE-3; Medusa saves the kept ids,
+  ``t2d``'s true positions, as vLLM's ``token_map``).
 """
 
 from __future__ import annotations
@@ -39,12 +39,6 @@ def resolve_size(token_counts: torch.Tensor, size: int | str | None, coverage: f
             raise SettingError("draft_vocab_size=auto needs draft_vocab_coverage (e.g. 0.95).")
         return size_for_coverage(token_counts, coverage)
     return min(int(size), vocab)
-
-
-def token_map(token_counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` most frequent target ids, ascending (vLLM Medusa's ``token_map``: draft id -> target id)."""
-    _, t2d = build_draft_vocab(token_counts, size)
-    return t2d.nonzero().squeeze(-1)
 
 
 def count_tokens(token_ids: torch.Tensor, vocab_size: int, mask: torch.Tensor | None = None) -> torch.Tensor:

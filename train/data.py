@@ -739,6 +739,40 @@ def draft_vocab_counts(dataset: Any, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+@dataclass
+class DraftVocab:
+    """A draft vocabulary counted on a training split (heads/vocab.py's maps)."""
+
+    d2t: torch.Tensor  # [Vd] SGLang's draft -> target offsets
+    t2d: torch.Tensor  # [V] bool: target ids in the draft vocabulary
+    coverage: float  # their share of the split's answer tokens
+
+    @property
+    def size(self) -> int:
+        return int(self.d2t.numel())
+
+    @property
+    def token_map(self) -> torch.Tensor:
+        """The kept target ids, ascending (vLLM Medusa's token_map)."""
+        return self.t2d.nonzero().squeeze(-1)
+
+
+def choose_draft_vocab(dataset: Any, vocab_size: int, size: Any, coverage: float | None, family: str,
+                       verbose: bool = True) -> DraftVocab:
+    """The most frequent answer tokens of ``dataset``: ``size`` of them, or with ``size=auto`` the fewest that cover
+    ``coverage`` of the answers (heads/vocab.py:resolve_size); says what it kept on stderr when ``verbose``."""
+    from heads.vocab import build_draft_vocab, resolve_size
+
+    counts = draft_vocab_counts(dataset, vocab_size)
+    d2t, t2d = build_draft_vocab(counts, resolve_size(counts, size, coverage))
+    total = int(counts.sum())
+    vocab = DraftVocab(d2t, t2d, float(counts[t2d].sum()) / total if total else 0.0)
+    if verbose:
+        print(f"[selfspec] {family} draft vocabulary: {vocab.size:,} of {vocab_size:,} tokens cover "
+              f"{vocab.coverage:.1%} of {total:,} assistant tokens in the training split", file=sys.stderr)
+    return vocab
+
+
 def draft_vocab_problems(size: Any, coverage: Any) -> list[str]:
     """What is wrong with ``heads.draft_vocab_size`` / ``heads.draft_vocab_coverage`` (empty: nothing)."""
     problems = []

@@ -26,7 +26,6 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
     sys.path[0] = str(_ROOT)
 
 import hydra  # noqa: E402
-from accelerate import PartialState  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from heads.errors import reported_errors  # noqa: E402
@@ -38,11 +37,9 @@ from train.loop import train  # noqa: E402
 def main(cfg: DictConfig) -> None:
     with reported_errors():
         result = train(cfg, EagleMethod(cfg))
-        check = cfg.get("speed_check") or {}
-        if check.get("prompts") is not None and PartialState().is_main_process:
-            from decode.pipeline import speed_check
+        from decode.pipeline import after_training
 
-            speed_check(result.heads_dir, int(check["prompts"]), int(check.get("max_new_tokens", 64)))
+        after_training(cfg, result.heads_dir)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ are saved with its weights.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,7 @@ from heads.eagle import (
     EagleLossWeights,
     drafter_loss,
 )
-from heads.vocab import build_draft_vocab, resolve_size
-from train.data import draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
+from train.data import choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -140,16 +138,11 @@ class EagleMethod:
 
     def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
         config = self.settings.eagle_config(model)
-        counts = draft_vocab_counts(train_ds, config.vocab_size)
-        size = resolve_size(counts, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage)
-        self.settings.draft_vocab_size = size
-        self.d2t, t2d = build_draft_vocab(counts, size)
-        total = int(counts.sum())
-        self.draft_vocab_coverage = float(counts[t2d].sum()) / total if total else 0.0
-        if accelerator is None or accelerator.is_main_process:
-            print(f"[selfspec] eagle3 draft vocabulary: {size:,} of {config.vocab_size:,} tokens cover "
-                  f"{self.draft_vocab_coverage:.1%} of {total:,} assistant tokens in the training split",
-                  file=sys.stderr)
+        vocab = choose_draft_vocab(train_ds, config.vocab_size, self.settings.draft_vocab_size,
+                                   self.settings.draft_vocab_coverage, "eagle3",
+                                   accelerator is None or accelerator.is_main_process)
+        self.settings.draft_vocab_size = vocab.size
+        self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
 
     def _feature_store(self, datasets, target, accelerator, collate_fn):
         dtype, model = self.features.dtype, target.model

@@ -27,7 +27,6 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
     sys.path[0] = str(_ROOT)
 
 import hydra  # noqa: E402
-from accelerate import PartialState  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from heads.errors import reported_errors  # noqa: E402
@@ -39,11 +38,9 @@ from train.medusa_method import MedusaMethod  # noqa: E402
 def main(cfg: DictConfig) -> None:
     with reported_errors():
         result = train(cfg, MedusaMethod(cfg))
-        check = cfg.get("speed_check") or {}
-        if check.get("prompts") is not None and PartialState().is_main_process:
-            from decode.pipeline import speed_check
+        from decode.pipeline import after_training
 
-            speed_check(result.heads_dir, int(check["prompts"]), int(check.get("max_new_tokens", 64)))
+        after_training(cfg, result.heads_dir)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ not depend on how the batch is split over processes and micro-batches.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,7 @@ from heads.medusa import (
     medusa_topk_hits,
     weighted_head_loss,
 )
-from heads.vocab import resolve_size, token_map
-from train.data import IGNORE_INDEX, draft_vocab_counts, draft_vocab_problems, position_ids_from_mask
+from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -188,19 +186,13 @@ class MedusaMethod:
         return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.settings.heads_lr_multiplier}]
 
     def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
-        """The token map decoding drafts from: the most frequent answer tokens of the training split."""
-        vocab = model.get_output_embeddings().weight.shape[0]
-        counts = draft_vocab_counts(train_ds, vocab)
-        size = resolve_size(counts, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage)
-        if size >= vocab:
-            return
-        self.token_map = token_map(counts, size)
-        total = int(counts.sum())
-        self.draft_vocab_coverage = float(counts[self.token_map].sum()) / total if total else 0.0
-        if accelerator is None or accelerator.is_main_process:
-            print(f"[selfspec] medusa draft vocabulary: {size:,} of {vocab:,} tokens cover "
-                  f"{self.draft_vocab_coverage:.1%} of {total:,} assistant tokens in the training split",
-                  file=sys.stderr)
+        """The token map decoding drafts from: the most frequent answer tokens of the training split (none when
+        they would be the whole vocabulary)."""
+        size = model.get_output_embeddings().weight.shape[0]
+        vocab = choose_draft_vocab(train_ds, size, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage,
+                                   "medusa", accelerator is None or accelerator.is_main_process)
+        if vocab.size < size:
+            self.token_map, self.draft_vocab_coverage = vocab.token_map, vocab.coverage
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
         if self.settings.draft_vocab_size is not None:

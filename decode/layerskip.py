@@ -19,9 +19,12 @@ Each step (:class:`LayerSkipDrafter`), with the root r = ``state.next_token`` at
 
 Mid-step, layers hold different lengths: each layer's attention mask is built for its own cache length.
 
-The exit is ``(norm, lm_head)``: the target's own final norm and LM head (training-free, ``drafter=layerskip``), or
-a trained exit (heads/layerskip.py). Drafts are deterministic (``probs=None``), so greedy and sampling verification
-stay lossless.
+The exit is the target's own final norm and LM head (training-free, ``drafter=layerskip``), or a trained exit
+(heads/layerskip.py, ``python train/layerskip.py``): a head over a possibly reduced vocabulary, or an adapter block
+and a head. An adapter attends over earlier positions, so the drafter keeps its KV cache: rows for the prompt at the
+start, a row per drafted token, and after each commit the rows of the accepted tokens only (computed from the verify
+pass's layer-E states where drafting had not run them). Drafts are deterministic (``probs=None``), so greedy and
+sampling verification stay lossless.
 """
 
 from __future__ import annotations
@@ -81,40 +84,60 @@ class LayerStack:
 
 
 class LayerSkipDrafter(DrafterBase):
-    """Drafts a chain with layers 0..``exit_layer``-1 and an exit (``norm``, ``lm_head``; the target's own when
-    None); stops when the exit's top probability falls below ``threshold`` or at ``max_depth`` tokens.
-    ``token_map``: the exit head's rows are these target ids (a reduced exit vocabulary)."""
+    """Drafts a chain with layers 0..``exit_layer``-1 and an exit; stops when the exit's top probability falls below
+    ``threshold`` or at ``max_depth`` tokens. ``exit``: a trained exit (heads/layerskip.py: a head, or an adapter
+    block and a head, possibly over a reduced vocabulary); None reads the target's own final norm and LM head."""
 
     draft_forward_per_level = True  # one pass over the first layers per drafted token (decode/bench.py's draft cost)
 
-    def __init__(self, model: nn.Module, exit_layer: int, threshold: float = 0.5, max_depth: int = 6,
-                 norm: nn.Module | None = None, lm_head: nn.Module | None = None,
-                 token_map: torch.Tensor | None = None):
+    def __init__(self, model: nn.Module, exit_layer: int | None = None, threshold: float = 0.5, max_depth: int = 6,
+                 exit: nn.Module | None = None):
         self.stack = LayerStack(model)
-        if not 1 <= exit_layer < self.stack.num_layers:
+        if exit is not None:
+            if exit_layer not in (None, exit.exit_layer):
+                raise DecodeSetupError(f"draft.exit_layer={exit_layer}, but these heads are an exit trained after "
+                                       f"layer {exit.exit_layer}: leave draft.exit_layer unset (or train an exit "
+                                       f"for layer {exit_layer}).")
+            exit_layer = exit.exit_layer
+        if exit_layer is None or not 1 <= exit_layer < self.stack.num_layers:
             raise DecodeSetupError(f"draft.exit_layer={exit_layer}: exit after a layer in 1..{self.stack.num_layers - 1}"
                                    f" (this target has {self.stack.num_layers} layers).")
         if not 0.0 <= threshold <= 1.0 or max_depth < 0:
             raise DecodeSetupError(f"draft.threshold={threshold} must be in [0, 1] and draft.max_depth={max_depth} "
                                    ">= 0.")
         self.exit_layer, self.threshold, self.max_depth = exit_layer, threshold, max_depth
-        self.norm = norm if norm is not None else self.stack.decoder.norm
-        self.lm_head = lm_head if lm_head is not None else self.stack.lm_head
-        self.token_map = token_map
+        self.exit = exit
         self._rows: list[torch.Tensor] = []  # layer-E hidden states [1, H] of the chain tokens layers 0..E-1 ran on
+        self._chain: torch.Tensor | None = None  # layer-E states [N, H] of the chain verify_forward ran
+        # An adapter exit attends over earlier positions: its own cache, one row per committed position (drafting
+        # adds rows for the chain; a commit keeps those of accepted tokens and computes the missing ones).
+        self._adapter_cache = None
 
     def modules(self) -> Sequence[nn.Module]:
-        return (self.norm, self.lm_head)
+        return (self.exit,) if self.exit is not None else (self.stack.decoder.norm, self.stack.lm_head)
+
+    @property
+    def _adapted(self) -> bool:
+        return self.exit is not None and self.exit.adapter is not None
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        self._rows = []
+        self._rows, self._chain = [], None
+        if self._adapted:
+            from decode.cache import new_cache
 
-    def _exit(self, hidden: torch.Tensor) -> tuple[int, float]:
-        """Layer-E hidden [1, 1, H] -> (the exit's top token as a target id, its probability)."""
-        logits = self.lm_head(self.norm(hidden))[0, -1].float()
-        probs = torch.softmax(logits, dim=-1)
-        p, token = probs.max(dim=-1)
-        token = int(token) if self.token_map is None else int(self.token_map[token])
+            self._adapter_cache = new_cache()
+            self.exit.features(prefill.hidden_states[self.exit_layer][None].to(self.stack.dtype),
+                               cache=self._adapter_cache)
+
+    def _exit(self, hidden: torch.Tensor, position: int) -> tuple[int, float]:
+        """Layer-E hidden [1, 1, H] at ``position`` -> (the exit's top token as a target id, its probability)."""
+        if self.exit is None:
+            logits = self.stack.lm_head(self.stack.decoder.norm(hidden))[0, -1].float()
+        else:
+            position_ids = torch.tensor([[position]], device=hidden.device)
+            logits = self.exit.logits(self.exit.features(hidden, position_ids, cache=self._adapter_cache))[0, -1]
+        p, token = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        token = int(token) if self.exit is None else int(self.exit.to_target_ids(token))
         return token, float(p)
 
     @torch.no_grad()
@@ -123,11 +146,11 @@ class LayerSkipDrafter(DrafterBase):
         tokens, self._rows = [state.next_token], []
         depth = min(self.max_depth, max_depth)
         while len(tokens) - 1 < depth:
-            position = torch.tensor([state.length + len(tokens) - 1], device=device)
+            position = state.length + len(tokens) - 1
             hidden = self.stack.run(self.stack.embed(torch.tensor(tokens[-1:], device=device)), 0, self.exit_layer,
-                                    position, state.cache)
+                                    torch.tensor([position], device=device), state.cache)
             self._rows.append(hidden[0])
-            token, p = self._exit(hidden)
+            token, p = self._exit(hidden, position)
             if p < self.threshold:
                 break
             tokens.append(token)
@@ -145,14 +168,30 @@ class LayerSkipDrafter(DrafterBase):
         if done < n:
             fresh = self.stack.embed(draft.tokens[done:])
             parts.append(self.stack.run(fresh, 0, self.exit_layer, positions[done:], state.cache))
-        hidden = self.stack.run(torch.cat(parts, dim=1), self.exit_layer, self.stack.num_layers, positions,
-                                state.cache)
+        chain = torch.cat(parts, dim=1)
+        self._chain = chain[0]
+        hidden = self.stack.run(chain, self.exit_layer, self.stack.num_layers, positions, state.cache)
         final = self.stack.decoder.norm(hidden)[0]  # [N, H]
-        self._rows = []
         return ForwardOutput(logits=self.stack.lm_head(final), hidden_states=(final,))
 
+    @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        self._rows = []
+        drafted, self._rows = len(self._rows), []
+        chain, self._chain = self._chain, None
+        if not self._adapted:
+            return
+        from heads.kv import cache_length, crop_cache
+
+        accepted = len(verdict.path)  # root first: positions start .. start + accepted - 1 are now committed
+        start = state.length - accepted
+        keep = min(drafted, accepted)  # rows drafting wrote for tokens that were accepted
+        crop_cache(self._adapter_cache, start + keep)
+        if keep < accepted:  # accepted tokens the adapter has not seen: from the verify pass's layer-E states
+            if chain is None:
+                raise RuntimeError("LayerSkipDrafter's commit follows its own verify_forward only.")
+            position_ids = torch.arange(start + keep, start + accepted, device=chain.device)[None]
+            self.exit.features(chain[None, keep:accepted], position_ids, cache=self._adapter_cache)
+        assert cache_length(self._adapter_cache) == state.length
 
 
 # --- how often an exit agrees with the final layer ---------------------------------------------------------------------
@@ -191,3 +230,89 @@ def exit_agreement(model: nn.Module, examples, thresholds: Sequence[float] = (0.
              **{f"share_p>={t}": float(confident[t][e]) / max(total, 1) for t in thresholds},
              **{f"right_p>={t}": float(right[t][e]) / max(float(confident[t][e]), 1.0) for t in thresholds}}
             for e in range(1, layers)]
+
+
+# --- what an exit costs, and what it should gain ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_length: int = 128,
+                        repeats: int = 15) -> dict:
+    """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
+    ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
+    one-token forward (medians of ``repeats``, sizes interleaved). -> {"forward_ms", "layers": {E: share of the
+    forward in layers 0..E-1}, "draft": {E: (layers + exit) / forward}}."""
+    import statistics
+    import time
+
+    from decode.cache import new_cache
+    from heads.kv import crop_cache
+    from heads.target import cache_kwarg
+
+    stack = LayerStack(model)
+    device = stack.lm_head.weight.device
+    vocab = int(stack.lm_head.weight.shape[0])
+    prompt = torch.arange(cache_length, device=device) * 7919 % vocab
+    cache = new_cache()
+    out = model(input_ids=prompt[None], use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache})
+    adapter_caches = {}
+    for e, module in exits.items():
+        if getattr(module, "adapter", None) is not None:
+            adapter_caches[e] = new_cache()
+            module.features(out.hidden_states[e].to(stack.dtype), cache=adapter_caches[e])
+    token = prompt[-1:]
+    position = torch.tensor([cache_length], device=device)
+    times: dict = {"forward": [], **{("layers", e): [] for e in exits}, **{("exit", e): [] for e in exits}}
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    for r in range(repeats + 1):
+        t0 = clock()
+        model(input_ids=token[None], use_cache=True, **{cache_kwarg(model): cache})
+        t1 = clock()
+        crop_cache(cache, cache_length)
+        if r:
+            times["forward"].append(t1 - t0)
+        for e, module in exits.items():
+            t0 = clock()
+            hidden = stack.run(stack.embed(token), 0, e, position, cache)
+            t1 = clock()
+            adapter_cache = adapter_caches.get(e)
+            module.logits(module.features(hidden, position[None], cache=adapter_cache))
+            t2 = clock()
+            crop_cache(cache, cache_length)
+            if adapter_cache is not None:
+                crop_cache(adapter_cache, cache_length)
+            if r:
+                times[("layers", e)].append(t1 - t0)
+                times[("exit", e)].append(t2 - t1)
+    forward = statistics.median(times["forward"])
+    layers = {e: statistics.median(times[("layers", e)]) / forward for e in exits}
+    return {"forward_ms": forward * 1e3, "layers": layers,
+            "draft": {e: layers[e] + statistics.median(times[("exit", e)]) / forward for e in exits}}
+
+
+def best_chain(share: Sequence[float], right: Sequence[float], thresholds: Sequence[float], max_depth: int,
+               draft_cost: float, layer_share: float, curve) -> dict:
+    """The threshold and chain length with the most expected tokens per unit of time, against plain decoding (one
+    token per one-token forward), from an exit's measured rates. Per threshold t: ``share[t]`` of positions where
+    the exit's top probability reaches t, ``right[t]`` where it does and equals the target's token. Taking the
+    positions of a chain as independent, a chain of at most d tokens runs the draft sum_{i<d} share^i times (each at
+    ``draft_cost``, a share of one forward), drafts sum_{i=1..d} share^i tokens, gets sum_{i=1..d} right^i of them
+    accepted, and its verify pass runs the last ``1 - layer_share`` of the target over the chain
+    (``curve.cost(nodes)`` scaled) plus the first layers on the last token when the chain reached d.
+    -> {"threshold", "depth", "tokens_per_step", "speedup"} of the best chain (a speedup under 1: drafting with
+    this exit does not pay here; adaptive depth then switches it off while decoding)."""
+    best = {"threshold": float(thresholds[0]), "depth": 1, "tokens_per_step": 1.0, "speedup": 0.0}
+    for t, s, a in zip(thresholds, share, right):
+        for d in range(1, max_depth + 1):
+            runs = sum(s**i for i in range(d))
+            drafted = sum(s**i for i in range(1, d + 1))
+            tokens = 1.0 + sum(a**i for i in range(1, d + 1))
+            seconds = runs * draft_cost + (1.0 - layer_share) * curve.cost(1.0 + drafted) + layer_share * s**d
+            if tokens / seconds > best["speedup"]:
+                best = {"threshold": float(t), "depth": d, "tokens_per_step": tokens, "speedup": tokens / seconds}
+    return best

@@ -94,7 +94,7 @@ def choose_drafter(name: str | None, heads: str | None, heads_config: dict | Non
     if name is None:
         name = heads_config["head_type"] if heads_config else ("medusa" if heads == "random" else "vanilla")
     chosen = registry.entry(str(name))
-    if heads_config and chosen.needs_heads and chosen.name != heads_config["head_type"]:
+    if heads_config and chosen.takes_heads and chosen.name != heads_config["head_type"]:
         raise DecodeSetupError(
             f"{heads} holds {heads_config['head_type']!r} heads; drafter={chosen.name} drafts with {chosen.name} "
             f"heads. Leave drafter unset to use the heads' own drafter."
@@ -108,7 +108,7 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
                        random_options: dict) -> tuple[Target, torch.nn.Module | None]:
     """The heads module the drafter runs (loaded and checked against the target, or random), and the target to
     decode with (a Medusa-2 adapter merged in)."""
-    if not chosen.needs_heads:
+    if not chosen.takes_heads or (heads_config is None and not chosen.needs_heads):
         return target, None
     if heads_config is None:
         return target, chosen.random_heads(target.model, **random_options)

@@ -38,10 +38,15 @@ class DrafterEntry:
     defaults: dict[str, Any] = field(default_factory=dict)
     saved_key: str | None = None
     random_heads: Callable[..., torch.nn.Module] | None = None
+    optional_heads: bool = False  # runs without heads, or with a heads folder of its type (layerskip: a trained exit)
 
     @property
     def needs_heads(self) -> bool:
         return self.random_heads is not None
+
+    @property
+    def takes_heads(self) -> bool:
+        return self.needs_heads or self.optional_heads
 
     def settings(self, heads_config: dict | None = None, overrides: dict | None = None) -> dict:
         """The decode settings: defaults, then those saved with the heads, then the non-null ``overrides``.
@@ -111,9 +116,10 @@ def _layerskip(heads, target, settings) -> Drafter:
 
     layers = int(target.model.config.get_text_config(decoder=True).num_hidden_layers)
     exit_layer = settings["exit_layer"]
-    exit_layer = max(1, layers // 2) if exit_layer in (None, "auto") else int(exit_layer)
-    return LayerSkipDrafter(target.model, exit_layer=exit_layer, threshold=float(settings["threshold"]),
-                            max_depth=int(settings["max_depth"]))
+    if exit_layer in (None, "auto"):  # a trained exit's own layer; training-free: half the layers
+        exit_layer = None if heads is not None else max(1, layers // 2)
+    return LayerSkipDrafter(target.model, exit_layer=None if exit_layer is None else int(exit_layer),
+                            threshold=float(settings["threshold"]), max_depth=int(settings["max_depth"]), exit=heads)
 
 
 def _on_target(heads: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
@@ -155,9 +161,11 @@ register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix,
                       defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
-register(DrafterEntry("layerskip", "training-free self-speculation: the target's first layers and its own final norm "
-                      "and LM head draft a chain, the remaining layers verify it (no layer recomputed)", _layerskip,
-                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True}))
+register(DrafterEntry("layerskip", "self-speculation: the target's first layers and an exit (a trained one from "
+                      "train/layerskip.py, or the target's own final norm and LM head) draft a chain, the remaining "
+                      "layers verify it (no layer recomputed)", _layerskip,
+                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True},
+                      saved_key="decode", optional_heads=True))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
                       defaults={"tree": "mc_sim_7b_63", "adaptive": True, **HYBRID}, saved_key="decode",
                       random_heads=random_medusa_heads))

@@ -48,6 +48,7 @@ _HEAD_TYPES: dict[str, HeadBuilder | str] = {
     "medusa": "heads.medusa:build_medusa_heads",
     "eagle": "heads.eagle:build_eagle_drafter",
     "eagle3": "heads.eagle:build_eagle_drafter",
+    "layerskip": "heads.layerskip:build_layerskip_exit",
 }
 
 

@@ -304,8 +304,8 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                                                             "max_depth": max_draft_depth(s.decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
-            if s.draft_settings.get("suffix"):
-                continue  # already a hybrid under "heads"
+            if s.draft_settings.get("suffix") or "suffix" not in registry.entry(s.drafter).defaults:
+                continue  # already a hybrid under "heads", or a family that does not merge trees (layerskip)
             settings = {**s.draft_settings, "suffix": True, "corpus": (draft or {}).get("corpus")}
             inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
             decoder = build_decoder(s.target, inner, settings, base.decoder.linear_kernel,
@@ -318,7 +318,9 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
             continue
         settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
         drafter = entry.build(None, base.target, settings)
-        methods.append(Method(entry.name, base, _engine(base, drafter),
+        decoder = build_decoder(base.target, drafter, settings, base.decoder.linear_kernel,
+                                sorted(base.decoder.eos_token_ids))  # with its depth policy, as decode/run.py runs it
+        methods.append(Method(entry.name, base, decoder,
                               info={"drafter": entry.name, "settings": settings, "max_depth": max_draft_depth(drafter)}))
     return methods
 
@@ -335,20 +337,23 @@ def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:
     return sorted({min(max(1, n * k // 4), n - 1) for k in (1, 2, 3)})
 
 
-def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[int]]) -> dict:
+def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[int]],
+                      generate: dict | None = None) -> dict:
     """Set ``method`` (hf_early_exit) to the fastest of ``candidates`` on ``prompts`` (each warmed up once, then timed
-    over all of them); one candidate is taken as given. Returns {"layer", "sweep": [{layer, tokens, s, tokens/s}]}."""
-    sweep = []
+    over all of them); one candidate is taken as given. ``generate``: more ``generate`` settings of the assistant
+    (e.g. ``num_assistant_tokens``). Returns {"layer", "sweep": [{layer, tokens, s, tokens/s}]}."""
+    sweep, generate = [], dict(generate or {})
     for layer in candidates if len(candidates) > 1 else []:
-        method.generate_config = {"assistant_early_exit": layer}
+        method.generate_config = {"assistant_early_exit": layer, **generate}
         method.run(prompts[0], max_new_tokens=8)
         runs = [method.run(ids) for ids in prompts]
         tokens, seconds = sum(r["new_tokens"] for r in runs), sum(r["total_s"] for r in runs)
         sweep.append({"layer": layer, "new_tokens": tokens, "total_s": seconds,
                       "tokens_per_s": tokens / seconds if seconds else 0.0})
     layer = max(sweep, key=lambda r: r["tokens_per_s"])["layer"] if sweep else candidates[0]
-    method.generate_config = {"assistant_early_exit": layer}
-    method.info = {"assistant_early_exit": layer, "chosen_by": "sweep" if sweep else "early_exit_layers"}
+    method.generate_config = {"assistant_early_exit": layer, **generate}
+    method.info = {"assistant_early_exit": layer, **generate,
+                   "chosen_by": "sweep" if sweep else "early_exit_layers"}
     return {"layer": layer, "sweep": sweep}
 
 
@@ -660,7 +665,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
             firsts = [prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
                                  s["system_prompt"]) for q in questions[:n]]
             early_exit = choose_early_exit(
-                m, early_exit_candidates(base.target.model, to_plain(cfg_get(cfg, "early_exit_layers"))), firsts)
+                m, early_exit_candidates(base.target.model, to_plain(cfg_get(cfg, "early_exit_layers"))), firsts,
+                to_dict(cfg_get(cfg, "early_exit_generate")))
         m.run(warm, max_new_tokens=8)  # one warm-up of each method before timing
     param = next(base.target.model.parameters())
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,

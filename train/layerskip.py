@@ -2,7 +2,7 @@
 
     python train/layerskip.py                                # exit_layer=auto: exits at 5 layers, the best kept
     python train/layerskip.py exit_layer=8                   # one exit after layer 8
-    python train/layerskip.py exit.form=adapter              # a decoder block before the exit's norm and LM head
+    python train/layerskip.py exit.form=head                 # no adapter block: the exit is a norm and an LM head
     python train/layerskip.py exit.draft_vocab_size=null     # score the whole vocabulary
     python train/layerskip.py exit.candidates=[6,9,12]       # the layers exit_layer=auto tries
     python train/layerskip.py experiment=debug               # tiny random model, seconds

@@ -12,6 +12,11 @@ position i and token i + 1, at position i. So after each commit it holds exactly
   length. Entries computed during drafting from the draft's guessed features are not reused, as in EAGLE: entries
   built on the target's true features are what the draft was trained on.
 
+That catch-up is lazy: ``start`` and ``on_commit`` only keep the features and tokens, and the next ``propose`` runs
+one draft forward over everything kept since the last one. While adaptive depth has drafting off (the engine then
+calls no ``propose``), the drafter costs nothing; when it looks again, the steps it skipped are caught up in one
+batched forward, giving the same cache as step-by-step catch-up.
+
 Drafts are deterministic (top-k), so the engine verifies them with point-mass draft probabilities (``probs=None``),
 which is lossless for sampling as well as greedy decoding.
 """
@@ -47,6 +52,8 @@ class EagleTreeDrafter(DrafterBase):
         self.cache = None
         self.root_feature: torch.Tensor | None = None  # [H] predicted feature of position state.length
         self.root_children: tuple[torch.Tensor, torch.Tensor] | None = None  # top-k (log-probs, tokens) after root
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed (features, tokens) not yet read
+        self._pending_start = 0  # the position of the first pending entry (== entries in the cache)
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         return (self.drafter,)
@@ -64,12 +71,21 @@ class EagleTreeDrafter(DrafterBase):
         logprobs = torch.log_softmax(self.drafter.logits(out[0, -1]).float(), dim=-1)
         self.root_children = topk_children(logprobs, self.top_k, self.drafter.draft_to_target)
 
+    def _catch_up(self) -> None:
+        """One draft forward over every committed entry kept since the last one (see the module docstring)."""
+        if self._pending:
+            features = torch.cat([f for f, _ in self._pending], dim=1)
+            tokens = torch.cat([t for _, t in self._pending])
+            self._pending = []
+            self._advance(features, tokens, self._pending_start)
+            self._pending_start += int(tokens.numel())
+
     @torch.no_grad()
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         prompt = state.prompt_ids.reshape(-1)  # [T]
         tokens = torch.cat([prompt[1:], torch.tensor([state.next_token], device=prompt.device)])  # [T]
         self.cache = new_cache()
-        self._advance(self._features(prefill.hidden_states), tokens, 0)
+        self._pending, self._pending_start = [(self._features(prefill.hidden_states), tokens)], 0
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
@@ -77,6 +93,7 @@ class EagleTreeDrafter(DrafterBase):
         depth = min(self.depth, max_depth)
         if depth <= 0 or self.total_tokens == 0:
             return root_only(state, device)
+        self._catch_up()
         past = state.length
         expander = DraftTreeExpander(self.drafter, self.cache, past, self.root_feature, self.top_k)
         try:
@@ -91,5 +108,8 @@ class EagleTreeDrafter(DrafterBase):
         path = torch.tensor(verdict.path, device=draft.tokens.device)  # accepted node ids, root first
         following = torch.cat([draft.tokens[path[1:]], torch.tensor([verdict.next_token], device=path.device)])
         start = state.length - len(verdict.path)  # the root's position
-        crop_cache(self.cache, start)
-        self._advance(self._features(out.hidden_states, path), following, start)
+        pending = sum(int(t.numel()) for _, t in self._pending)
+        if start != self._pending_start + pending:
+            raise RuntimeError(f"EagleTreeDrafter: a commit at position {start}, but its entries end at "
+                               f"{self._pending_start + pending}; it follows its own commits only.")
+        self._pending.append((self._features(out.hidden_states, path), following))

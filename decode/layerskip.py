@@ -23,7 +23,8 @@ The exit is the target's own final norm and LM head (training-free, ``drafter=la
 (heads/layerskip.py, ``python train/layerskip.py``): a head over a possibly reduced vocabulary, or an adapter block
 and a head. An adapter attends over earlier positions, so the drafter keeps its KV cache: rows for the prompt at the
 start, a row per drafted token, and after each commit the rows of the accepted tokens only (computed from the verify
-pass's layer-E states where drafting had not run them). Drafts are deterministic (``probs=None``), so greedy and
+pass's layer-E states where drafting had not run them), lazily: at the next propose, in one batch, so a drafter whose
+drafting adaptive depth has switched off costs nothing. Drafts are deterministic (``probs=None``), so greedy and
 sampling verification stay lossless.
 """
 
@@ -110,8 +111,12 @@ class LayerSkipDrafter(DrafterBase):
         self._rows: list[torch.Tensor] = []  # layer-E hidden states [1, H] of the chain tokens layers 0..E-1 ran on
         self._chain: torch.Tensor | None = None  # layer-E states [N, H] of the chain verify_forward ran
         # An adapter exit attends over earlier positions: its own cache, one row per committed position (drafting
-        # adds rows for the chain; a commit keeps those of accepted tokens and computes the missing ones).
+        # adds rows for the chain; a commit keeps those of accepted tokens). Rows it lacks are computed lazily: the
+        # committed layer-E states wait in _pending until the next propose runs the adapter over all of them at once,
+        # so while adaptive depth has drafting off the exit costs nothing.
         self._adapter_cache = None
+        self._pending: list[torch.Tensor] = []  # layer-E states [n, H] of committed positions the cache lacks
+        self._pending_start = 0  # the position of the first of them (== rows in the adapter cache)
 
     def modules(self) -> Sequence[nn.Module]:
         return (self.exit,) if self.exit is not None else (self.stack.decoder.norm, self.stack.lm_head)
@@ -126,8 +131,16 @@ class LayerSkipDrafter(DrafterBase):
             from decode.cache import new_cache
 
             self._adapter_cache = new_cache()
-            self.exit.features(prefill.hidden_states[self.exit_layer][None].to(self.stack.dtype),
-                               cache=self._adapter_cache)
+            self._pending, self._pending_start = [prefill.hidden_states[self.exit_layer].to(self.stack.dtype)], 0
+
+    def _catch_up(self) -> None:
+        """The adapter over every committed position its cache lacks, in one batch."""
+        if self._pending:
+            rows = torch.cat(self._pending, dim=0)[None]  # [1, n, H]
+            self._pending = []
+            positions = torch.arange(self._pending_start, self._pending_start + rows.shape[1], device=rows.device)
+            self.exit.features(rows, positions[None], cache=self._adapter_cache)
+            self._pending_start += rows.shape[1]
 
     def _exit(self, hidden: torch.Tensor, position: int) -> tuple[int, float]:
         """Layer-E hidden [1, 1, H] at ``position`` -> (the exit's top token as a target id, its probability)."""
@@ -145,6 +158,8 @@ class LayerSkipDrafter(DrafterBase):
         device = state.prompt_ids.device
         tokens, self._rows = [state.next_token], []
         depth = min(self.max_depth, max_depth)
+        if self._adapted and depth > 0:
+            self._catch_up()
         while len(tokens) - 1 < depth:
             position = state.length + len(tokens) - 1
             hidden = self.stack.run(self.stack.embed(torch.tensor(tokens[-1:], device=device)), 0, self.exit_layer,
@@ -185,13 +200,15 @@ class LayerSkipDrafter(DrafterBase):
         accepted = len(verdict.path)  # root first: positions start .. start + accepted - 1 are now committed
         start = state.length - accepted
         keep = min(drafted, accepted)  # rows drafting wrote for tokens that were accepted
-        crop_cache(self._adapter_cache, start + keep)
-        if keep < accepted:  # accepted tokens the adapter has not seen: from the verify pass's layer-E states
+        if drafted:  # drafting caught up first, then wrote rows for the chain: keep the accepted ones
+            crop_cache(self._adapter_cache, start + keep)
+            self._pending_start = start + keep
+        if keep < accepted:  # accepted tokens the adapter has not seen: their layer-E states from the verify pass
             if chain is None:
                 raise RuntimeError("LayerSkipDrafter's commit follows its own verify_forward only.")
-            position_ids = torch.arange(start + keep, start + accepted, device=chain.device)[None]
-            self.exit.features(chain[None, keep:accepted], position_ids, cache=self._adapter_cache)
-        assert cache_length(self._adapter_cache) == state.length
+            self._pending.append(chain[keep:accepted])
+        lacking = sum(int(r.shape[0]) for r in self._pending)
+        assert cache_length(self._adapter_cache) == self._pending_start == state.length - lacking
 
 
 # --- how often an exit agrees with the final layer ---------------------------------------------------------------------

@@ -9,6 +9,11 @@ on the heads and on the machine (scripts/bench.py writes the verify cost curve, 
     # EAGLE heads: dynamic trees as depth:top_k:total_tokens
     python scripts/sweep_trees.py heads=outputs/eagle-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl \\
         max_questions=8 max_new_tokens=64 --eagle 4:4:8,5:8:16,5:8:32,6:10:60
+    # layer-skip exits: exit_layer:max_depth:threshold (adaptive depth off, so each runs as given); an exit layer
+    # other than the heads' own reads the exit train/layerskip.py saved in <run>/exits/layer-E; with heads=null
+    # drafter=layerskip, the target's own norm and LM head at any E
+    python scripts/sweep_trees.py heads=outputs/layerskip-smollm2 prompts=../shared/data/mt_bench/question.jsonl \\
+        max_questions=8 max_new_tokens=64 --layerskip 11:2:0.5,15:2:0.5,22:1:0.5,22:3:0.7,22:6:0.9
 
 Takes the overrides of conf/decode/decode.yaml (heads, model, device, dtype, max_new_tokens, acceptance, ...). Uses the first
 turn of each question. ``--out`` also writes the figures as JSON.
@@ -38,17 +43,49 @@ def parse_eagle(spec: str) -> dict:
     return {"depth": depth, "top_k": top_k, "total_tokens": total}
 
 
-def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool) -> dict:
+def parse_layerskip(spec: str) -> dict:
+    try:
+        exit_layer, depth, threshold = spec.split(":")
+        return {"exit_layer": int(exit_layer), "max_depth": int(depth), "threshold": float(threshold),
+                "adaptive": False}
+    except ValueError:
+        raise DecodeSetupError(f"--layerskip {spec!r}: give exit_layer:max_depth:threshold, e.g. 15:3:0.5.") from None
+
+
+def exit_heads(session, heads_path, exit_layer: int):
+    """The trained exit after ``exit_layer``: the session's own, or the one its training run saved in
+    ``exits/layer-E`` beside it; None without heads (the target's own norm and LM head)."""
+    if session.heads is None:
+        return None
+    if session.heads.exit_layer == exit_layer:
+        return session.heads
+    from heads.io import heads_dir, load_heads
+
+    folder = heads_dir(heads_path).parent / "exits" / f"layer-{exit_layer}"
+    if not folder.is_dir():
+        raise DecodeSetupError(f"No trained exit after layer {exit_layer}: {folder} does not exist (train it with "
+                               f"python train/layerskip.py exit_layer={exit_layer}, or sweep with heads=null).")
+    return load_heads(folder, target=session.target).module
+
+
+def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool, layerskip: list[str] = (),
+                   heads_path=None) -> dict:
     """One drafter per swept setting, each built by the session's registry entry from its settings (defaults <
     saved with the heads < the swept value), so a setting of another family is refused by the entry."""
     entry = registry.entry(session.drafter)
-    sweeps = [(f"tree {t}", {"tree": t}) for t in trees] + [(f"eagle {e}", parse_eagle(e)) for e in eagle]
+    sweeps = ([(f"tree {t}", {"tree": t}) for t in trees] + [(f"eagle {e}", parse_eagle(e)) for e in eagle]
+              + [(f"layerskip {x}", parse_layerskip(x)) for x in layerskip])
     if not sweeps:
-        raise DecodeSetupError("Nothing to sweep: give --trees (Medusa heads) or --eagle (EAGLE heads).")
+        raise DecodeSetupError("Nothing to sweep: give --trees (Medusa heads), --eagle (EAGLE heads) or --layerskip.")
     drafters = {}
     for name, overrides in sweeps:
+        heads = session.heads
+        if "exit_layer" in overrides:
+            heads = exit_heads(session, heads_path, overrides["exit_layer"])
+            if heads is not None:
+                overrides = {k: v for k, v in overrides.items() if k != "exit_layer"}
         settings = entry.settings(session.heads_config, overrides)
-        drafters[name] = entry.build(session.heads, session.target, settings)
+        drafters[name] = entry.build(heads, session.target, settings)
     if vanilla:
         drafters["vanilla"] = registry.entry("vanilla").build(None, session.target, {})
     return drafters
@@ -58,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", default="", help="comma-separated static trees for Medusa heads")
     parser.add_argument("--eagle", default="", help="comma-separated depth:top_k:total_tokens for EAGLE heads")
+    parser.add_argument("--layerskip", default="", help="comma-separated exit_layer:max_depth:threshold")
     parser.add_argument("--no-vanilla", action="store_true", help="leave out plain decoding (one token per step)")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
@@ -67,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")
     session = load_session(cfg)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    drafters = build_drafters(session, split(args.trees), split(args.eagle), not args.no_vanilla)
+    drafters = build_drafters(session, split(args.trees), split(args.eagle), not args.no_vanilla,
+                              split(args.layerskip), cfg.heads)
     questions = read_questions(cfg.prompts, cfg.max_questions)
     print(f"target {session.target.name}, heads {cfg.heads}; {len(questions)} prompts (first turns), "
           f"max_new_tokens={cfg.max_new_tokens}, acceptance {cfg.acceptance}")

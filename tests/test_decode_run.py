@@ -172,6 +172,32 @@ def test_tree_sweep_script(tmp_path, capsys):
         sweep.main(["model=tiny", "drafter=eagle", f"prompts={questions}", "--eagle", "5:8"])
 
 
+def test_layerskip_sweep_over_exit_layer_depth_and_threshold(tmp_path):
+    from test_layerskip_train import trained_like_exit
+
+    from decode.pipeline import load_session
+    from heads.io import save_heads
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [f"Question {i}?"]})
+                                   for i in range(2)) + "\n")
+    sweep = _load_script("sweep_trees")
+    target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
+    for layer, folder in ((1, tmp_path / "run" / "heads"), (2, tmp_path / "run" / "exits" / "layer-2")):
+        exit_module = trained_like_exit(target.model, layer, "adapter", 64, seed=layer)
+        save_heads(folder, exit_module, "layerskip", exit_module.config.to_dict(), target)
+    ways = sweep.main([f"heads={tmp_path / 'run'}", f"prompts={questions}", "max_new_tokens=8",
+                       "--layerskip", "1:2:0.0,2:3:0.0,2:1:0.9"])
+    assert list(ways) == ["layerskip 1:2:0.0", "layerskip 2:3:0.0", "layerskip 2:1:0.9", "vanilla"]
+    assert all(w["same_as_first"] == 2 for w in ways.values())  # greedy: the same tokens whatever the exit
+    assert ways["layerskip 2:3:0.0"]["steps"] < ways["vanilla"]["steps"]  # it drafted and some drafts were accepted
+    with pytest.raises(DecodeSetupError, match="No trained exit after layer 3"):
+        sweep.main([f"heads={tmp_path / 'run'}", f"prompts={questions}", "--layerskip", "3:2:0.5"])
+    ways = sweep.main(["model=tiny", "heads=null", "drafter=layerskip", f"prompts={questions}", "max_new_tokens=8",
+                       "--layerskip", "1:2:0.0,3:2:0.0", "--no-vanilla"])  # the target's own exit at any layer
+    assert all(w["same_as_first"] == 2 for w in ways.values())
+
+
 @pytest.mark.parametrize("script, args, message", [
     ("decode/run.py", ["heads=/no/such/heads", "prompt=hi"], "error: No heads folder at /no/such/heads"),
     ("decode/run.py", ["model=tiny", "draft.tree=nosuch", "prompt=hi"], "error: Unknown tree 'nosuch'"),

@@ -477,6 +477,7 @@ class DraftCacheCheck(EagleTreeDrafter):
 
     def check(self, state):
         assert self.seq[state.length] == state.next_token and len(self.seq) == state.length + 1
+        self._catch_up()  # what the next propose does first (the catch-up is lazy)
         model, drafter = self.drafter.target, self.drafter
         seq = torch.tensor(self.seq)
         fresh = DynamicCache()
@@ -509,6 +510,61 @@ def test_greedy_equals_hf_with_dynamic_trees(trained):
     assert tree_drafter.longest_accept >= (3 if slow else 4) and tree_drafter.eos_inside > 0  # long drafts, EOS inside
     assert any(r.finish_reason == "eos" for r in results) and any(r.finish_reason == "length" for r in results)
     assert sum(r.stats.tau for r in results) / len(results) > (1.5 if slow else 1.8)  # drafts are accepted often
+
+
+class OffAndOn:
+    """A depth policy that turns drafting off for three steps out of four."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def choose(self, max_depth):
+        self.steps += 1
+        return max_depth if self.steps % 4 == 0 else 0
+
+    def observe(self, asked, draft, accepted, draft_seconds):
+        pass
+
+
+class CacheAtPropose(DraftCacheCheck):
+    """Checks the draft cache when a propose has caught up (not after each commit), and counts draft forwards over
+    committed entries."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.catch_ups = self.proposals = 0
+
+    def start(self, state, prefill):
+        EagleTreeDrafter.start(self, state, prefill)
+        self.seq = state.prompt_ids.tolist() + [state.next_token]
+
+    def on_commit(self, state, draft, verdict, out):
+        EagleTreeDrafter.on_commit(self, state, draft, verdict, out)
+        self.seq += draft.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
+
+    def _advance(self, *args):
+        self.catch_ups += 1
+        super()._advance(*args)
+
+    def propose(self, state, max_depth):
+        draft = super().propose(state, max_depth)
+        self.proposals += 1
+        self.check(state)
+        return draft
+
+
+def test_catch_up_is_lazy_while_drafting_is_off(trained):
+    model, drafter = trained
+    tree_drafter = CacheAtPropose(drafter, depth=4, top_k=3, total_tokens=8)
+    decoder = SpeculativeDecoder(model, tree_drafter, depth_policy=OffAndOn())
+    for i, ids in enumerate(decode_prompts()[:3]):
+        ref, eos = hf_greedy(model, ids, i)
+        decoder.eos_token_ids = frozenset([eos])
+        res = decoder.generate(ids, max_new_tokens=MAX_NEW)
+        assert res.tokens == ref
+    # one draft forward per proposal (everything since the last one, in one batch), none while drafting is off
+    assert tree_drafter.proposals > 0 and tree_drafter.catch_ups == tree_drafter.proposals
+    assert tree_drafter.checks == tree_drafter.proposals
 
 
 def test_tree_settings_bound_the_tree(tiny_llama):

@@ -72,6 +72,7 @@ def test_adapter_cache_after_each_commit_equals_a_fresh_run_of_the_adapter():
 
     def check(state, draft, verdict, out):
         original(state, draft, verdict, out)
+        drafter._catch_up()  # what the next propose does first (the adapter's catch-up is lazy)
         layer = drafter._adapter_cache.layers[0]
         seen.append((state.length, layer.keys.clone(), layer.values.clone()))
 
@@ -89,6 +90,32 @@ def test_adapter_cache_after_each_commit_equals_a_fresh_run_of_the_adapter():
             exit_module.features(hidden[:, :length], cache=fresh)
             torch.testing.assert_close(keys, fresh.layers[0].keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(values, fresh.layers[0].values, atol=1e-5, rtol=1e-4)
+
+
+def test_the_adapter_catches_up_only_when_drafting_resumes():
+    from test_eagle import OffAndOn
+
+    model, _ = confident_model()
+    exit_module = trained_like_exit(model, 2, "adapter", None)
+    drafter = LayerSkipDrafter(model, threshold=0.0, max_depth=3, exit=exit_module)
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=OffAndOn())
+    calls = []
+    original = exit_module.features
+
+    def counted(hidden, *args, **kwargs):
+        calls.append(int(hidden.shape[1]))
+        return original(hidden, *args, **kwargs)
+
+    exit_module.features = counted
+    prompt = [5, 9, 17, 33, 65, 129]
+    res = decoder.generate(prompt, max_new_tokens=16)
+    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert res.tokens == ref
+    # three steps in four draft nothing and run no adapter; a drafting step catches up in one batch (several rows),
+    # then runs the adapter once per drafted token (one row each)
+    batches = [n for n in calls if n > 1]
+    assert len(batches) == (res.stats.steps // 4) and sum(calls) >= len(prompt) + 4
 
 
 def test_sampling_with_an_adapter_exit_keeps_the_target_distribution():
@@ -172,6 +199,9 @@ def test_training_moves_the_exits_keeps_the_target_bit_identical_and_keeps_the_b
     assert loaded.module.adapter is not None and loaded.module.adapter.mlp.down_proj.weight.abs().sum() > 0
     for r in rows:
         assert 0.0 <= r["agreement"] <= 1.0 and r["draft_cost"] > 0
+    for r in rows[1:]:  # every other exit is a heads folder of its own
+        other = heads.load(result.run_dir / "exits" / f"layer-{r['exit_layer']}", target)
+        assert other.module.exit_layer == r["exit_layer"] and other.config["decode"]["threshold"] == r["threshold"]
 
 
 def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path):

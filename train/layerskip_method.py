@@ -24,7 +24,9 @@ greedy token (over the whole vocabulary), and per threshold t the share of posit
 reaches t, and where it does and is right. At the end, the measured costs of the first E layers, the exit and a
 one-token forward (decode/layerskip.py:measure_layer_costs) and this machine's verify cost curve turn these into
 expected tokens/s against plain decoding for each (E, t, chain length) (decode/layerskip.py:expected_speedup). The run
-prints the table, writes it to ``<run_dir>/exit_layers.json`` and saves the best exit with its threshold.
+prints the table, writes it to ``<run_dir>/exit_layers.json`` and saves the best exit with its threshold in
+``heads/``; the others go to ``exits/layer-E/``, heads folders too (``scripts/sweep_trees.py --layerskip`` compares
+them).
 """
 
 from __future__ import annotations
@@ -301,15 +303,25 @@ class LayerSkipMethod:
         return rows
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
-
+        """The best exit into ``path`` (heads/), every other into ``exits/layer-E/`` beside it."""
         core = drafter.exits if isinstance(drafter, ExitTrainModule) else drafter
         rows = self.choose(target, core)
         report_table(rows, sys.stderr)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "exit_layers.json").write_text(json.dumps(rows, indent=1))
-        chosen = rows[0]
-        e = chosen["exit_layer"]
+        for row in rows[1:]:  # the others too, each a heads folder of its own (sweeps over E decode with them)
+            self._save_exit(Path(path).parent / "exits" / f"layer-{row['exit_layer']}", core, row, rows, target,
+                            meta, state_dict)
+        if len(rows) > 1:
+            print(f"[selfspec] kept the exit after layer {rows[0]['exit_layer']} in {path}; the others are in "
+                  f"{Path(path).parent / 'exits'}/layer-E", file=sys.stderr)
+        return self._save_exit(path, core, rows[0], rows, target, meta, state_dict)
+
+    def _save_exit(self, path: Path, core: ExitSet, row: dict, rows: list[dict], target, meta: dict,
+                   state_dict: dict | None) -> Path:
+        from heads.io import save_heads
+
+        e = row["exit_layer"]
         exit_module = core[e]
         state = None
         if state_dict is not None:
@@ -319,7 +331,7 @@ class LayerSkipMethod:
         extra["exit"] = asdict(self.settings)
         extra["features"] = self.features.kind
         extra["exit_layers"] = rows
-        extra["decode"] = {"threshold": chosen["threshold"], "max_depth": self.settings.max_depth}
+        extra["decode"] = {"threshold": row["threshold"], "max_depth": self.settings.max_depth}
         if self.vocab_coverage is not None:
             extra["draft_vocab_coverage"] = self.vocab_coverage
         return save_heads(path, exit_module, "layerskip", exit_module.config.to_dict(), target, extra,

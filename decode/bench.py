@@ -275,7 +275,9 @@ def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Sess
             first = next(iter(sessions.values()))
             check_fingerprint(fingerprint(session.target.model), first.target.model, f"heads={folder}")
         sessions[name] = session
-    base = next(iter(sessions.values())) if sessions else load_session(OmegaConf.create({**plain, "heads": None}))
+    # plain decoding takes no draft.* settings: those are for the drafters that take them (e.g. the suffix corpus)
+    base = next(iter(sessions.values())) if sessions else load_session(OmegaConf.create({**plain, "heads": None,
+                                                                                          "draft": {}}))
     return base, sessions
 
 

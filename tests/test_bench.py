@@ -189,3 +189,12 @@ def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_tra
     assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip"]  # no hybrid of a chain drafter
     assert report["mismatches"] == []
     assert report["methods"]["layerskip:layerskip-tiny"]["settings"]["threshold"] == 0.0
+
+
+def test_draft_settings_reach_the_training_free_drafters_without_heads(tmp_path, questions):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "Write a poem about rain."},
+                                               {"role": "assistant", "content": "Rain falls on the roof."}]}) + "\n")
+    report = bench_main()([*FAST, f"prompts={questions}", "limit=1", "methods=[hf,vanilla,suffix]",
+                           f"draft.corpus={corpus}", f"out={tmp_path / 'bench'}"])
+    assert report["methods"]["suffix"]["settings"]["corpus"] == str(corpus) and report["mismatches"] == []

@@ -191,7 +191,7 @@ def test_training_moves_the_exits_keeps_the_target_bit_identical_and_keeps_the_b
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3
     rows = json.loads((result.run_dir / "exit_layers.json").read_text())
     assert [r["exit_layer"] for r in rows] and rows == sorted(rows, key=lambda r: -r["speedup"])
-    assert sorted(r["exit_layer"] for r in rows) == [1, 2, 3]  # every candidate of a 4-layer target
+    assert sorted(r["exit_layer"] for r in rows) == [1, 2]  # every default candidate of a 4-layer target
     loaded = heads.load(result.run_dir / "heads", target)
     assert loaded.config["head_type"] == "layerskip"
     assert loaded.module.exit_layer == rows[0]["exit_layer"]  # the kept exit is the table's first
@@ -267,7 +267,7 @@ def test_bad_exit_settings_are_refused_clearly(tmp_path):
     from heads.errors import SettingError
     from train.layerskip_method import LayerSkipMethod, default_candidates, exit_layers
 
-    assert default_candidates(30) == [7, 11, 15, 18, 22] and default_candidates(4) == [1, 2, 3]
+    assert default_candidates(30) == [2, 4, 8, 11, 15] and default_candidates(4) == [1, 2]
     assert exit_layers(5, None, 30) == [5] and exit_layers("auto", [9, 3], 30) == [3, 9]
     with pytest.raises(SettingError, match="exit_layer \\[30\\]"):
         exit_layers(30, None, 30)

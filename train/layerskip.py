@@ -4,7 +4,7 @@
     python train/layerskip.py exit_layer=8                   # one exit after layer 8
     python train/layerskip.py exit.form=head                 # no adapter block: the exit is a norm and an LM head
     python train/layerskip.py exit.draft_vocab_size=null     # score the whole vocabulary
-    python train/layerskip.py exit.candidates=[6,9,12]       # the layers exit_layer=auto tries
+    python train/layerskip.py exit.candidates=[2,3,4,6]      # the layers exit_layer=auto tries
     python train/layerskip.py experiment=debug               # tiny random model, seconds
     python train/layerskip.py features=store                 # hidden states from an offline feature store
     python train/layerskip.py trainer.resume=true            # continue this run from its last checkpoint

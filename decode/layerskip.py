@@ -35,11 +35,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from decode.cache import layer_lengths
+from decode.cache import layer_lengths, new_cache
 from decode.tree import chain_tree
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
-from heads.kv import additive_mask
+from heads.kv import additive_mask, cache_length, crop_cache
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -128,8 +128,6 @@ class LayerSkipDrafter(DrafterBase):
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self._rows, self._chain = [], None
         if self._adapted:
-            from decode.cache import new_cache
-
             self._adapter_cache = new_cache()
             self._pending, self._pending_start = [prefill.hidden_states[self.exit_layer].to(self.stack.dtype)], 0
 
@@ -195,8 +193,6 @@ class LayerSkipDrafter(DrafterBase):
         chain, self._chain = self._chain, None
         if not self._adapted:
             return
-        from heads.kv import cache_length, crop_cache
-
         accepted = len(verdict.path)  # root first: positions start .. start + accepted - 1 are now committed
         start = state.length - accepted
         keep = min(drafted, accepted)  # rows drafting wrote for tokens that were accepted

@@ -23,11 +23,21 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from heads.eagle import causal_mask, decoder_of
+from heads.kv import cache_length
+from heads.target import cache_kwarg
+
 FORMS = ("head", "adapter")
+
+
+def other_exit_dir(heads_folder, exit_layer: int) -> Path:
+    """Where an ``exit_layer=auto`` run keeps the exit after ``exit_layer`` that it did not keep in ``heads_folder``."""
+    return Path(heads_folder).parent / "exits" / f"layer-{exit_layer}"
 
 
 @dataclass
@@ -65,12 +75,6 @@ class ExitConfig:
                    num_hidden_layers=config.num_hidden_layers, **kwargs)
 
 
-def _decoder(target: nn.Module) -> nn.Module:
-    from heads.eagle import decoder_of
-
-    return decoder_of(target)
-
-
 class LayerSkipExit(nn.Module):
     """One exit; see the module docstring. ``target``: the frozen Hugging Face CausalLM (its norm, LM head, layer
     class and rotary embedding are copied or used, never modified). ``token_map``: the reduced vocabulary's target
@@ -79,7 +83,7 @@ class LayerSkipExit(nn.Module):
     def __init__(self, config: ExitConfig, target: nn.Module, token_map: torch.Tensor | None = None):
         super().__init__()
         self.config = config
-        base = _decoder(target)
+        base = decoder_of(target)
         self.adapter = None
         if config.form == "adapter":
             layer_config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -139,16 +143,11 @@ class LayerSkipExit(nn.Module):
         ``position_ids`` [B, q] and an additive ``attention_mask`` [B|1, 1, q, past + q] (None: causal, no past),
         and writes its rows into ``cache`` (its own, layer 0) when given."""
         if self.adapter is not None:
-            from heads.eagle import causal_mask
-            from heads.kv import cache_length
-
             if position_ids is None:
                 position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None] + cache_length(cache)
             if attention_mask is None:
                 attention_mask = causal_mask(hidden.shape[1], cache_length(cache), hidden.dtype, hidden.device)
-            rotary = _decoder(self.target).rotary_emb(hidden, position_ids=position_ids)
-            from heads.target import cache_kwarg
-
+            rotary = decoder_of(self.target).rotary_emb(hidden, position_ids=position_ids)
             hidden = self.adapter(hidden, attention_mask=attention_mask.to(hidden.dtype), position_ids=position_ids,
                                   use_cache=cache is not None, **{cache_kwarg(self.adapter): cache},
                                   position_embeddings=tuple(r.to(hidden.dtype) for r in rotary))

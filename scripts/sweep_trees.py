@@ -60,8 +60,9 @@ def exit_heads(session, heads_path, exit_layer: int):
     if session.heads.exit_layer == exit_layer:
         return session.heads
     from heads.io import heads_dir, load_heads
+    from heads.layerskip import other_exit_dir
 
-    folder = heads_dir(heads_path).parent / "exits" / f"layer-{exit_layer}"
+    folder = other_exit_dir(heads_dir(heads_path), exit_layer)
     if not folder.is_dir():
         raise DecodeSetupError(f"No trained exit after layer {exit_layer}: {folder} does not exist (train it with "
                                f"python train/layerskip.py exit_layer={exit_layer}, or sweep with heads=null).")

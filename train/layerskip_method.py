@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from heads.errors import SettingError
-from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit
+from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
@@ -192,10 +192,8 @@ class LayerSkipMethod:
                                         {"fields": f"layerskip-last-hidden+layers{layers}"})
 
     def exit_config(self, model: nn.Module, layer: int) -> ExitConfig:
-        size = None if self.settings.draft_vocab_size is None else (
-            int(self.token_map.numel()) if self.token_map is not None else None)
-        if self.settings.draft_vocab_size is not None and size is None:  # prepare_data not run: a number, or all
-            size = self.settings.draft_vocab_size if isinstance(self.settings.draft_vocab_size, int) else None
+        size = self.settings.draft_vocab_size  # counted by prepare_data; before it, a number or the whole vocabulary
+        size = int(self.token_map.numel()) if self.token_map is not None else (size if isinstance(size, int) else None)
         return ExitConfig.from_target(model, exit_layer=layer, form=self.settings.form, draft_vocab_size=size,
                                       tune_lm_head=self.settings.tune_lm_head)
 
@@ -314,11 +312,10 @@ class LayerSkipMethod:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "exit_layers.json").write_text(json.dumps(rows, indent=1))
         for row in rows[1:]:  # the others too, each a heads folder of its own (sweeps over E decode with them)
-            self._save_exit(Path(path).parent / "exits" / f"layer-{row['exit_layer']}", core, row, rows, target,
-                            meta, state_dict)
+            self._save_exit(other_exit_dir(path, row["exit_layer"]), core, row, rows, target, meta, state_dict)
         if len(rows) > 1:
             print(f"[selfspec] kept the exit after layer {rows[0]['exit_layer']} in {path}; the others are in "
-                  f"{Path(path).parent / 'exits'}/layer-E", file=sys.stderr)
+                  f"{other_exit_dir(path, 0).parent}/layer-E", file=sys.stderr)
         return self._save_exit(path, core, rows[0], rows, target, meta, state_dict)
 
     def _save_exit(self, path: Path, core: ExitSet, row: dict, rows: list[dict], target, meta: dict,

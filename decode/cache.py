@@ -46,3 +46,35 @@ def commit_kv(cache: DynamicCache, past_length: int, keep: list[int]) -> None:
             layer.values[:, :, past_length:end] = layer.values[:, :, index]
         layer.keys = layer.keys[:, :, :end]
         layer.values = layer.values[:, :, :end]
+
+
+class Backlog:
+    """Committed positions a drafter's own cache has not read yet (EAGLE's draft cache, a layer-skip adapter's): the
+    commits add their rows, and the next draft reads them all in one batched forward (:meth:`take`), so a drafter
+    whose drafting is switched off costs nothing. Each entry is a tuple of tensors whose ``dim``-th axis runs over
+    positions (the first tensor's ``dim`` counts them); ``start`` is the first position not yet read."""
+
+    def __init__(self, start: int = 0, dims: tuple[int, ...] = (0,)):
+        self.start, self.dims = start, dims
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    @property
+    def end(self) -> int:
+        """The position after the last row added."""
+        return self.start + sum(int(p[0].shape[self.dims[0]]) for p in self.parts)
+
+    def add(self, *tensors: torch.Tensor, at: int | None = None) -> None:
+        """Rows for the positions after :attr:`end` (``at``: the position the caller expects them at, checked)."""
+        if at is not None and at != self.end:
+            raise CacheError(f"rows for position {at} added to a backlog that ends at {self.end}; a drafter's own "
+                             "cache follows its own commits only.")
+        self.parts.append(tensors)
+
+    def take(self) -> tuple[int, tuple[torch.Tensor, ...]] | None:
+        """(the first position, each field concatenated over every row added), emptying the backlog; None if empty."""
+        if not self.parts:
+            return None
+        start = self.start
+        fields = tuple(torch.cat(list(column), dim=d) for column, d in zip(zip(*self.parts), self.dims))
+        self.start, self.parts = self.end, []
+        return start, fields

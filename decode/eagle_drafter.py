@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from decode.cache import new_cache
+from decode.cache import Backlog, new_cache
 from decode.dynamic_tree import DraftTreeExpander, grow_dynamic_tree, topk_children
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
@@ -52,8 +52,7 @@ class EagleTreeDrafter(DrafterBase):
         self.cache = None
         self.root_feature: torch.Tensor | None = None  # [H] predicted feature of position state.length
         self.root_children: tuple[torch.Tensor, torch.Tensor] | None = None  # top-k (log-probs, tokens) after root
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # committed (features, tokens) not yet read
-        self._pending_start = 0  # the position of the first pending entry (== entries in the cache)
+        self._backlog = Backlog(dims=(1, 0))  # committed (features [1, n, H], tokens [n]) the cache has not read
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         return (self.drafter,)
@@ -73,19 +72,18 @@ class EagleTreeDrafter(DrafterBase):
 
     def _catch_up(self) -> None:
         """One draft forward over every committed entry kept since the last one (see the module docstring)."""
-        if self._pending:
-            features = torch.cat([f for f, _ in self._pending], dim=1)
-            tokens = torch.cat([t for _, t in self._pending])
-            self._pending = []
-            self._advance(features, tokens, self._pending_start)
-            self._pending_start += int(tokens.numel())
+        taken = self._backlog.take()
+        if taken is not None:
+            start, (features, tokens) = taken
+            self._advance(features, tokens, start)
 
     @torch.no_grad()
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         prompt = state.prompt_ids.reshape(-1)  # [T]
         tokens = torch.cat([prompt[1:], torch.tensor([state.next_token], device=prompt.device)])  # [T]
         self.cache = new_cache()
-        self._pending, self._pending_start = [(self._features(prefill.hidden_states), tokens)], 0
+        self._backlog = Backlog(dims=(1, 0))
+        self._backlog.add(self._features(prefill.hidden_states), tokens)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
@@ -108,8 +106,4 @@ class EagleTreeDrafter(DrafterBase):
         path = torch.tensor(verdict.path, device=draft.tokens.device)  # accepted node ids, root first
         following = torch.cat([draft.tokens[path[1:]], torch.tensor([verdict.next_token], device=path.device)])
         start = state.length - len(verdict.path)  # the root's position
-        pending = sum(int(t.numel()) for _, t in self._pending)
-        if start != self._pending_start + pending:
-            raise RuntimeError(f"EagleTreeDrafter: a commit at position {start}, but its entries end at "
-                               f"{self._pending_start + pending}; it follows its own commits only.")
-        self._pending.append((self._features(out.hidden_states, path), following))
+        self._backlog.add(self._features(out.hidden_states, path), following, at=start)

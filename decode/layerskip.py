@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from decode.cache import layer_lengths, new_cache
+from decode.cache import Backlog, layer_lengths, new_cache
 from decode.tree import chain_tree
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
@@ -112,11 +112,10 @@ class LayerSkipDrafter(DrafterBase):
         self._chain: torch.Tensor | None = None  # layer-E states [N, H] of the chain verify_forward ran
         # An adapter exit attends over earlier positions: its own cache, one row per committed position (drafting
         # adds rows for the chain; a commit keeps those of accepted tokens). Rows it lacks are computed lazily: the
-        # committed layer-E states wait in _pending until the next propose runs the adapter over all of them at once,
-        # so while adaptive depth has drafting off the exit costs nothing.
+        # committed layer-E states wait in a backlog until the next propose runs the adapter over all of them at
+        # once, so while adaptive depth has drafting off the exit costs nothing.
         self._adapter_cache = None
-        self._pending: list[torch.Tensor] = []  # layer-E states [n, H] of committed positions the cache lacks
-        self._pending_start = 0  # the position of the first of them (== rows in the adapter cache)
+        self._backlog = Backlog()  # layer-E states [n, H] of committed positions the adapter cache lacks
 
     def modules(self) -> Sequence[nn.Module]:
         return (self.exit,) if self.exit is not None else (self.stack.decoder.norm, self.stack.lm_head)
@@ -129,16 +128,16 @@ class LayerSkipDrafter(DrafterBase):
         self._rows, self._chain = [], None
         if self._adapted:
             self._adapter_cache = new_cache()
-            self._pending, self._pending_start = [prefill.hidden_states[self.exit_layer].to(self.stack.dtype)], 0
+            self._backlog = Backlog()
+            self._backlog.add(prefill.hidden_states[self.exit_layer].to(self.stack.dtype))
 
     def _catch_up(self) -> None:
         """The adapter over every committed position its cache lacks, in one batch."""
-        if self._pending:
-            rows = torch.cat(self._pending, dim=0)[None]  # [1, n, H]
-            self._pending = []
-            positions = torch.arange(self._pending_start, self._pending_start + rows.shape[1], device=rows.device)
-            self.exit.features(rows, positions[None], cache=self._adapter_cache)
-            self._pending_start += rows.shape[1]
+        taken = self._backlog.take()
+        if taken is not None:
+            start, (rows,) = taken  # [n, H]
+            positions = torch.arange(start, start + rows.shape[0], device=rows.device)
+            self.exit.features(rows[None], positions[None], cache=self._adapter_cache)
 
     def _exit(self, hidden: torch.Tensor, position: int) -> tuple[int, float]:
         """Layer-E hidden [1, 1, H] at ``position`` -> (the exit's top token as a target id, its probability)."""
@@ -198,13 +197,12 @@ class LayerSkipDrafter(DrafterBase):
         keep = min(drafted, accepted)  # rows drafting wrote for tokens that were accepted
         if drafted:  # drafting caught up first, then wrote rows for the chain: keep the accepted ones
             crop_cache(self._adapter_cache, start + keep)
-            self._pending_start = start + keep
+            self._backlog.start = start + keep
         if keep < accepted:  # accepted tokens the adapter has not seen: their layer-E states from the verify pass
             if chain is None:
                 raise RuntimeError("LayerSkipDrafter's commit follows its own verify_forward only.")
-            self._pending.append(chain[keep:accepted])
-        lacking = sum(int(r.shape[0]) for r in self._pending)
-        assert cache_length(self._adapter_cache) == self._pending_start == state.length - lacking
+            self._backlog.add(chain[keep:accepted], at=start + keep)
+        assert cache_length(self._adapter_cache) == self._backlog.start and self._backlog.end == state.length
 
 
 # --- how often an exit agrees with the final layer ---------------------------------------------------------------------

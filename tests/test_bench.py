@@ -225,3 +225,10 @@ def test_draft_settings_reach_the_training_free_drafters_without_heads(tmp_path,
     report = bench_main()([*FAST, f"prompts={questions}", "limit=1", "methods=[hf,vanilla,suffix]",
                            f"draft.corpus={corpus}", f"out={tmp_path / 'bench'}"])
     assert report["methods"]["suffix"]["settings"]["corpus"] == str(corpus) and report["mismatches"] == []
+
+
+def test_hybrid_alone_loads_the_heads_and_takes_the_suffix_settings(tmp_path, questions, medusa_folder):
+    report = bench_main()([*FAST, f"heads=[{medusa_folder}]", f"prompts={questions}", "limit=1",
+                           "methods=[hf,hybrid]", "draft.remember=0", f"out={tmp_path / 'bench'}"])
+    assert list(report["figures"]) == ["hf", "medusa:medusa-tiny+suffix"] and report["mismatches"] == []
+    assert report["methods"]["medusa:medusa-tiny+suffix"]["settings"]["remember"] == 0

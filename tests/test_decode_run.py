@@ -17,6 +17,7 @@ from decode.drafters import MedusaDrafter, VanillaDrafter
 from decode import registry
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.pipeline import DecodeSetupError, load_session, run
+from decode.hybrid import HybridDrafter
 from decode.tree import TreeError
 
 TINY = ["model=tiny", "max_new_tokens=12"]
@@ -30,6 +31,9 @@ def test_every_registered_drafter_composes_and_decodes(name):
     assert {"medusa", "eagle", "eagle3", "vanilla"} <= set(registry.REGISTRY)
     session = load_session(compose("decode", TINY + [f"drafter={name}"]))
     drafter = session.decoder.drafter
+    if "suffix" in registry.entry(name).defaults:  # trained families decode as hybrid trees by default
+        assert isinstance(drafter, HybridDrafter)
+        drafter = drafter.inner
     expected = {"medusa": (MedusaDrafter, 64), "eagle": (EagleTreeDrafter, None), "eagle3": (EagleTreeDrafter, None),
                 "vanilla": (VanillaDrafter, None)}
     if name in expected:
@@ -44,9 +48,11 @@ def test_every_registered_drafter_composes_and_decodes(name):
 
 
 def test_draft_settings_apply_the_same_way_for_every_family():
-    chain = load_session(compose("decode", TINY + ["draft.tree=chain"])).decoder.drafter
+    chain = load_session(compose("decode", TINY + ["draft.tree=chain"])).decoder.drafter.inner
     assert isinstance(chain, MedusaDrafter) and chain.tree.num_nodes == 5
-    eagle = load_session(compose("decode", TINY + ["drafter=eagle", "draft.top_k=3"])).decoder.drafter
+    alone = load_session(compose("decode", TINY + ["draft.tree=chain", "draft.suffix=false"])).decoder.drafter
+    assert isinstance(alone, MedusaDrafter) and alone.tree.num_nodes == 5
+    eagle = load_session(compose("decode", TINY + ["drafter=eagle", "draft.top_k=3"])).decoder.drafter.inner
     assert (eagle.depth, eagle.top_k, eagle.total_tokens) == (5, 3, 48)
     with pytest.raises(DecodeSetupError, match="draft.tree is not a setting of the eagle drafter"):
         load_session(compose("decode", TINY + ["drafter=eagle", "draft.tree=chain"]))
@@ -66,7 +72,7 @@ def test_trained_heads_bring_their_target(tmp_path):
     heads = session.heads
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), session.target)
     loaded = load_session(compose("decode", ["max_new_tokens=8", f"heads={tmp_path / 'heads'}"]))
-    assert loaded.target.name == "tiny-llama" and isinstance(loaded.decoder.drafter, MedusaDrafter)
+    assert loaded.target.name == "tiny-llama" and isinstance(loaded.decoder.drafter.inner, MedusaDrafter)
     assert all(torch.equal(a, b) for a, b in zip(loaded.heads.state_dict().values(), heads.state_dict().values()))
     with pytest.raises(TargetMismatchError):
         load_session(compose("decode", ["model=tiny_qwen2", f"heads={tmp_path / 'heads'}"]))

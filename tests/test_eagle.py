@@ -792,7 +792,7 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
                     "heads.tree.depth=3", "heads.tree.top_k=2", "heads.tree.total_tokens=4")
     train(cfg, EagleMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
     session = load_session(compose("decode", ["max_new_tokens=8", f"heads={tmp_path / 'run' / 'heads'}"]))
-    drafter = session.decoder.drafter
+    drafter = session.decoder.drafter.inner  # a hybrid tree by default
     assert isinstance(drafter, EagleTreeDrafter) and drafter.drafter.variant == "eagle3"
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (3, 2, 4)
     ids = [5, 6, 7, 8, 9]
@@ -800,10 +800,10 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     assert session.decoder.generate(ids, max_new_tokens=8).tokens == ref[0, 5:].tolist()
     # draft.* overrides the saved settings one by one
     tuned = load_session(compose("decode", ["draft.total_tokens=6", f"heads={tmp_path / 'run' / 'heads'}"]))
-    assert (tuned.decoder.drafter.depth, tuned.decoder.drafter.total_tokens) == (3, 6)
+    assert (tuned.decoder.drafter.inner.depth, tuned.decoder.drafter.inner.total_tokens) == (3, 6)
     # drafter=eagle3 names the heads' own family: the saved settings, draft.* on top; Medusa heads: a clear error.
     chosen = load_session(compose("decode", ["drafter=eagle3", "draft.top_k=3", f"heads={tmp_path / 'run' / 'heads'}"]))
-    assert chosen.decoder.drafter.top_k == 3 and chosen.decoder.drafter.depth == 3
+    assert chosen.decoder.drafter.inner.top_k == 3 and chosen.decoder.drafter.inner.depth == 3
     medusa = load_session(compose("decode", ["model=tiny"])).heads
     save_heads(tmp_path / "medusa", medusa, "medusa", medusa.config.to_dict(), session.target)
     with pytest.raises(DecodeSetupError, match="drafter=eagle drafts with eagle heads"):

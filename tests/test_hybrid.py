@@ -139,18 +139,17 @@ def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
     assert policy.choose(8) == 0
 
 
-def test_decode_run_builds_a_hybrid_with_draft_suffix(tmp_path):
+def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_suffix_false(tmp_path):
     from conftest import compose
 
     from decode.pipeline import load_session
 
-    session = load_session(compose("decode", ["model=tiny", "draft.suffix=true", "draft.tree=small_16",
-                                              "max_new_tokens=12"]))
+    session = load_session(compose("decode", ["model=tiny", "draft.tree=small_16", "max_new_tokens=12"]))
     drafter = session.decoder.drafter
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.inner, MedusaDrafter)
     assert session.decoder.depth_policy is None and drafter.policy is not None  # the hybrid owns it
     ids = [5, 6, 7, 8, 5, 6, 7]
     ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
-    plain = load_session(compose("decode", ["model=tiny", "max_new_tokens=12"]))
-    assert isinstance(plain.decoder.drafter, MedusaDrafter)
+    alone = load_session(compose("decode", ["model=tiny", "draft.suffix=false", "max_new_tokens=12"]))
+    assert isinstance(alone.decoder.drafter, MedusaDrafter) and alone.decoder.depth_policy is not None

@@ -146,6 +146,75 @@ def test_flat_head_losses_equal_the_dense_medusa_loss():
     torch.testing.assert_close(kl_sum / count, per_head_kl)
 
 
+def test_draft_ids_are_what_a_lookup_table_gives():
+    from heads.medusa import to_draft_ids
+
+    g = torch.Generator().manual_seed(0)
+    token_map = torch.randperm(50, generator=g)[:12].sort().values
+    ids = torch.randint(-1, 50, (4, 30), generator=g)
+    ids[ids == -1] = -100
+    table = {int(t): i for i, t in enumerate(token_map)}
+    expected = torch.tensor([[table.get(int(t), -100) for t in row] for row in ids])
+    assert torch.equal(to_draft_ids(ids, token_map), expected)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_draft_vocabulary_losses_equal_the_dense_ones(shared):
+    """Over a draft vocabulary the heads' losses are the dense ones with every other token's logit at -inf (value
+    and gradient): exactly the dense ones when the map is the whole vocabulary."""
+    from heads.medusa import MedusaConfig, MedusaHeads, to_draft_ids
+
+    torch.manual_seed(0)
+    K, N, H, V = 3, 40, 16, 50
+    lm_head = torch.nn.Linear(H, V, bias=False)
+    lm_head.requires_grad_(False)
+    hidden = torch.randn(N, H)
+    targets = torch.randint(0, V, (K, N))
+    targets[1, :5] = -100
+    teacher = torch.randn(K, N, V)
+
+    def heads_with(token_map):
+        torch.manual_seed(1)
+        heads = MedusaHeads(MedusaConfig(H, V, K, 1, shared, len(token_map)), lm_head)
+        for block in heads.blocks:  # non-zero blocks, so the gradients reach them through the LM head
+            torch.nn.init.normal_(block[0].linear.weight, std=0.3)
+        heads.set_token_map(token_map)
+        return heads
+
+    def grads(heads, loss):
+        params = [p for p in heads.parameters() if p.requires_grad]
+        return torch.autograd.grad(loss, params)
+
+    for token_map in (torch.arange(V), torch.tensor([1, 4, 5, 9, 17, 23, 30, 31, 42, 49])):
+        reduced_heads, dense_heads = heads_with(token_map), heads_with(token_map)
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[token_map] = False
+        draft_targets = to_draft_ids(targets, token_map)
+        in_vocab_targets = torch.where(draft_targets < 0, torch.full_like(targets, -100), targets)
+        # cross-entropy with the data's tokens
+        small = reduced_heads(hidden, draft_vocab=True)
+        assert small.shape == (K, N, len(token_map))
+        loss_small = medusa_head_losses(small, draft_targets)
+        dense = dense_heads(hidden).masked_fill(outside, float("-inf"))
+        loss_dense = medusa_head_losses(dense, in_vocab_targets)
+        torch.testing.assert_close(loss_small[0], loss_dense[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(loss_small[1], loss_dense[1])
+        for a, b in zip(grads(reduced_heads, loss_small[0].sum()), grads(dense_heads, loss_dense[0].sum())):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        # KL to the teacher renormalised over the draft vocabulary, equal to the dense one on the whole vocabulary
+        kl_small = medusa_head_losses(reduced_heads(hidden, draft_vocab=True), draft_targets, teacher[..., token_map])
+        if len(token_map) == V:
+            kl_dense = medusa_head_losses(dense_heads(hidden), targets, teacher)
+            torch.testing.assert_close(kl_small[0], kl_dense[0], rtol=1e-5, atol=1e-5)
+            for a, b in zip(grads(reduced_heads, kl_small[0].sum()), grads(dense_heads, kl_dense[0].sum())):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        else:
+            p = torch.softmax(teacher[..., token_map], -1)
+            q = torch.log_softmax(dense_heads(hidden)[..., token_map], -1)
+            ref = ((p * (p.log() - q)).sum(-1) * (draft_targets != -100)).sum(-1)
+            torch.testing.assert_close(kl_small[0], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_expected_accept_length_of_a_chain():
     assert expected_accept_length([1.0, 1.0, 1.0]) == 3.0
     assert expected_accept_length([0.5, 0.5]) == pytest.approx(0.5 + 0.25)

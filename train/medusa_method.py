@@ -6,6 +6,10 @@ Config (``cfg.heads``, conf/heads/medusa.yaml and medusa2.yaml):
   of one trainable copy per head), ``decay``: head k's loss weight is decay**k.
 - ``loss``: ``ce`` trains head k at position t on the data token t + k + 2; ``kl`` on the target's own distribution
   for that token (KL(target || head), self-distillation), at the same labelled positions.
+- ``loss_vocab``: ``draft`` (with a draft vocabulary) computes the heads' logits, losses and accuracies over the
+  draft vocabulary only, the LM-head rows decoding projects onto; a position whose token is outside it is skipped by
+  the loss (no draft could propose it) and counted as a miss by the accuracies; the KL teacher is the target's
+  distribution renormalised over the same tokens. ``full``: the whole vocabulary.
 - Medusa-2 (``type: medusa2``): a peft LoRA on the target (``lora``) trained with the heads; the target keeps its
   language-model objective (``target_loss: lm``, cross-entropy on the data) or stays close to the adapter-free model
   (``target_loss: kl``), weighted ``target_loss_weight``; the heads' loss is weighted ``heads_loss_weight`` and their
@@ -37,6 +41,7 @@ from heads.medusa import (
     medusa_head_losses,
     medusa_positions,
     medusa_topk_hits,
+    to_draft_ids,
     weighted_head_loss,
 )
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
@@ -59,6 +64,7 @@ class MedusaSettings:
     loss: str  # ce | kl
     draft_vocab_size: int | str | None  # decoding drafts from these many most frequent tokens; auto: by coverage
     draft_vocab_coverage: float | None
+    loss_vocab: str  # draft | full
     # Medusa-2 only
     lora: dict | None = None
     target_loss: str | None = None  # lm | kl
@@ -74,6 +80,8 @@ class MedusaSettings:
             problems.append(f"heads.type={out.type!r}: use medusa or medusa2")
         if out.loss not in ("ce", "kl"):
             problems.append(f"heads.loss={out.loss!r}: use ce or kl")
+        if out.loss_vocab not in ("draft", "full"):
+            problems.append(f"heads.loss_vocab={out.loss_vocab!r}: use draft or full")
         if out.num_heads < 1 or out.num_layers < 1:
             problems.append("heads.num_heads and heads.num_layers must be >= 1")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
@@ -102,12 +110,12 @@ class Medusa2Model(nn.Module):
     def base_causal_lm(self) -> nn.Module:
         return self.target.get_base_model()
 
-    def forward(self, input_ids, attention_mask, head_index, lm_index):
+    def forward(self, input_ids, attention_mask, head_index, lm_index, draft_vocab: bool = False):
         """input_ids, attention_mask [B, T]; head_index [N], lm_index [M] flat positions.
-        Returns (head_logits [K, N, V], lm_logits [M, V])."""
+        Returns (head_logits [K, N, V] (V' with ``draft_vocab``), lm_logits [M, V])."""
         causal_lm = self.base_causal_lm()
         hidden = last_hidden_state(causal_lm, input_ids, attention_mask).flatten(0, 1)  # [B*T, H], LoRA active
-        head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)))
+        head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)), draft_vocab=draft_vocab)
         lm_logits = causal_lm.get_output_embeddings()(hidden[lm_index])
         return head_logits, lm_logits
 
@@ -150,6 +158,15 @@ class MedusaMethod:
         self.is_medusa2 = self.settings.type == "medusa2"
         self.token_map: torch.Tensor | None = None  # the draft vocabulary, counted in prepare_data
         self.draft_vocab_coverage: float | None = None
+
+    @property
+    def reduced(self) -> bool:
+        """Losses over the draft vocabulary (``loss_vocab: draft`` and a token map)."""
+        return self.settings.loss_vocab == "draft" and self.token_map is not None
+
+    def _loss_targets(self, head_targets: torch.Tensor) -> torch.Tensor:
+        """The targets the loss reads: target ids, or their draft-vocabulary columns (-100 outside it)."""
+        return to_draft_ids(head_targets, self.token_map) if self.reduced else head_targets
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -220,7 +237,7 @@ class MedusaMethod:
         """Label positions per head [K] (Medusa-2: and for the target's LM loss, [K + 1])."""
         labels = batch["labels"]
         _, head_targets = medusa_positions(labels, self.settings.num_heads)
-        counts = (head_targets != IGNORE_INDEX).sum(-1)
+        counts = (self._loss_targets(head_targets) != IGNORE_INDEX).sum(-1)
         if self.is_medusa2:
             counts = torch.cat([counts, ((labels[:, 1:] != IGNORE_INDEX).sum()).reshape(1)])
         return counts
@@ -228,18 +245,21 @@ class MedusaMethod:
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         s = self.settings
         head_index, head_targets = medusa_positions(batch["labels"], s.num_heads)  # [N], [K, N]
+        loss_targets = self._loss_targets(head_targets)
         if self.is_medusa2:
             head_logits, lm_logits, teacher, lm_teacher = self._medusa2_forward(batch, drafter, head_index)
         else:
             hidden = self._hidden(batch, target)  # [B, T, H]
-            head_logits = drafter(hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden)))  # [K, N, V]
+            x = hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden))
+            head_logits = drafter(x, draft_vocab=True) if self.reduced else drafter(x)  # [K, N, V or V']
             teacher = self._teacher(batch, target, hidden, head_index) if s.loss == "kl" else None
-        loss_sum, count = medusa_head_losses(head_logits, head_targets, teacher)
+        loss_sum, count = medusa_head_losses(head_logits, loss_targets, teacher)
         denom = (num_items[: s.num_heads] if num_items is not None else count).clamp(min=1).to(loss_sum.dtype)
         loss = weighted_head_loss(loss_sum / denom, s.decay)
         metrics = {f"loss_head{k}": (loss_sum[k] / count[k].clamp(min=1)).detach() for k in range(s.num_heads)}
-        correct = ((head_logits.detach().argmax(-1) == head_targets) & (head_targets != IGNORE_INDEX)).sum(-1)
-        metrics.update({f"acc1_head{k}": correct[k].float() / count[k].clamp(min=1) for k in range(s.num_heads)})
+        labelled = (head_targets != IGNORE_INDEX).sum(-1)  # a token outside the draft vocabulary is a miss
+        correct = ((head_logits.detach().argmax(-1) == loss_targets) & (loss_targets != IGNORE_INDEX)).sum(-1)
+        metrics.update({f"acc1_head{k}": correct[k].float() / labelled[k].clamp(min=1) for k in range(s.num_heads)})
         if self.is_medusa2:
             lm_sum, lm_count = self._target_loss(batch, lm_logits, lm_teacher)
             lm_denom = (num_items[-1] if num_items is not None else lm_count).clamp(min=1).to(lm_sum.dtype)
@@ -255,20 +275,30 @@ class MedusaMethod:
             return last_hidden_state(target.model, batch["input_ids"], batch["attention_mask"])
 
     def _teacher(self, batch: dict, target, hidden: torch.Tensor, head_index: torch.Tensor) -> torch.Tensor:
-        """The target's logits for each head's token at each position: [K, N, V] (head k at t: logits at t+k+1)."""
+        """The target's logits for each head's token at each position: [K, N, V] (head k at t: logits at t+k+1);
+        over the draft vocabulary, [K, N, V'], when the losses are (a softmax over them renormalises)."""
         num_positions = hidden.shape[0] * hidden.shape[1]
         with torch.no_grad():
             if "teacher_topk_ids" in batch:
                 ids = batch["teacher_topk_ids"].flatten(0, 1).long()  # [B*T, k]
                 vals = batch["teacher_topk_logits"].flatten(0, 1).float()
                 vocab = target.model.get_output_embeddings().weight.shape[0]
+                if self.reduced:  # stored ids outside the draft vocabulary go to one extra column, dropped
+                    vocab = int(self.token_map.numel())
+                    ids = to_draft_ids(ids, self.token_map)
+                    ids = torch.where(ids < 0, vocab, ids)
                 rows = []
                 for k in range(self.settings.num_heads):
                     at = (head_index + k + 1).clamp(max=num_positions - 1)
-                    full = torch.full((len(at), vocab), TEACHER_FILL, device=vals.device)
-                    rows.append(full.scatter_(1, ids[at], vals[at]))
+                    full = torch.full((len(at), vocab + 1), TEACHER_FILL, device=vals.device)
+                    rows.append(full.scatter_(1, ids[at], vals[at])[:, :vocab])
                 return torch.stack(rows)
-            logits = target.model.get_output_embeddings()(hidden.flatten(0, 1).to(_lm_dtype(target.model)))
+            lm_head = target.model.get_output_embeddings()
+            flat = hidden.flatten(0, 1).to(_lm_dtype(target.model))
+            if self.reduced:
+                logits = F.linear(flat, lm_head.weight[self.token_map.to(flat.device)])
+            else:
+                logits = lm_head(flat)
             return torch.stack([logits[(head_index + k + 1).clamp(max=num_positions - 1)]
                                 for k in range(self.settings.num_heads)])
 
@@ -277,7 +307,8 @@ class MedusaMethod:
         the teachers are the adapter-free target's logits, computed only for the KL losses."""
         s = self.settings
         lm_index, _ = lm_positions(batch["labels"])
-        head_logits, lm_logits = drafter(batch["input_ids"], batch["attention_mask"], head_index, lm_index)
+        head_logits, lm_logits = drafter(batch["input_ids"], batch["attention_mask"], head_index, lm_index,
+                                         draft_vocab=self.reduced)
         head_teacher = lm_teacher = None
         if teachers and (s.loss == "kl" or s.target_loss == "kl"):
             base = unwrap(drafter)
@@ -287,7 +318,9 @@ class MedusaMethod:
                 base_logits = causal_lm.get_output_embeddings()(hidden)  # [B*T, V]
             last = base_logits.shape[0] - 1
             if s.loss == "kl":
-                head_teacher = torch.stack([base_logits[(head_index + k + 1).clamp(max=last)]
+                head_logits_base = base_logits[:, self.token_map.to(base_logits.device)] if self.reduced \
+                    else base_logits
+                head_teacher = torch.stack([head_logits_base[(head_index + k + 1).clamp(max=last)]
                                             for k in range(s.num_heads)])
             if s.target_loss == "kl":
                 lm_teacher = base_logits[lm_index]
@@ -312,10 +345,12 @@ class MedusaMethod:
             if self.is_medusa2:
                 return self._medusa2_forward(batch, drafter, head_index, teachers=False)[0]
             hidden = self._hidden(batch, target)
-            return drafter(hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden)))
+            x = hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden))
+            return drafter(x, draft_vocab=True) if self.reduced else drafter(x)
 
         return medusa_eval_metrics(loader, head_logits_of, self.settings.num_heads, self.settings.decay,
-                                   gather=accelerator.gather_for_metrics)
+                                   gather=accelerator.gather_for_metrics,
+                                   token_map=self.token_map if self.reduced else None)
 
     # --- saving -------------------------------------------------------------------------------------------------
 
@@ -341,36 +376,42 @@ class MedusaMethod:
                           adapter_state_dict=adapter_state)
 
 
-def medusa_eval_metrics(batches, head_logits_of, num_heads: int, decay: float = 0.8, gather=None) -> dict[str, float]:
+def medusa_eval_metrics(batches, head_logits_of, num_heads: int, decay: float = 0.8, gather=None,
+                        token_map: torch.Tensor | None = None) -> dict[str, float]:
     """Per-head top-1/top-5 accuracy and mean loss over the labelled positions of ``batches``, and the expected
     accepted lengths they imply (chain from top-1, full top-5 tree from top-5).
 
-    ``head_logits_of(batch, head_index [N]) -> [K, N, V]``; ``gather`` collects per-example sums from all processes
-    (``accelerator.gather_for_metrics``, which also drops the duplicates even sharding adds), None in one process.
+    ``head_logits_of(batch, head_index [N]) -> [K, N, V]``, or [K, N, V'] over the draft vocabulary ``token_map``:
+    then a token outside it is a miss for the accuracies and left out of the loss. ``gather`` collects per-example
+    sums from all processes (``accelerator.gather_for_metrics``, which also drops the duplicates even sharding adds),
+    None in one process.
     """
     K = num_heads
-    totals = None  # [4, K]: correct@1, correct@5, positions, loss sum
+    totals = None  # [5, K]: correct@1, correct@5, positions, loss sum, positions the loss reads
     for batch in batches:
         labels = batch["labels"]
         head_index, head_targets = medusa_positions(labels, K)  # [N], [K, N]
+        targets = head_targets if token_map is None else to_draft_ids(head_targets, token_map)
         with torch.no_grad():
-            head_logits = head_logits_of(batch, head_index)  # [K, N, V]
-        loss = F.cross_entropy(head_logits.float().flatten(0, 1), head_targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(head_targets.shape)  # [K, N]
+            head_logits = head_logits_of(batch, head_index)  # [K, N, V or V']
+        loss = F.cross_entropy(head_logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(targets.shape)  # [K, N], 0 where ignored
         row = head_index // labels.shape[1]  # example of each position
         valid = (head_targets != IGNORE_INDEX).double()
-        per_example = torch.zeros(labels.shape[0], 4, K, dtype=torch.float64, device=labels.device)
-        hits1 = medusa_topk_hits(head_logits, head_targets, 1).double()
-        hits5 = medusa_topk_hits(head_logits, head_targets, 5).double()
-        for j, value in enumerate((hits1, hits5, valid, loss.double() * valid)):
+        scored = (targets != IGNORE_INDEX).double()
+        per_example = torch.zeros(labels.shape[0], 5, K, dtype=torch.float64, device=labels.device)
+        hits1 = medusa_topk_hits(head_logits, targets, 1).double()
+        hits5 = medusa_topk_hits(head_logits, targets, 5).double()
+        for j, value in enumerate((hits1, hits5, valid, loss.double() * scored, scored)):
             per_example[:, j].index_add_(0, row, value.T)
         if gather is not None:
             per_example = gather(per_example)
         totals = per_example.sum(0) if totals is None else totals + per_example.sum(0)
     if totals is None:
-        totals = torch.zeros(4, K, dtype=torch.float64)
+        totals = torch.zeros(5, K, dtype=torch.float64)
     count = totals[2].clamp(min=1)
-    acc1, acc5, losses = (totals[0] / count).tolist(), (totals[1] / count).tolist(), (totals[3] / count).tolist()
+    acc1, acc5 = (totals[0] / count).tolist(), (totals[1] / count).tolist()
+    losses = (totals[3] / totals[4].clamp(min=1)).tolist()
     metrics = {}
     for k in range(K):
         metrics[f"eval/acc1_head{k}"] = acc1[k]

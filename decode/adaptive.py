@@ -118,7 +118,8 @@ class AdaptiveDepth:
     ``a_j`` is the share of verified trees deep enough to reach level j whose accepted branch did reach it (a prior
     of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
     drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the
-    measured seconds per drafted step over one forward's. Every ``explore_every`` steps a depth one level deeper than
+    measured seconds per drafted step over one forward's, kept per depth drafted (a chain drafter such as layer-skip
+    pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every ``explore_every`` steps a depth one level deeper than
     the best is verified, so the estimates follow the text; while those looks do not pay, they come half as often
     (down to one in ``32 * explore_every`` steps).
     """
@@ -133,7 +134,9 @@ class AdaptiveDepth:
     nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
     full_depth: int | None = None  # the deepest draft the drafter proposes (given, or seen on the first step); a
     # drafter that stops early by itself (a confidence threshold) gives it, so a short first draft does not cap it
-    draft_s: float = 0.0  # moving average of seconds spent drafting a step
+    draft_s: float = 0.0  # moving average of seconds spent drafting a step, any depth (the estimate before any
+    # depth was measured)
+    draft_by_depth: dict[int, float] = field(default_factory=dict)  # depth drafted -> moving average of its seconds
     since_explore: int = 0  # steps since the last look one level deeper than the best
     interval: int = 0  # steps between such looks (explore_every at first); doubles while they do not pay
     last_best: int = 0
@@ -158,8 +161,18 @@ class AdaptiveDepth:
         if depth == 0:
             return 1.0 / self.curve.cost(1)
         expected = self.expected(depth)
-        draft = self.draft_s / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
+        draft = self.draft_seconds(depth) / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
         return expected / (self.curve.cost(self._nodes(depth)) + draft)
+
+    def draft_seconds(self, depth: int) -> float:
+        """Seconds to draft to ``depth``: measured there, else scaled from the nearest depth measured (a deeper one
+        on a tie), else the estimate over all depths."""
+        if depth in self.draft_by_depth:
+            return self.draft_by_depth[depth]
+        if not self.draft_by_depth:
+            return self.draft_s
+        near = min(self.draft_by_depth, key=lambda d: (abs(d - depth), -d))
+        return self.draft_by_depth[near] * depth / near
 
     def choose(self, max_depth: int) -> int:
         if self.full_depth is None:
@@ -193,6 +206,9 @@ class AdaptiveDepth:
         for level in range(1, depth + 1):
             self.tried[level] = self.tried.get(level, 0.0) + 1.0
             self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
+        known = bool(self.draft_by_depth) or self.draft_s > 0
+        before = self.draft_seconds(depth)
+        self.draft_by_depth[depth] = 0.9 * before + 0.1 * draft_seconds if known else draft_seconds
         self.draft_s = draft_seconds if not self.draft_s else 0.9 * self.draft_s + 0.1 * draft_seconds
 
 

@@ -57,6 +57,24 @@ def test_costly_drafting_is_counted():
     assert chosen[20:].count(0) >= 0.9 * len(chosen[20:])
 
 
+def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
+    # layer-skip-like: drafting costs 0.13 of a forward per level, only the first level is accepted (a third of the
+    # time). The first step drafts all 4 levels (0.52 of a forward); a cost averaged over depths would keep
+    # charging depth 1 for that, and never draft; per depth, one level pays: (1 + 1/3) / (1 + 0.13) > 1.
+    policy = AdaptiveDepth(CPU_LIKE, measure_draft=True)
+    tree = load_tree("chain-4", num_heads=4)
+    chosen = []
+    for step in range(80):
+        depth = policy.choose(100)
+        chosen.append(depth)
+        cut = tree.truncate(min(depth, tree.max_depth))
+        accepted = 1 if depth and step % 3 == 0 else 0
+        policy.observe(depth, draft_of(cut), accepted, 0.00013 * cut.max_depth)  # forward: 1 ms
+    assert chosen[0] == 100 and chosen[20:].count(1) >= 0.8 * len(chosen[20:])
+    assert policy.draft_seconds(1) == pytest.approx(0.00013, rel=0.05)
+    assert policy.draft_seconds(3) == pytest.approx(3 * policy.draft_seconds(1), rel=0.3)  # scaled from a neighbour
+
+
 def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
     from test_engine import exact_first_three, random_heads, sampled_first_three, small_vocab_target
     from test_verify import chi_square_pvalue

@@ -119,9 +119,9 @@ class AdaptiveDepth:
     of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
     drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the
     measured seconds per drafted step over one forward's, kept per depth drafted (a chain drafter such as layer-skip
-    pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every ``explore_every`` steps a depth one level deeper than
-    the best is verified, so the estimates follow the text; while those looks do not pay, they come half as often
-    (down to one in ``32 * explore_every`` steps).
+    pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every
+    ``explore_every`` steps a depth one level deeper than the best is verified, so the estimates follow the text;
+    while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps).
     """
 
     curve: CostCurve

@@ -296,11 +296,10 @@ def _engine(base: Session, drafter: Any) -> SpeculativeDecoder:
                               decode=base.decoder.decode, linear_kernel=base.decoder.linear_kernel)
 
 
-def _heads_decoder(base: Session, s: Session, settings: dict) -> tuple[SpeculativeDecoder, dict]:
+def _heads_decoder(base: Session, s: Session, settings: dict) -> SpeculativeDecoder:
     """A heads session's engine under other draft settings (with or without the suffix drafter's proposals)."""
     inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
-    return build_decoder(s.target, inner, settings, base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids)), \
-        settings
+    return build_decoder(s.target, inner, settings, base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids))
 
 
 def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
@@ -322,18 +321,20 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
     if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
         for name, s in sessions.items():
-            if explicit or not s.draft_settings.get("suffix"):
-                decoder, settings = s.decoder, s.draft_settings
-            else:
-                decoder, settings = _heads_decoder(base, s, {**s.draft_settings, "suffix": False})
+            settings, decoder = s.draft_settings, s.decoder
+            if not explicit and settings.get("suffix"):
+                settings = {**settings, "suffix": False}
+                decoder = _heads_decoder(base, s, settings)
             methods.append(Method(name, s, decoder, info={"drafter": s.drafter, "settings": settings,
                                                           "max_depth": max_draft_depth(decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
             if (explicit and s.draft_settings.get("suffix")) or "suffix" not in registry.entry(s.drafter).defaults:
                 continue  # already a hybrid under "heads", or a family that does not merge trees (layerskip)
-            decoder, settings = _heads_decoder(base, s, {**s.draft_settings, "suffix": True, **{
-                k: (draft or {}).get(k) for k in ("corpus", "remember")}})
+            settings, decoder = s.draft_settings, s.decoder  # the session's own decoder is the hybrid by default
+            if not settings.get("suffix"):
+                settings = {**settings, "suffix": True}
+                decoder = _heads_decoder(base, s, settings)
             methods.append(Method(f"{name}+suffix", s, decoder, info={
                 "drafter": f"{s.drafter}+suffix", "settings": settings,
                 "max_depth": max_draft_depth(decoder.drafter.inner)}))

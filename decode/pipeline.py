@@ -145,7 +145,8 @@ def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
         from decode.hybrid import HybridDrafter
 
         suffix_entry = registry.entry("suffix")
-        suffix = suffix_entry.build(None, target, suffix_entry.settings(None, {k: settings.get(k) for k in ("corpus", "remember")}))
+        passed = {k: settings.get(k) for k in registry.HYBRID if k != "suffix"}  # the suffix drafter's own settings
+        suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
         drafter, policy = HybridDrafter(drafter, suffix, policy), None
     return SpeculativeDecoder(target.model, drafter, eos_token_ids=eos_token_ids, decode=target.tokenizer.decode,
                               linear_kernel=kernel, depth_policy=policy)

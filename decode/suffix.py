@@ -16,7 +16,7 @@ Each step the context is prompt + emitted tokens, ending with the root (``state.
   token however long the process runs).
 - **Candidates**: the continuations (up to ``max_depth`` tokens) after each occurrence, most recent first, form a
   trie. A node's score is the share of occurrences whose continuation starts with its path (so a child never scores
-  above its parent); the two sources are combined by taking each node's larger score.
+  above its parent); the sources (context, corpus, history) are combined by taking each node's larger score.
 - **How many to verify** (``budget=auto``): scores are scaled into acceptance probabilities per match length from
   what was accepted so far (:class:`decode.adaptive.Calibration`), and the number of nodes that maximises expected
   tokens per second under this machine's verify cost curve is verified; no node (plain decoding) when nothing is
@@ -264,6 +264,7 @@ class SuffixDrafter(DrafterBase):
         self.corpus, self.budget = corpus, budget
         self.remember = remember
         self.answers: list[list[int]] = []  # earlier answers, oldest first (at most ``remember`` tokens in all)
+        self._kept = 0  # tokens in ``answers``
         self.history: SuffixArray | None = None  # the index over them
         self._indexed = 0  # tokens of ``answers`` in ``history``
         self._waiting = 0  # tokens of answers kept since it was built
@@ -300,12 +301,13 @@ class SuffixDrafter(DrafterBase):
             return
         self.answers.append([int(t) for t in answer])
         self._waiting += len(answer)
-        total = sum(len(a) for a in self.answers)
-        while total > self.remember and self.answers:
-            total -= len(self.answers.pop(0))
+        self._kept += len(answer)
+        while self._kept > self.remember and self.answers:
+            self._kept -= len(self.answers.pop(0))
         if self.answers and self._waiting >= max(1, self._indexed // 8):
             self.history = SuffixArray.build(self.answers)
-            self._indexed, self._waiting = total, 0
+            self._indexed, self._waiting = self._kept, 0
+
     def _candidates(self, depth: int) -> tuple[int, Candidates]:
         n_local, positions = self.index.longest_match()
         cands = Candidates()

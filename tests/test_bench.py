@@ -179,7 +179,8 @@ def test_prompts_from_several_sources_capped_per_category(questions):
 def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
     from decode.bench import Method, source_groups, source_name, summarize_runs
 
-    assert source_name("../data/mt_bench/question.jsonl") == "mt_bench" and source_name("a/held_out.jsonl") == "held_out"
+    assert source_name("../data/mt_bench/question.jsonl") == "mt_bench"
+    assert source_name("a/held_out.jsonl") == "held_out"
 
     def run(method, category, source, tokens, seconds):
         return {"method": method, "category": category, "source": source, "new_tokens": tokens, "total_s": seconds}

@@ -171,8 +171,9 @@ class EagleMethod:
     # --- loss ---------------------------------------------------------------------------------------------------
 
     def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None):
-        """(hidden states indexable by layer id and -1, the target's logits or None): logits [B, T, V] from an online
-        forward, or from a feature store a function (b, p) -> [N, V] applying the LM head to those rows only."""
+        """(hidden states indexable by layer id and -1, the target's logits or None): the hidden states of an online
+        forward of the decoder stack, or of the feature store; the logits a function (b, p) -> [N, V] (float32)
+        applying the LM head to the rows the loss trains on only (not a [B, T, V] tensor over every position)."""
         model = target.model
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         with torch.no_grad():
@@ -180,16 +181,17 @@ class EagleMethod:
                 hidden_states = {-1: batch["hidden"]}
                 for j, i in enumerate(layer_ids or []):
                     hidden_states[i] = batch["aux"][:, :, j]
-                lm_head, hidden = model.get_output_embeddings(), batch["hidden"]
+            else:  # online: the decoder stack only; the LM head runs below on the trained rows alone
+                out = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                          position_ids=position_ids_from_mask(batch["attention_mask"]),
+                                          output_hidden_states=True, use_cache=False)
+                hidden_states = out.hidden_states  # [-1]: after the final norm, what the LM head reads
+            lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
 
-                def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
-                    return lm_head(hidden[b, p].to(lm_head.weight.dtype))
+            def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
+                return lm_head(hidden[b, p].to(lm_head.weight.dtype)).float()
 
-                return hidden_states, logits if need_logits else None
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        position_ids=position_ids_from_mask(batch["attention_mask"]), output_hidden_states=True,
-                        use_cache=False)
-            return out.hidden_states, out.logits if need_logits else None
+            return hidden_states, logits if need_logits else None
 
     def compute_loss(self, batch: dict, target, drafter: nn.Module):
         core = unwrap(drafter).drafter

@@ -31,6 +31,7 @@ them).
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -143,6 +144,16 @@ class ExitTrainModule(nn.Module):
         return logits, losses
 
 
+def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
+    """The target as decoding runs it (``model.dtype``): itself, or a copy in that dtype when training ran it in
+    another (trainer.target_dtype), so that costs measured on it are those decoding pays."""
+    from heads.target import resolve_dtype
+
+    param = next(model.parameters())
+    wanted = resolve_dtype(dtype, param.device)
+    return model if param.dtype == wanted else copy.deepcopy(model).to(wanted)
+
+
 class LayerSkipMethod:
     """Layer-skip exits for the shared loop (see train.loop.TrainMethod)."""
 
@@ -155,6 +166,8 @@ class LayerSkipMethod:
             self.exit_layer = int(self.exit_layer)
         self.features = FeatureSource.from_cfg(cfg)
         self.run_dir = Path(str(cfg.run_dir))
+        model_cfg = cfg.get("model") or {}
+        self.decode_dtype = str(model_cfg.get("dtype", "auto"))  # what decoding runs the target in (model.dtype)
         self.layers: list[int] = []
         self.token_map: torch.Tensor | None = None
         self.vocab_coverage: float | None = None
@@ -292,8 +305,9 @@ class LayerSkipMethod:
         if not self._stats:
             raise RuntimeError("layer-skip exits are chosen from an evaluation: give the run an eval split "
                                "(data.eval_fraction > 0).")
-        costs = measure_layer_costs(target.model, {e: core[e] for e in core.layers})
-        curve = depth_policy(target.model, "auto").curve
+        model = decode_copy(target.model, self.decode_dtype)  # costs as decoding will pay them
+        costs = measure_layer_costs(model, {e: core[e] for e in core.layers})
+        curve = depth_policy(model, "auto").curve
         rows = []
         for e in core.layers:
             stats = self._stats[e]

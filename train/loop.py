@@ -118,6 +118,7 @@ class TrainerConfig:
     warmup_steps: int
     max_grad_norm: float | None  # null: no clipping
     mixed_precision: str | None  # no | bf16 | fp16 | null (from the accelerate config, default no)
+    target_dtype: str  # the frozen target's dtype while training: auto | float32 | bfloat16 | float16
     seed: int
     eval_every: int  # 0: evaluate only at the end
     eval_max_examples: int | None  # cap on eval examples (the first ones of the eval split)
@@ -141,11 +142,14 @@ class TrainerConfig:
             problems.append(f"trainer.lr_scheduler={out.lr_scheduler!r}: use one of {sorted(_SCHEDULERS)}")
         if out.mixed_precision not in (None, "no", "bf16", "fp16"):
             problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16 or null")
+        if out.target_dtype not in TARGET_DTYPES:
+            problems.append(f"trainer.target_dtype={out.target_dtype!r}: use one of {', '.join(TARGET_DTYPES)}")
         if problems:
             raise SettingError("; ".join(problems) + ".")
         return out
 
 
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
@@ -335,7 +339,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
         if (run_dir / "checkpoints").exists():
             prune_checkpoints(run_dir / "checkpoints", None)  # removes temporary folders a killed run left behind
     if target is None:
-        target = _load_target(cfg, accelerator)
+        target = _load_target(cfg, accelerator, tc.target_dtype, getattr(method, "trains_target", False))
     else:
         target.model.to(accelerator.device)
     train_ds, eval_ds, collate_fn = _data(cfg, tc, method, target, datasets, accelerator)
@@ -473,12 +477,38 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     return get_object(target)(run_dir=str(run_dir), config=config, **kwargs)
 
 
-def _load_target(cfg: Any, accelerator):
+def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
+    """The frozen target, in ``trainer.target_dtype`` (auto: bfloat16 where native, unless the method trains weights
+    inside the target, Medusa-2's LoRA: then the model's own dtype)."""
     from heads.target import load_target
 
     model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)
+    own = model_cfg.get("dtype", "auto")
+    model_cfg["dtype"] = own if trains_target and target_dtype == "auto" else training_dtype(
+        target_dtype, accelerator.device, own)
     return load_target(model_cfg)
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX (where a bf16 GEMM
+    runs ~2.6x faster than a float32 one; without them PyTorch emulates bf16 and it is slower)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: str = "auto") -> str:
+    """The dtype the frozen target runs in while a drafter trains (``trainer.target_dtype``): ``auto`` is bfloat16
+    where it is native (:func:`native_bf16`), else the model config's own dtype. Only the teacher's hidden states and
+    logits are computed in it: the drafter's weights stay float32 (trainer.mixed_precision sets its autocast)."""
+    if target_dtype != "auto":
+        return target_dtype
+    return "bfloat16" if native_bf16(device) else model_dtype
 
 
 def _load_datasets(cfg: Any, tokenizer, accelerator):

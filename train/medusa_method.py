@@ -156,6 +156,7 @@ class MedusaMethod:
             raise ValueError("heads.loss=kl with features=store needs the target's logits in the store: set "
                              "feature_store.teacher_topk (e.g. 64), or use features=online.")
         self.is_medusa2 = self.settings.type == "medusa2"
+        self.trains_target = self.is_medusa2  # its LoRA: the target keeps its own dtype (trainer.target_dtype=auto)
         self.token_map: torch.Tensor | None = None  # the draft vocabulary, counted in prepare_data
         self.draft_vocab_coverage: float | None = None
 

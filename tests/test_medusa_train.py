@@ -458,7 +458,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
     target would, within rounding: bf16 keeps 8 significant bits (relative rounding 2^-9 per value), so over this tiny
     model's two layers the hidden states, and the first loss, move by a few 0.1% (allowed: 2%)."""
     import heads
-    from train.loop import _load_target
+    from heads.target import load_target
 
     runs = {}
     for dtype in ("float32", "bfloat16", "auto"):
@@ -484,7 +484,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
     for losses, _, _ in runs.values():
         assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     cfg, _ = _family(heads_option, tmp_path / "load")
-    target = _load_target(cfg, type("Device", (), {"device": torch.device("cpu")})(), "float32")
+    target = load_target({**cfg.model, "dtype": "float32"})
     loaded = heads.load(runs["bfloat16"][2] / "heads", target)
     assert all(p.dtype == torch.float32 for p in loaded.module.parameters())
 

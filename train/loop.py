@@ -478,15 +478,13 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
 
 
 def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
-    """The frozen target, in ``trainer.target_dtype`` (auto: bfloat16 where native, unless the method trains weights
-    inside the target, Medusa-2's LoRA: then the model's own dtype)."""
+    """The frozen target, in ``trainer.target_dtype`` (:func:`training_dtype`)."""
     from heads.target import load_target
 
     model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)
-    own = model_cfg.get("dtype", "auto")
-    model_cfg["dtype"] = own if trains_target and target_dtype == "auto" else training_dtype(
-        target_dtype, accelerator.device, own)
+    model_cfg["dtype"] = training_dtype(target_dtype, accelerator.device, model_cfg.get("dtype", "auto"),
+                                        trains_target)
     return load_target(model_cfg)
 
 
@@ -502,13 +500,15 @@ def native_bf16(device: torch.device | str) -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: str = "auto") -> str:
+def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: str = "auto",
+                   trains_target: bool = False) -> str:
     """The dtype the frozen target runs in while a drafter trains (``trainer.target_dtype``): ``auto`` is bfloat16
-    where it is native (:func:`native_bf16`), else the model config's own dtype. Only the teacher's hidden states and
-    logits are computed in it: the drafter's weights stay float32 (trainer.mixed_precision sets its autocast)."""
+    where it is native (:func:`native_bf16`), else the model config's own dtype, which a method training weights
+    inside the target (``trains_target``: Medusa-2's LoRA) also keeps. Only the teacher's hidden states and logits
+    are computed in it: the drafter's weights stay float32 (trainer.mixed_precision sets its autocast)."""
     if target_dtype != "auto":
         return target_dtype
-    return "bfloat16" if native_bf16(device) else model_dtype
+    return "bfloat16" if native_bf16(device) and not trains_target else model_dtype
 
 
 def _load_datasets(cfg: Any, tokenizer, accelerator):

@@ -31,15 +31,15 @@ import torch
 
 from decode.cache import new_cache
 from decode.engine import tree_forward
-from decode.kernels import small_batch_linears, use_small_batch
+from decode.kernels import RowPlan, measured_row_plan, small_batch_linears, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import DecodeState, Draft
 from heads.kv import crop_cache
 from heads.target import cache_kwarg
 
-CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CURVE_REPEATS = 15  # forwards per size, sizes interleaved; the median of each
-CURVE_METHOD = 2  # part of the cache key: curves measured by an earlier method are measured again
+CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # dense where CPU kernels change: costs step, not slope
+CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the median of each
+CURVE_METHOD = 4  # part of the cache key: curves measured by an earlier method are measured again
 
 
 @dataclass(frozen=True)
@@ -228,12 +228,16 @@ def verify_cost_curve(
     repeats: int = 5,
     tree: Tree | None = None,
     linear_kernel: str = "torch",
+    plan: RowPlan | None = None,
 ) -> list[dict]:
     """Median time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default mc_sim_7b_63 and
     chains beyond its size) over a ``cache_length`` cache, with the linear layers of ``linear_kernel`` (see
-    decode.kernels). Returns [{"nodes", "ms", "ms_per_node"}]."""
+    decode.kernels; small-batch ones pad rows as ``plan`` says, by default this machine's measured plan). Returns
+    [{"nodes", "ms", "ms_per_node"}]."""
     device = next(model.parameters()).device
-    with small_batch_linears(model, enabled=use_small_batch(linear_kernel, device)):
+    small = use_small_batch(linear_kernel, device)
+    plan = plan if plan is not None or not small else measured_row_plan(model)
+    with small_batch_linears(model, enabled=small, plan=plan):
         return _verify_cost_curve(model, device, cache_length, sizes, repeats, tree)
 
 
@@ -287,7 +291,8 @@ def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
     from heads.target import cache_dir, fingerprint
 
     param = next(model.parameters())
-    key = json.dumps({"model": fingerprint(model)["digest"], "layers": model.config.num_hidden_layers,
+    plan = measured_row_plan(model).widths if use_small_batch(linear_kernel, param.device) else None
+    key = json.dumps({"model": fingerprint(model)["digest"], "row_plan": plan, "layers": model.config.num_hidden_layers,
                       "dtype": str(param.dtype), "device": str(param.device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "kernel": linear_kernel,
                       "torch": torch.__version__, "method": CURVE_METHOD}, sort_keys=True)
@@ -297,9 +302,11 @@ def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
 def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", cache_length: int = 256) -> CostCurve:
     """The verify cost curve of ``model`` on this machine (measured once, then read from the cache)."""
     path = _cache_file(model, linear_kernel)
-    if path.is_file():
+    try:
         data = json.loads(path.read_text())
-        return CostCurve(sizes=tuple(data["sizes"]), ms=tuple(data["ms"]))
+        return CostCurve(sizes=tuple(int(n) for n in data["sizes"]), ms=tuple(float(t) for t in data["ms"]))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
+        pass
     cache_length = min(cache_length, getattr(model.config, "max_position_embeddings", cache_length) - max(CURVE_SIZES))
     rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=CURVE_REPEATS,
                              linear_kernel=linear_kernel)

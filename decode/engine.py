@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from decode.cache import commit_kv, new_cache
-from decode.kernels import small_batch_linears, use_small_batch
+from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
 from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
 from decode.verify import Sampling, Verdict, verify
@@ -284,7 +284,8 @@ class SpeculativeDecoder:
     :class:`decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
     ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
-    ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs.
+    ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding rows as this
+    machine's measured plan says (:func:`decode.kernels.measured_row_plan`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     """
@@ -307,6 +308,7 @@ class SpeculativeDecoder:
         self.device = next(model.parameters()).device
         self.linear_kernel = linear_kernel
         self.small_batch = use_small_batch(linear_kernel, self.device)
+        self.row_plan = measured_row_plan(model) if self.small_batch else None  # this machine's widths, cached
 
     def prompt_tensor(self, prompt_ids: "Sequence[int] | torch.Tensor") -> torch.Tensor:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -337,7 +339,7 @@ class SpeculativeDecoder:
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> DecodeResult:
         """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted."""
-        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch):
+        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
 
     @property

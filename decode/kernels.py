@@ -1,13 +1,19 @@
 """Linear layers that stay cheap for the few rows speculative decoding feeds them on a CPU.
 
-A tree-verify forward runs every linear layer of the target on N rows (the tree's nodes), and a drafter runs its
-layers on a handful of rows per step. With N = 1 PyTorch takes a matrix-vector kernel that reads each weight once;
-from N = 2 on it calls the BLAS ``sgemm`` as ``x @ W.T``, and on the CPUs measured (MKL, AVX2) a forward over 2..16
-rows then costs about twice a one-row forward (docs/benchmarks.md, the cost curve): the GEMM handles the large weight
-as the operand it packs, an extra pass over memory the weight-bound forward pays in full. Computing the same product
-as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight once, and padding the rows
-to a multiple of 4 (8 above 8) keeps it on the BLAS's fastest widths: a forward over 2..4 rows then costs about what
-one row costs, and one over 16 rows about 1.6x (docs/benchmarks.md).
+A tree-verify forward runs every linear layer of the target on N rows (the tree's nodes), a plain decoding step and
+most draft steps on one. Which BLAS kernel PyTorch's ``x @ W.T`` reaches for a given number of rows, and how well it
+streams a weight too large for the caches, varies between CPUs, and the differences are large:
+
+- on an AVX2 CPU (MKL), one row takes a matrix-vector kernel that reads each weight once, while 2..16 rows cost about
+  twice as much: the GEMM handles the large weight as the operand it packs, an extra pass over memory;
+- on an AVX-512 CPU (AMD EPYC, 2 cores), one row takes a matrix-vector kernel that streams the weights at about half
+  the bandwidth a two-row product reaches, and 8 rows cost about what 16 do (docs/benchmarks.md).
+
+Computing the same product as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight
+once, and padding the rows (with zeros) to a width the BLAS runs fastest keeps it on its best kernel. The best width
+for each number of rows is measured once per machine (:func:`measured_row_plan`, cached as JSON under the selfspec
+cache), on the model's own weights: a :class:`RowPlan` says, for 1..``MAX_ROWS`` rows, whether to pad them to some
+width for ``(W @ x.T).T`` or to leave the product to PyTorch.
 
 :func:`small_batch_linears` swaps every plain ``nn.Linear`` of the given modules to :class:`SmallBatchLinear` (same
 parameters, same state dict) for the duration of a ``with`` block and swaps them back after. The results are the
@@ -16,8 +22,16 @@ same products in another summation order (float rounding differs at the last bit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,27 +41,164 @@ from heads.errors import SettingError
 
 MAX_ROWS = 64  # above this the ordinary x @ W.T kernel is as good (compute bound)
 KERNELS = ("auto", "torch", "small_batch")
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others take the next one up's choice
+PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
+PLAN_METHOD = 2  # part of the cache key: plans measured by an earlier method are measured again
 
 
 def padded_rows(rows: int) -> int:
-    """Rows rounded up to a multiple of 4 (of 8 above 8): the widths the BLAS kernels run fastest on the CPUs
-    measured (an 8-float AVX2 register); a forward over 3 or 6 rows otherwise costs more than one over 4 or 8."""
+    """Rows rounded up to a multiple of 4 (of 8 above 8): the widths the BLAS kernels ran fastest on an AVX2 CPU
+    (an 8-float register). The plan used before a machine's own has been measured."""
     return -(-rows // 4) * 4 if rows <= 8 else -(-rows // 8) * 8
 
 
+def candidate_widths(rows: int) -> list[int]:
+    """The options measured for ``rows`` rows: 0 (PyTorch's own product) and the widths ``(W @ x.T).T`` may pad to:
+    the rows themselves, and rounded up to a multiple of 2, 4, 8 or 16, at most doubled and at most ``MAX_ROWS``."""
+    widths = {rows, *(-(-rows // m) * m for m in (2, 4, 8, 16))}
+    return [0] + sorted(w for w in widths if w <= min(2 * rows, MAX_ROWS))
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """For 1..``MAX_ROWS`` input rows, ``widths[rows - 1]``: the width the rows are padded to for ``(W @ x.T).T``,
+    or 0 for PyTorch's own ``F.linear``."""
+
+    widths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.widths) != MAX_ROWS or any(w != 0 and not r <= w <= MAX_ROWS
+                                               for r, w in enumerate(self.widths, start=1)):
+            raise ValueError(f"RowPlan: need {MAX_ROWS} widths, each 0 or from its row count to {MAX_ROWS}.")
+
+    def width(self, rows: int) -> int:
+        return self.widths[rows - 1] if 1 <= rows <= MAX_ROWS else 0
+
+    @classmethod
+    def default(cls) -> "RowPlan":
+        """Before a measurement: one row to PyTorch, 2..MAX_ROWS padded by :func:`padded_rows`."""
+        return cls(tuple(0 if r == 1 else padded_rows(r) for r in range(1, MAX_ROWS + 1)))
+
+    @classmethod
+    def from_choices(cls, chosen: dict[int, int]) -> "RowPlan":
+        """From the width chosen for each measured row count (``PROBE_ROWS``): a row count between two measured ones
+        takes the choice of the next one up (padding it there, or PyTorch's product if that was chosen); one above
+        them all is not padded, and takes ``(W @ x.T).T`` if the largest measured did."""
+        probes = sorted(chosen)
+        widths = []
+        for rows in range(1, MAX_ROWS + 1):
+            probe = next((p for p in probes if p >= rows), None)
+            widths.append(chosen[probe] if probe is not None else (rows if chosen[probes[-1]] else 0))
+        return cls(tuple(widths))
+
+
+def choose_widths(seconds: dict[tuple[int, int], float]) -> dict[int, int]:
+    """{(rows, width): time} -> {rows: the fastest width} (on a tie, the smaller width; 0, PyTorch's, first)."""
+    best: dict[int, tuple[float, int]] = {}
+    for (rows, width), t in seconds.items():
+        if rows not in best or (t, width) < best[rows]:
+            best[rows] = (t, width)
+    return {rows: width for rows, (_, width) in best.items()}
+
+
+def _product(weight: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [rows, in] @ weight.T as the plan's kernel: 0 -> F.linear; else (W @ x.T).T with x zero-padded to width.
+    Both x and the result are made row-major: the BLAS is several times slower on a column-major x.T (the layout a
+    previous small-batch product leaves), and elementwise ops after it slower on a transposed result."""
+    if width == 0:
+        return F.linear(x, weight)
+    rows = x.shape[0]
+    if width != rows:
+        x = torch.cat([x, x.new_zeros(width - rows, x.shape[1])])
+    return torch.mm(weight, x.contiguous().t()).t()[:rows].contiguous()
+
+
+@torch.no_grad()
+def time_widths(weights: Sequence[torch.Tensor], probes: Sequence[int] = PROBE_ROWS, repeats: int = PLAN_REPEATS,
+                clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+    """Median time of one pass over ``weights`` (a forward's worth of products, so that weights come from memory as
+    in a forward) per (rows, width) option of :func:`candidate_widths`, options interleaved across repeats (in
+    alternating order, so that a drift of the machine's speed hits all alike)."""
+    weights = list(weights)
+    options = [(rows, width) for rows in probes for width in candidate_widths(rows)]
+    inputs = {rows: [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+              for rows in probes}
+    times: dict[tuple[int, int], list[float]] = {o: [] for o in options}
+    for r in range(repeats + 1):  # the first round warms up; every other round runs the options backwards
+        for rows, width in options if r % 2 else options[::-1]:
+            t0 = clock()
+            for w, x in zip(weights, inputs[rows]):
+                _product(w, x, width)
+            if r:
+                times[(rows, width)].append(clock() - t0)
+    return {o: statistics.median(t) for o, t in times.items()}
+
+
+def _linear_weights(*modules: nn.Module | None) -> list[torch.Tensor]:
+    seen, weights = set(), []
+    for module in modules:
+        for sub in module.modules() if module is not None else ():
+            if isinstance(sub, nn.Linear) and id(sub.weight) not in seen:
+                seen.add(id(sub.weight))
+                weights.append(sub.weight)
+    return weights
+
+
+def sample_weights(weights: Sequence[torch.Tensor], max_bytes: int = 192 << 20) -> list[torch.Tensor]:
+    """Every k-th weight, k chosen so that about ``max_bytes`` remain (more than the caches hold, so the pass still
+    streams weights from memory as a forward does; a stride keeps the mix of a layer's shapes), and the largest one
+    (an LM head) always: what :func:`time_widths` runs, so that measuring takes seconds."""
+    weights = list(weights)
+    total = sum(w.numel() * w.element_size() for w in weights)
+    step = max(1, -(-total // max_bytes))
+    sample = weights[::step]
+    largest = max(weights, key=lambda w: w.numel())
+    return sample if any(w is largest for w in sample) else sample + [largest]
+
+
+def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
+    from heads.target import cache_dir
+
+    key = json.dumps({"shapes": [list(w.shape) for w in weights], "dtype": str(weights[0].dtype),
+                      "device": str(weights[0].device), "threads": torch.get_num_threads(),
+                      "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                      "method": PLAN_METHOD, "max_rows": MAX_ROWS}, sort_keys=True)
+    return cache_dir() / "kernel_plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def measured_row_plan(model: nn.Module) -> RowPlan:
+    """The :class:`RowPlan` for ``model``'s linear layers on this machine: measured on its own weights the first
+    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache. Off a CPU the small-batch product is not used
+    and the default plan is returned unmeasured."""
+    weights = _linear_weights(model)
+    if not weights or weights[0].device.type != "cpu":
+        return RowPlan.default()
+    path = _plan_file(weights)
+    try:
+        return RowPlan(tuple(int(w) for w in json.loads(path.read_text())["widths"]))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
+        pass
+    plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights))))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"widths": list(plan.widths)}))
+    os.replace(tmp, path)
+    return plan
+
+
 class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` computing ``(W @ x.T).T`` when the input has 2..MAX_ROWS rows on a CPU (see the module doc)."""
+    """``nn.Linear`` computing ``(W @ x.T).T`` on rows padded as its :class:`RowPlan` says, when the input has
+    1..MAX_ROWS rows on a CPU and no gradient is needed (see the module doc)."""
+
+    _row_plan: RowPlan = RowPlan.default()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        width = self._row_plan.width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if not (1 < rows <= MAX_ROWS) or x.device.type != "cpu" or grad:
+        if width == 0 or x.device.type != "cpu" or grad:
             return F.linear(x, self.weight, self.bias)
-        x2 = x.reshape(rows, x.shape[-1])
-        padded = padded_rows(rows)
-        if padded != rows:
-            x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
-        y = torch.mm(self.weight, x2.t()).t()[:rows]
+        y = _product(self.weight, x.reshape(rows, x.shape[-1]), width)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -61,9 +212,11 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
 
 
 @contextmanager
-def small_batch_linears(*modules: nn.Module | None, enabled: bool = True) -> Iterator[int]:
-    """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear`; yields how many
-    were swapped. Subclasses of ``nn.Linear`` (quantized, LoRA, ...) are left alone."""
+def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
+                        plan: RowPlan | None = None) -> Iterator[int]:
+    """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear` padding rows as
+    ``plan`` says (default: :meth:`RowPlan.default`); yields how many were swapped. Subclasses of ``nn.Linear``
+    (quantized, LoRA, ...) are left alone."""
     swapped: list[nn.Module] = []
     if enabled:
         for module in modules:
@@ -72,9 +225,12 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True) -> Ite
             for sub in module.modules():
                 if type(sub) is nn.Linear:  # a module reached twice is already swapped: no longer a plain nn.Linear
                     sub.__class__ = SmallBatchLinear
+                    if plan is not None:
+                        sub.__dict__["_row_plan"] = plan
                     swapped.append(sub)
     try:
         yield len(swapped)
     finally:
         for sub in swapped:
+            sub.__dict__.pop("_row_plan", None)
             sub.__class__ = nn.Linear

@@ -248,11 +248,20 @@ def exit_agreement(model: nn.Module, examples, thresholds: Sequence[float] = (0.
 
 @torch.no_grad()
 def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_length: int = 128,
-                        repeats: int = 15) -> dict:
+                        repeats: int = 15, linear_kernel: str = "auto") -> dict:
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
-    one-token forward (medians of ``repeats``, sizes interleaved). -> {"forward_ms", "layers": {E: share of the
-    forward in layers 0..E-1}, "draft": {E: (layers + exit) / forward}}."""
+    one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
+    (``linear_kernel``, decode.kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
+    "draft": {E: (layers + exit) / forward}}."""
+    from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
+
+    small = use_small_batch(linear_kernel, next(model.parameters()).device)
+    with small_batch_linears(model, *exits.values(), enabled=small, plan=measured_row_plan(model) if small else None):
+        return _measure_layer_costs(model, exits, cache_length, repeats)
+
+
+def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_length: int, repeats: int) -> dict:
     import statistics
     import time
 

@@ -1,5 +1,6 @@
-"""decode.kernels: the small-batch linear layers the engine swaps in on a CPU compute what nn.Linear computes, and
-the swap is undone after the block (also on errors), touching nothing but plain nn.Linear modules."""
+"""decode.kernels: the small-batch linear layers the engine swaps in on a CPU compute what nn.Linear computes, at
+the widths a row plan says; the swap is undone after the block (also on errors), touching nothing but plain
+nn.Linear modules; a machine's plan is the fastest measured option per row count, cached."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from decode.kernels import MAX_ROWS, SmallBatchLinear, small_batch_linears, use_small_batch
+from decode.kernels import (MAX_ROWS, PROBE_ROWS, RowPlan, SmallBatchLinear, candidate_widths, choose_widths,
+                            measured_row_plan, sample_weights, small_batch_linears, use_small_batch)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -89,3 +91,89 @@ def test_frozen_weights_under_no_grad_take_the_small_batch_product(monkeypatch):
     with small_batch_linears(lin), torch.no_grad():
         lin(x[:1])  # one row: PyTorch's matrix-vector path
     assert len(calls) == 1
+
+
+def _recording_mm(monkeypatch) -> list[tuple[int, ...]]:
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(b.shape)) or real_mm(a, b))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_plan_pads_rows_to_its_widths_and_computes_the_same(monkeypatch, bias):
+    """One row padded to two, three to eight, four left to PyTorch: each the same product as nn.Linear (a float32
+    dot product of 9 terms: its rounding differs by a few ulps between summation orders)."""
+    widths = [0] * MAX_ROWS
+    widths[0], widths[2] = 2, 8
+    plan = RowPlan(tuple(widths))
+    lin = nn.Linear(9, 17, bias=bias)
+    calls = _recording_mm(monkeypatch)
+    for rows, width in ((1, 2), (3, 8), (4, None)):
+        x = torch.randn(rows, 9)
+        with small_batch_linears(lin, plan=plan), torch.no_grad():
+            out = lin(x)
+        assert calls[-1:] == ([(9, width)] if width else []) or (width is None and len(calls) == 2)
+        torch.testing.assert_close(out, nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [(9, 2), (9, 8)]
+    assert "_row_plan" not in lin.__dict__  # the plan goes with the swap
+
+
+def test_candidate_widths():
+    for rows in range(1, MAX_ROWS + 1):
+        widths = candidate_widths(rows)
+        assert widths[0] == 0 and rows in widths
+        assert all(rows <= w <= min(2 * rows, MAX_ROWS) for w in widths[1:])
+    assert candidate_widths(1) == [0, 1, 2] and candidate_widths(3) == [0, 3, 4] and candidate_widths(12) == [0, 12, 16]
+
+
+def test_choose_widths_takes_the_fastest_and_the_smaller_on_a_tie():
+    seconds = {(1, 0): 3.0, (1, 1): 3.0, (1, 2): 1.5, (4, 0): 2.0, (4, 4): 2.0, (4, 8): 2.5}
+    assert choose_widths(seconds) == {1: 2, 4: 0}
+
+
+def test_plan_from_choices_fills_rows_between_probes_from_the_next_one_up():
+    plan = RowPlan.from_choices({1: 2, 2: 2, 4: 4, 8: 0, 16: 16})
+    assert [plan.width(r) for r in range(1, 18)] == [2, 2, 4, 4, 0, 0, 0, 0] + [16] * 8 + [17]
+    assert plan.width(0) == 0 and plan.width(MAX_ROWS + 1) == 0
+    assert RowPlan.from_choices({1: 2, 4: 0}).width(5) == 0  # above the largest probe: PyTorch's, as it chose
+    with pytest.raises(ValueError, match="widths"):
+        RowPlan((1,) * (MAX_ROWS - 1))
+    with pytest.raises(ValueError, match="widths"):
+        RowPlan((2, 1) + (0,) * (MAX_ROWS - 2))  # two rows cannot be padded to one
+
+
+def test_sample_weights_keeps_a_stride_and_the_largest():
+    weights = [torch.empty(4, 4) for _ in range(9)] + [torch.empty(64, 4)]
+    assert [id(w) for w in sample_weights(weights, max_bytes=10**9)] == [id(w) for w in weights]
+    sample = sample_weights(weights, max_bytes=400)  # 1,600 bytes in all: every 4th (0, 4, 8), then the largest
+    assert [id(w) for w in sample] == [id(w) for w in weights[::4]] + [id(weights[-1])]
+
+
+def test_measured_plan_is_cached_and_remeasured_when_unreadable(monkeypatch, tmp_path):
+    import decode.kernels as kernels
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    runs = []
+
+    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
+        runs.append(len(weights))
+        # one row fastest padded to two; above that, PyTorch's own product
+        return {(r, w): (0.5 if (r, w) == (1, 2) else 1.0 if w == 0 else 2.0) for r in probes
+                for w in candidate_widths(r)}
+
+    monkeypatch.setattr(kernels, "time_widths", fake_time_widths)
+    plan = measured_row_plan(model)
+    assert runs == [2] and plan.width(1) == 2 and plan.width(2) == 0 and plan.width(40) == 0
+    assert measured_row_plan(model) == plan and runs == [2]  # read back from the cache
+    (files := list((tmp_path / "kernel_plans").glob("*.json")))[0].write_text("{not json")
+    assert len(files) == 1 and measured_row_plan(model) == plan and runs == [2, 2]
+    other = nn.Sequential(nn.Linear(8, 32))  # other shapes: measured for themselves
+    measured_row_plan(other)
+    assert runs == [2, 2, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_off_a_cpu_the_plan_is_the_default_unmeasured():
+    assert measured_row_plan(nn.Linear(4, 4).cuda()) == RowPlan.default()

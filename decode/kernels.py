@@ -134,7 +134,8 @@ def time_widths(weights: Sequence[torch.Tensor], probes: Sequence[int] = PROBE_R
     return {o: statistics.median(t) for o, t in times.items()}
 
 
-def _linear_weights(*modules: nn.Module | None) -> list[torch.Tensor]:
+def linear_weights(*modules: nn.Module | None) -> list[torch.Tensor]:
+    """The weights of every ``nn.Linear`` under ``modules``, each once (a tied LM head counted once)."""
     seen, weights = set(), []
     for module in modules:
         for sub in module.modules() if module is not None else ():
@@ -170,7 +171,7 @@ def measured_row_plan(model: nn.Module) -> RowPlan:
     """The :class:`RowPlan` for ``model``'s linear layers on this machine: measured on its own weights the first
     time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache. Off a CPU the small-batch product is not used
     and the default plan is returned unmeasured."""
-    weights = _linear_weights(model)
+    weights = linear_weights(model)
     if not weights or weights[0].device.type != "cpu":
         return RowPlan.default()
     path = _plan_file(weights)
@@ -179,11 +180,18 @@ def measured_row_plan(model: nn.Module) -> RowPlan:
     except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
         pass
     plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights))))
+    write_row_plan(weights, plan)
+    return plan
+
+
+def write_row_plan(weights: Sequence[torch.Tensor], plan: RowPlan) -> Path:
+    """Cache ``plan`` as the one for these weights on this machine (atomically); returns the file."""
+    path = _plan_file(weights)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"widths": list(plan.widths)}))
     os.replace(tmp, path)
-    return plan
+    return path
 
 
 class SmallBatchLinear(nn.Linear):

@@ -177,3 +177,28 @@ def test_measured_plan_is_cached_and_remeasured_when_unreadable(monkeypatch, tmp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_off_a_cpu_the_plan_is_the_default_unmeasured():
     assert measured_row_plan(nn.Linear(4, 4).cuda()) == RowPlan.default()
+
+
+def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
+    import kernel_plan
+
+    import decode.kernels as kernels
+    from decode.pipeline import model_config
+    from heads.target import load_target
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    report = kernel_plan.main(["--repeats", "1", "--out", str(out), "model=tiny"])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["widths"] == report["widths"] and len(report["widths"]) == MAX_ROWS
+    assert set(report["ms"]) == set(PROBE_ROWS)
+    assert all(set(report["ms"][r]) == {str(w) for w in candidate_widths(r)} for r in PROBE_ROWS)
+    assert "| 1 |" in printed and "plan written to" in printed
+    # the engine reads that plan from the cache instead of measuring again
+    monkeypatch.setattr(kernels, "time_widths", lambda *a, **k: pytest.fail("measured again"))
+    model = load_target(model_config("tiny")).model
+    assert measured_row_plan(model).widths == tuple(report["widths"])

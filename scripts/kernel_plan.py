@@ -1,0 +1,70 @@
+"""Measure this machine's row plan for a target's linear layers (decode/kernels.py) and print what it timed.
+
+    python scripts/kernel_plan.py                          # SmolLM2: the options per row count, the plan chosen
+    python scripts/kernel_plan.py -- model=tiny --repeats 3
+
+The engine measures the plan by itself on its first decode and caches it; this script measures it again (same
+method: a pass over a stride of the model's weights per option, medians of ``--repeats`` interleaved rounds), prints
+per row count the time of PyTorch's own product and of each padded width, writes the plan into the cache (so the
+engine uses it from now on) and the table as JSON to ``--out``. The config is conf/decode/decode.yaml with the
+overrides after ``--`` (its ``model``, ``dtype``, ``device``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from decode.kernels import PLAN_REPEATS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=PLAN_REPEATS)
+    parser.add_argument("--out", default="outputs/kernel_plan.json")
+    parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from decode.kernels import (PROBE_ROWS, RowPlan, choose_widths, linear_weights, sample_weights, time_widths,
+                                write_row_plan)
+    from decode.pipeline import resolve_target_config
+    from heads.errors import reported_errors
+    from heads.target import load_target
+
+    with reported_errors():
+        with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
+            cfg = compose(config_name="decode", overrides=args.overrides)
+        target = load_target(resolve_target_config(cfg, None))
+        weights = linear_weights(target.model)
+        sample = sample_weights(weights)
+        seconds = time_widths(sample, repeats=args.repeats)
+        plan = RowPlan.from_choices(choose_widths(seconds))
+        path = write_row_plan(weights, plan)
+    rows = {r: {str(w): 1000 * t for (rr, w), t in sorted(seconds.items()) if rr == r} for r in PROBE_ROWS}
+    report = {"model": target.name, "threads": torch.get_num_threads(), "weights_timed": len(sample),
+              "weights": len(weights), "repeats": args.repeats, "ms": rows, "widths": list(plan.widths)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{target.name}: one pass over {len(sample)} of its {len(weights)} linear weights, ms (median of "
+          f"{args.repeats}); width 0 is PyTorch's own x @ W.T")
+    print("| rows | " + " | ".join(["PyTorch", "padded to: ms"]) + " | chosen |")
+    print("|---|---|---|---|")
+    for r in PROBE_ROWS:
+        padded = ", ".join(f"{w}: {ms:.1f}" for w, ms in rows[r].items() if w != "0")
+        chosen = plan.width(r)
+        print(f"| {r} | {rows[r]['0']:.1f} | {padded} | {chosen or 'PyTorch'} |")
+    print(f"plan written to {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

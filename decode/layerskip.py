@@ -22,9 +22,9 @@ Mid-step, layers hold different lengths: each layer's attention mask is built fo
 The exit is the target's own final norm and LM head (training-free, ``drafter=layerskip``), or a trained exit
 (heads/layerskip.py, ``python train/layerskip.py``): a head over a possibly reduced vocabulary, or an adapter block
 and a head. An adapter attends over earlier positions, so the drafter keeps its KV cache: rows for the prompt at the
-start, a row per drafted token, and after each commit the rows of the accepted tokens only (computed from the verify
-pass's layer-E states where drafting had not run them), lazily: at the next propose, in one batch, so a drafter whose
-drafting adaptive depth has switched off costs nothing. Drafts are deterministic (``probs=None``), so greedy and
+start (with the prefill), a row per drafted token, and after each commit the rows of the accepted tokens only
+(computed from the verify pass's layer-E states where drafting had not run them), lazily: at the next propose, in one
+batch, so a drafter whose drafting adaptive depth has switched off costs next to nothing. Drafts are deterministic (``probs=None``), so greedy and
 sampling verification stay lossless.
 """
 
@@ -130,6 +130,9 @@ class LayerSkipDrafter(DrafterBase):
             self._adapter_cache = new_cache()
             self._backlog = Backlog()
             self._backlog.add(prefill.hidden_states[self.exit_layer].to(self.stack.dtype))
+            # the prompt's rows now, with the prefill: left to the first draft, their cost (a batch the prompt's
+            # length) was timed as that draft's, and adaptive depth, judging one-token drafts by it, stopped drafting
+            self._catch_up()
 
     def _catch_up(self) -> None:
         """The adapter over every committed position its cache lacks, in one batch."""

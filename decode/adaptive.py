@@ -31,7 +31,7 @@ import torch
 
 from decode.cache import new_cache
 from decode.engine import tree_forward
-from decode.kernels import RowPlan, measured_row_plan, small_batch_linears, use_small_batch
+from decode.kernels import decoding_linears, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import DecodeState, Draft
 from heads.kv import crop_cache
@@ -228,17 +228,13 @@ def verify_cost_curve(
     repeats: int = 5,
     tree: Tree | None = None,
     linear_kernel: str = "torch",
-    plan: RowPlan | None = None,
 ) -> list[dict]:
     """Median time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default mc_sim_7b_63 and
     chains beyond its size) over a ``cache_length`` cache, with the linear layers of ``linear_kernel`` (see
-    decode.kernels; small-batch ones pad rows as ``plan`` says, by default this machine's measured plan). Returns
+    decode.kernels; small-batch ones pad rows as this machine's measured plan says). Returns
     [{"nodes", "ms", "ms_per_node"}]."""
-    device = next(model.parameters()).device
-    small = use_small_batch(linear_kernel, device)
-    plan = plan if plan is not None or not small else measured_row_plan(model)
-    with small_batch_linears(model, enabled=small, plan=plan):
-        return _verify_cost_curve(model, device, cache_length, sizes, repeats, tree)
+    with decoding_linears(model, linear_kernel=linear_kernel):
+        return _verify_cost_curve(model, next(model.parameters()).device, cache_length, sizes, repeats, tree)
 
 
 def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> list[dict]:
@@ -292,7 +288,8 @@ def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
 
     param = next(model.parameters())
     plan = measured_row_plan(model).widths if use_small_batch(linear_kernel, param.device) else None
-    key = json.dumps({"model": fingerprint(model)["digest"], "row_plan": plan, "layers": model.config.num_hidden_layers,
+    key = json.dumps({"model": fingerprint(model)["digest"], "row_plan": plan,
+                      "layers": model.config.num_hidden_layers,
                       "dtype": str(param.dtype), "device": str(param.device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "kernel": linear_kernel,
                       "torch": torch.__version__, "method": CURVE_METHOD}, sort_keys=True)

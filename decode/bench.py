@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from decode import registry
-from decode.adaptive import verify_cost_curve
+from decode.adaptive import CURVE_SIZES, verify_cost_curve
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import SpeculativeDecoder, prefill, tree_forward
@@ -674,7 +674,7 @@ def write_outputs(report: dict, out: Path) -> list[Path]:
 def cost_curves(base: Session, cfg: Any) -> dict:
     """The verify cost curve with PyTorch's linear layers (what HF generate runs) and, where the engine swaps them,
     with the engine's small-batch ones."""
-    sizes = [int(x) for x in (cfg_get(cfg, "curve_sizes") or (1, 2, 4, 8, 16, 32, 64))]
+    sizes = [int(x) for x in (cfg_get(cfg, "curve_sizes") or CURVE_SIZES)]
     length, repeats = int(cfg_get(cfg, "curve_cache_length", 256)), int(cfg_get(cfg, "curve_repeats", 5))
     model = base.target.model
     curves = {"torch": verify_cost_curve(model, length, sizes, repeats)}

@@ -169,8 +169,8 @@ def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
 
 def measured_row_plan(model: nn.Module) -> RowPlan:
     """The :class:`RowPlan` for ``model``'s linear layers on this machine: measured on its own weights the first
-    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache. Off a CPU the small-batch product is not used
-    and the default plan is returned unmeasured."""
+    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache. Off a CPU the small-batch
+    product is not used and the default plan is returned unmeasured."""
     weights = linear_weights(model)
     if not weights or weights[0].device.type != "cpu":
         return RowPlan.default()
@@ -217,6 +217,14 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
     if kernel not in KERNELS:
         raise SettingError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
     return kernel == "small_batch" or (kernel == "auto" and torch.device(device).type == "cpu")
+
+
+def decoding_linears(model: nn.Module, *modules: nn.Module | None, linear_kernel: str = "auto"):
+    """:func:`small_batch_linears` over ``model`` and ``modules`` as decoding with ``linear_kernel`` runs them on the
+    model's device: swapped where the kernel says so, with this machine's measured plan (for measurements that must
+    see the costs decoding pays)."""
+    small = use_small_batch(linear_kernel, next(model.parameters()).device)
+    return small_batch_linears(model, *modules, enabled=small, plan=measured_row_plan(model) if small else None)
 
 
 @contextmanager

@@ -24,8 +24,8 @@ The exit is the target's own final norm and LM head (training-free, ``drafter=la
 and a head. An adapter attends over earlier positions, so the drafter keeps its KV cache: rows for the prompt at the
 start (with the prefill), a row per drafted token, and after each commit the rows of the accepted tokens only
 (computed from the verify pass's layer-E states where drafting had not run them), lazily: at the next propose, in one
-batch, so a drafter whose drafting adaptive depth has switched off costs next to nothing. Drafts are deterministic (``probs=None``), so greedy and
-sampling verification stay lossless.
+batch, so a drafter whose drafting adaptive depth has switched off costs next to nothing. Drafts are deterministic
+(``probs=None``), so greedy and sampling verification stay lossless.
 """
 
 from __future__ import annotations
@@ -257,10 +257,9 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
     (``linear_kernel``, decode.kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
     "draft": {E: (layers + exit) / forward}}."""
-    from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
+    from decode.kernels import decoding_linears
 
-    small = use_small_batch(linear_kernel, next(model.parameters()).device)
-    with small_batch_linears(model, *exits.values(), enabled=small, plan=measured_row_plan(model) if small else None):
+    with decoding_linears(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
 
 

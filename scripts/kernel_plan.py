@@ -23,7 +23,8 @@ if str(REPO) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from decode.kernels import PLAN_REPEATS
+    from decode.kernels import (PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights, sample_weights,
+                                time_widths, write_row_plan)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=PLAN_REPEATS)
@@ -34,8 +35,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from hydra import compose, initialize_config_dir
 
-    from decode.kernels import (PROBE_ROWS, RowPlan, choose_widths, linear_weights, sample_weights, time_widths,
-                                write_row_plan)
     from decode.pipeline import resolve_target_config
     from heads.errors import reported_errors
     from heads.target import load_target

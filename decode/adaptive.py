@@ -122,10 +122,13 @@ class AdaptiveDepth:
     pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every
     ``explore_every`` steps a depth one level deeper than the best is verified, so the estimates follow the text;
     while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps).
+    ``verify_share`` scales the verify cost of a drafted step: 1 for a verify pass over the whole target; a layer-skip
+    drafter's pass skips the first layers its draft already ran on the chain, whose time is in the drafting cost.
     """
 
     curve: CostCurve
     measure_draft: bool = True  # False: drafting counted free (tests with injected curves)
+    verify_share: float = 1.0  # share of cost(n) a verify pass after a draft runs (layer-skip: the layers after E)
     explore_every: int = 16
     prior_steps: float = 2.0
     prior_accept: float = 0.6
@@ -162,7 +165,7 @@ class AdaptiveDepth:
             return 1.0 / self.curve.cost(1)
         expected = self.expected(depth)
         draft = self.draft_seconds(depth) / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
-        return expected / (self.curve.cost(self._nodes(depth)) + draft)
+        return expected / (self.verify_share * self.curve.cost(self._nodes(depth)) + draft)
 
     def draft_seconds(self, depth: int) -> float:
         """Seconds to draft to ``depth``: measured there, else scaled from the nearest depth measured (a deeper one

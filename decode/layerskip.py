@@ -121,6 +121,15 @@ class LayerSkipDrafter(DrafterBase):
         return (self.exit,) if self.exit is not None else (self.stack.decoder.norm, self.stack.lm_head)
 
     @property
+    def verify_share(self) -> float:
+        """The share of a full forward that verifying a drafted chain runs: drafting already ran layers 0..E-1 on the
+        chain, so the verify pass runs layers E..L-1 and the LM head. By weight count, what a memory-bound forward
+        reads (adaptive depth scales the verify cost curve by it; drafting's own time is measured)."""
+        count = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+        first = count(self.stack.layers[:self.exit_layer])
+        return 1.0 - first / (count(self.stack.layers) + self.stack.lm_head.weight.numel())
+
+    @property
     def _adapted(self) -> bool:
         return self.exit is not None and self.exit.adapter is not None
 

@@ -128,19 +128,22 @@ def max_draft_depth(drafter: Any) -> int | None:
     return None if depth is None else int(depth)
 
 
-def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | None = None) -> AdaptiveDepth:
+def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | None = None,
+                 verify_share: float = 1.0) -> AdaptiveDepth:
     """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run;
-    ``full_depth``: the deepest draft the drafter proposes (None: the first step shows it)."""
+    ``full_depth``: the deepest draft the drafter proposes (None: the first step shows it); ``verify_share``: the
+    share of a forward its verify pass runs (a layer-skip drafter's ``verify_share``; 1 for the others)."""
     device = next(model.parameters()).device
     curve = measured_cost_curve(model, "small_batch" if use_small_batch(linear_kernel, device) else "torch")
-    return AdaptiveDepth(curve, full_depth=full_depth)
+    return AdaptiveDepth(curve, full_depth=full_depth, verify_share=verify_share)
 
 
 def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
                   eos_token_ids: list[int] | None = None) -> SpeculativeDecoder:
     """The engine for ``drafter`` under its settings: adaptive depth if ``adaptive``; with ``suffix``, the drafter
     and the suffix drafter merged into one tree per step (decode/hybrid.py; it then owns the depth policy)."""
-    policy = depth_policy(target.model, kernel, max_draft_depth(drafter)) if settings.get("adaptive") else None
+    policy = (depth_policy(target.model, kernel, max_draft_depth(drafter), getattr(drafter, "verify_share", 1.0))
+              if settings.get("adaptive") else None)
     if settings.get("suffix"):
         from decode.hybrid import HybridDrafter
 

@@ -247,6 +247,7 @@ class EagleDrafter(nn.Module):
             self.set_draft_vocab(d2t, init_lm_head_from=target.get_output_embeddings())
         for p in self.parameters():
             p.requires_grad_(True)
+        self.to(next(target.parameters()).device)  # new layers beside the copied norms: all on the target's device
         # Used, never owned: kept out of state_dict() and parameters().
         self._target = [target]
 

@@ -110,6 +110,7 @@ class LayerSkipExit(nn.Module):
             p.requires_grad_(True)
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(config.tune_lm_head)
+        self.to(next(target.parameters()).device)  # new layers beside the copied norm: all on the target's device
 
     @property
     def exit_layer(self) -> int:

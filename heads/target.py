@@ -251,8 +251,10 @@ def build_tiny(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     tie_word_embeddings: bool = False,
+    device: str | torch.device = "cpu",
 ):
-    """A small random CausalLM with fixed init, and the byte-level tokenizer (ids < 259 are used by text)."""
+    """A small random CausalLM with fixed init (the same weights on every device), on ``device``, and the byte-level
+    tokenizer (ids < 259 are used by text)."""
     import transformers
 
     if arch not in TINY_ARCHS:
@@ -278,7 +280,7 @@ def build_tiny(
     model.generation_config.eos_token_id = 2
     model.generation_config.bos_token_id = 1
     freeze(model)
-    return model, tokenizer
+    return model.to(device), tokenizer
 
 
 # --- identity of a target -------------------------------------------------------------------------------------------

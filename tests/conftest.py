@@ -12,6 +12,58 @@ CONF = REPO / "conf"
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
 
+TEST_DEVICE = "cpu"  # --device
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu",
+        help="where the targets of the tests run (cpu, cuda, cuda:1): every tiny target and the SmolLM2 fixture are "
+             "built there, so the same suites check decoding and training on a GPU (pytest --device cuda)",
+    )
+
+
+def pytest_configure(config):
+    """Under ``--device``, tiny targets are built on that device: ``heads.target.build_tiny`` gets it as its default
+    before the test modules import it."""
+    global TEST_DEVICE
+    device = TEST_DEVICE = config.getoption("--device")
+    if device == "cpu":
+        return
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise pytest.UsageError(f"--device {device}: this torch sees no CUDA device; run on a GPU machine or drop it")
+        # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made (fixture below)
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import functools
+
+    import heads.target as target
+
+    target.build_tiny = functools.partial(target.build_tiny, device=device)
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig) -> torch.device:
+    """The device of ``--device`` (cpu by default)."""
+    return torch.device(pytestconfig.getoption("--device"))
+
+
+@pytest.fixture
+def deterministic(device):
+    """Deterministic kernels for a test that compares two training runs bit for bit (resume): CPU kernels are, but
+    CUDA's attention backward and some reductions accumulate in a varying order unless asked not to."""
+    if device.type == "cpu":
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_cache(tmp_path_factory, monkeypatch):
     torch.manual_seed(0)
@@ -45,10 +97,10 @@ def tiny_qwen2():
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2(device):
     from heads.target import load_target
 
-    return load_target({"source": "smollm2", "device": "cpu", "dtype": "float32"})
+    return load_target({"source": "smollm2", "device": str(device), "dtype": "float32"})
 
 
 DECODE_CONFIGS = ("decode", "export")  # in conf/decode/, the config folder of decoding and export
@@ -61,5 +113,10 @@ def compose(config_name: str, overrides: list[str] | None = None):
     from hydra import initialize_config_dir
 
     config_dir = CONF / "decode" if config_name in DECODE_CONFIGS else CONF
+    overrides = list(overrides or [])
+    if TEST_DEVICE != "cpu":  # under --device, entry configs run their target there too
+        key = "device" if config_name in DECODE_CONFIGS else "model.device"
+        if not any(o.split("=")[0].lstrip("+") == key for o in overrides):
+            overrides.append(f"{key}={TEST_DEVICE}")
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides or [])
+        return hydra_compose(config_name=config_name, overrides=overrides)

@@ -75,6 +75,21 @@ def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
     assert policy.draft_seconds(3) == pytest.approx(3 * policy.draft_seconds(1), rel=0.3)  # scaled from a neighbour
 
 
+def test_a_verify_that_skips_the_drafted_layers_is_charged_only_for_the_rest():
+    # layer-skip: drafting ran the first layers on the chain (their time is in the 0.2 of a forward that drafting
+    # costs per level), so its verify pass runs the other 85% of the target. Level 1 is accepted 15% of the time:
+    # charged a whole forward, one drafted level does not pay (1.15 / 1.2); charged 85% of one, it does.
+    def policy(share: float) -> AdaptiveDepth:
+        p = AdaptiveDepth(CPU_LIKE, measure_draft=True, verify_share=share, full_depth=1, prior_steps=0.0)
+        p.tried, p.reached, p.draft_by_depth = {1: 100.0}, {1: 15.0}, {1: 0.0002}  # s; a one-token forward: 1 ms
+        return p
+
+    whole, skipping = policy(1.0), policy(0.85)
+    assert whole.rate(1) == pytest.approx(1.15 / 1.2) and whole.choose(1) == 0
+    assert skipping.rate(1) == pytest.approx(1.15 / (0.85 + 0.2)) and skipping.choose(1) == 1
+    assert skipping.rate(0) == whole.rate(0) == 1.0  # plain decoding runs the whole target either way
+
+
 def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
     from test_engine import exact_first_three, random_heads, sampled_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
@@ -83,7 +98,8 @@ def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
     policy = AdaptiveDepth(CPU_LIKE, measure_draft=False, explore_every=3)
     decoder = SpeculativeDecoder(model, MedusaDrafter(random_heads(model), "mc_sim_7b_63"), depth_policy=policy)
     for prompt in ([5, 6, 7, 8], [9, 10, 11, 12, 13, 14]):
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30, pad_token_id=0)[0]
+        ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=30,
+                             pad_token_id=0)[0]
         assert decoder.generate(prompt, max_new_tokens=30).tokens == ref[len(prompt):].tolist()
     assert len(policy.nodes) >= 2  # several depths were verified
 

@@ -233,3 +233,25 @@ def test_hybrid_alone_loads_the_heads_and_takes_the_suffix_settings(tmp_path, qu
                            "methods=[hf,hybrid]", "draft.remember=0", f"out={tmp_path / 'bench'}"])
     assert list(report["figures"]) == ["hf", "medusa:medusa-tiny+suffix"] and report["mismatches"] == []
     assert report["methods"]["medusa:medusa-tiny+suffix"]["settings"]["remember"] == 0
+
+
+def test_engine_ceiling_script_is_lossless_and_the_oracle_reaches_its_depth(tmp_path, capsys, device):
+    spec = importlib.util.spec_from_file_location("engine_ceiling", REPO / "scripts" / "engine_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "ceiling.json"
+    report = module.main(["--prompts", "2", "--prompt-tokens", "20", "--new-tokens", "24", "--depths", "1,3",
+                          "--curve-repeats", "1", "--out", str(out), "model=tiny", f"device={device}"])
+    assert json.loads(out.read_text())["methods"].keys() == {"hf", "plain", "oracle-1", "oracle-3"}
+    assert report["mismatches"] == []  # every engine answer equals HF generate's, EOS ignored
+    tau = {name: m["tau"] for name, m in report["methods"].items()}
+    # tokens per target forward (the prefill counted): 1 for plain decoding; an oracle chain of D is always
+    # accepted, D + 1 tokens a forward, less only where the answer's end cuts the last chain short
+    assert tau["hf"] == tau["plain"] == 1.0
+    assert 24 / 13 <= tau["oracle-1"] <= 2 and 24 / 7 <= tau["oracle-3"] <= 4
+    from decode.adaptive import CURVE_SIZES
+
+    assert [r["nodes"] for r in report["cost_curve"]] == list(CURVE_SIZES)
+    assert "| oracle-3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a random stand-in needs model=tiny
+        module.main(["--shape", "smollm2", "--out", str(out)])

@@ -52,9 +52,9 @@ def test_commit_equals_fresh_forward(attn):
 
     model, _ = build_tiny("llama", attn_implementation=attn)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 259, (9,), generator=g)
-    tree = load_tree("mc_sim_7b_63")
-    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g)
+    prompt = torch.randint(3, 259, (9,), generator=g).to(model.device)
+    tree = load_tree("mc_sim_7b_63").to(model.device)
+    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g).to(model.device)
     with torch.no_grad():
         cache = new_cache()
         model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})

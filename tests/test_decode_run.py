@@ -43,7 +43,8 @@ def test_every_registered_drafter_composes_and_decodes(name):
             assert drafter.tree.num_nodes == nodes
     ids = [5, 6, 7, 8]
     result = session.decoder.generate(ids, max_new_tokens=6)
-    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+    ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
+                                        max_new_tokens=6, pad_token_id=0)
     assert result.tokens == ref[0, 4:].tolist()
 
 

@@ -93,7 +93,12 @@ def _compare(one: Path, two: Path, noise: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
+def one_process_run(tmp_path_factory, device):
+    """The one-process reference run. Every test here needs it, so under ``--device cuda`` they are skipped here,
+    before any training: they check CPU training over gloo, and two ranks on a GPU need a GPU each."""
+    if device.type != "cpu":
+        pytest.skip(f"--device {device}: these tests train two ranks on the CPU over gloo (on a GPU, each rank "
+                    "would need a GPU of its own)")
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
     from train.loop import train

@@ -133,11 +133,12 @@ def _plain_branch_feature(drafter, feats, next_tokens, root_feature, branch_toke
 
     cache = DynamicCache()
     past = feats.shape[1]
-    drafter(feats, next_tokens, torch.arange(past)[None], None, cache)
+    device = feats.device
+    drafter(feats, next_tokens, torch.arange(past, device=device)[None], None, cache)
     feature = root_feature
     for depth, token in enumerate(branch_tokens, start=1):
-        pos = torch.tensor([[past + depth - 1]])
-        feature = drafter(feature[None, None], torch.tensor([[token]]), pos, None, cache)[0, 0]
+        pos = torch.tensor([[past + depth - 1]], device=device)
+        feature = drafter(feature[None, None], torch.tensor([[token]], device=device), pos, None, cache)[0, 0]
     return feature
 
 
@@ -150,16 +151,18 @@ def test_draft_tree_mask_matches_plain_forward_per_branch(tiny_llama, variant):
     from heads.kv import crop_cache
 
     model, _ = tiny_llama
-    drafter = EagleDrafter(EagleConfig.from_target(model, variant=variant, draft_vocab_size=200), model).eval()
-    prompt = torch.tensor([[7, 40, 41, 42, 99, 100]])
-    next_tokens = torch.tensor([[40, 41, 42, 99, 100, 13]])  # token t+1 for t = 0..5; 13 is the tree's root
+    device = model.device
+    config = EagleConfig.from_target(model, variant=variant, draft_vocab_size=200)
+    drafter = EagleDrafter(config, model).to(device).eval()
+    prompt = torch.tensor([[7, 40, 41, 42, 99, 100]], device=device)
+    next_tokens = torch.tensor([[40, 41, 42, 99, 100, 13]], device=device)  # token t+1 for t = 0..5; 13: the root
     past = prompt.shape[1]
     seen = {}
 
     with torch.no_grad():
         feats = drafter.target_features(model(prompt, output_hidden_states=True).hidden_states)  # [1, 6, H]
         cache = DynamicCache()
-        root_feature = drafter(feats, next_tokens, torch.arange(past)[None], None, cache)[0, -1]
+        root_feature = drafter(feats, next_tokens, torch.arange(past, device=device)[None], None, cache)[0, -1]
         expander = DraftTreeExpander(drafter, cache, past, root_feature, top_k=3)
 
         def expand(frontier, cands):

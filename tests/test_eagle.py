@@ -45,7 +45,7 @@ def make(model, variant, **kw):
     """``variant``: one of VARIANTS."""
     if variant == "eagle3-mid":
         variant, kw = "eagle3", {"layout": "midlayer", **kw}
-    return EagleDrafter(EagleConfig.from_target(model, variant=variant, **kw), model)
+    return EagleDrafter(EagleConfig.from_target(model, variant=variant, **kw), model).to(model.device)
 
 
 def heads_overrides(option):
@@ -53,9 +53,9 @@ def heads_overrides(option):
     return ["heads=eagle3", "heads.layout=midlayer"] if option == "eagle3-mid" else [f"heads={option}"]
 
 
-def sequence(batch=2, length=10, seed=0):
+def sequence(batch=2, length=10, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 259, (batch, length), generator=g)
+    return torch.randint(3, 259, (batch, length), generator=g).to(device)
 
 
 # --- module ----------------------------------------------------------------------------------------------------------
@@ -66,11 +66,11 @@ def sequence(batch=2, length=10, seed=0):
 def test_shapes_and_ownership(request, arch, variant):
     model, _ = request.getfixturevalue(arch)
     drafter = make(model, variant, draft_vocab_size=100)
-    ids = sequence()
+    ids = sequence(device=model.device)
     hs = model(ids, output_hidden_states=True).hidden_states
     feats = drafter.target_features(hs)
     assert feats.shape == (2, 10, 64)
-    out = drafter(feats, ids, torch.arange(10)[None].expand(2, 10))
+    out = drafter(feats, ids, torch.arange(10, device=model.device)[None].expand(2, 10))
     assert out.shape == (2, 10, 64)
     assert drafter.logits(out).shape == (2, 10, 320 if variant == "eagle" else 100)
     assert type(drafter.layer) is type(model.model.layers[0])  # the target's own layer class
@@ -98,7 +98,7 @@ def test_feature_sources():
 
     model, _ = build_tiny("llama", num_hidden_layers=6)
     assert default_layer_ids(6) == [2, 3, 3] and default_layer_ids(32) == [2, 16, 29]
-    ids = sequence(1, 5)
+    ids = sequence(1, 5, device=model.device)
     out = model(ids, output_hidden_states=True)
     eagle = make(model, "eagle")
     assert torch.equal(eagle.target_features(out.hidden_states), model.model(ids).last_hidden_state)
@@ -148,9 +148,9 @@ def test_heads_saved_without_a_layout_load_as_fc(tiny_llama):
 def test_cached_incremental_equals_full_forward(tiny_qwen2, variant):
     model, _ = tiny_qwen2
     drafter = make(model, variant)
-    ids = sequence(1, 9)
-    feats = torch.randn(1, 9, 64)
-    pos = torch.arange(9)[None]
+    ids = sequence(1, 9, device=model.device)
+    feats = torch.randn(1, 9, 64).to(model.device)
+    pos = torch.arange(9, device=model.device)[None]
     with torch.no_grad():
         full = drafter(feats, ids, pos)
         cache = DynamicCache()
@@ -173,16 +173,18 @@ def test_unrolled_steps_equal_test_time_chain(tiny_llama, variant):
     its own j previous guesses (the chain a dynamic-tree branch shows it)."""
     model, _ = tiny_llama
     drafter = make(model, variant).eval()
-    ids = sequence(1, 8)
+    ids = sequence(1, 8, device=model.device)
     with torch.no_grad():
         feats = drafter.target_features(model(ids, output_hidden_states=True).hidden_states)
         steps = drafter.unrolled_forward(feats, ids, steps=3)
         for t in (0, 2, 4):  # t + 3 < 8: every token read is real
             cache = DynamicCache()
-            x = drafter(feats[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], None, cache)[:, -1:]
+            x = drafter(feats[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1, device=model.device)[None], None,
+                        cache)[:, -1:]
             torch.testing.assert_close(x[0, 0], steps[0][0, t], atol=1e-5, rtol=1e-4)
             for j in (1, 2):
-                x = drafter(x, ids[:, t + j + 1 : t + j + 2], torch.tensor([[t + j]]), None, cache)
+                x = drafter(x, ids[:, t + j + 1 : t + j + 2], torch.tensor([[t + j]], device=model.device), None,
+                            cache)
                 torch.testing.assert_close(x[0, 0], steps[j][0, t], atol=1e-5, rtol=1e-4)
 
 
@@ -250,7 +252,7 @@ def test_loss_trains_the_draft(tiny_llama):
     """A few steps of the EAGLE loss on one batch lower it (gradients reach the draft, not the target)."""
     model, _ = tiny_llama
     drafter = make(model, "eagle")
-    ids = sequence(2, 12)
+    ids = sequence(2, 12, device=model.device)
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
     target_feats = out.hidden_states[-1]
@@ -273,7 +275,7 @@ def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, wei
     steps = drafter.unrolled_forward(drafter.target_features(hidden_states), ids, steps_n, key_padding=attention_mask)
     draft_labels = drafter.target_to_draft(labels)
     teacher, valid = drafter.teacher_logits(target_logits)
-    total = torch.zeros(())
+    total = torch.zeros((), device=ids.device)
     for j, feat in enumerate(steps):
         mask = (shift_left(draft_labels, j + 2, fill=-100) != -100) & shift_left(valid, j + 1, fill=False)
         step = weights.token * token_kl_loss(drafter.logits(feat), shift_left(teacher, j + 1, fill=0.0), mask)
@@ -290,7 +292,7 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
     vocabulary); loss and gradients equal the dense formulation's, with the target's logits given as a tensor or as
     a function of the rows."""
     model, _ = tiny_llama
-    ids = sequence(3, 14, seed=4)
+    ids = sequence(3, 14, seed=4, device=model.device)
     attention_mask = torch.ones_like(ids, dtype=torch.bool)
     attention_mask[1, :5] = False  # left padding
     labels = ids.clone()
@@ -301,8 +303,9 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
         out = model(ids, attention_mask=attention_mask.long(), output_hidden_states=True)
     # eagle3: a draft vocabulary of the sequence's tokens and the target's top tokens but two (one label, one top
     # token), so some positions fall outside it both ways.
-    counts = count_tokens(ids, model.config.vocab_size) + count_tokens(out.logits.argmax(-1), model.config.vocab_size)
-    counts[ids[0, 6]] = counts[out.logits[2, 7].argmax()] = 0
+    counts = (count_tokens(ids.cpu(), model.config.vocab_size)
+              + count_tokens(out.logits.argmax(-1).cpu(), model.config.vocab_size))  # counted on the CPU
+    counts[int(ids[0, 6])] = counts[int(out.logits[2, 7].argmax())] = 0
     size = int((counts > 0).sum())
     torch.manual_seed(0)
     drafter = make(model, variant, draft_vocab_size=size)
@@ -371,21 +374,22 @@ def test_count_tokens():
 
 def test_drafter_vocabulary_maps(tiny_llama):
     model, _ = tiny_llama
+    device = model.device
     counts = torch.zeros(320)
     counts[torch.arange(100, 300, 2)] = torch.arange(100).float() + 1  # 100 candidate tokens, distinct counts
-    d2t, t2d = build_draft_vocab(counts, 64)
+    d2t, t2d = (m.to(device) for m in build_draft_vocab(counts, 64))
     cfg = EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=64)
-    drafter = EagleDrafter(cfg, model, d2t=d2t)
+    drafter = EagleDrafter(cfg, model, d2t=d2t).to(device)
     assert torch.equal(drafter.t2d, t2d)
-    draft_ids = torch.arange(64)
+    draft_ids = torch.arange(64, device=device)
     target_ids = drafter.draft_to_target(draft_ids)
     assert torch.equal(drafter.target_to_draft(target_ids), draft_ids)
     outside = (~t2d).nonzero()[:5, 0]
     assert (drafter.target_to_draft(outside) == -100).all()
-    assert drafter.target_to_draft(torch.tensor([-100])).item() == -100
+    assert drafter.target_to_draft(torch.tensor([-100], device=device)).item() == -100
     # The draft LM head starts as the target's rows for the draft vocabulary.
     assert torch.equal(drafter.lm_head.weight, model.lm_head.weight[target_ids])
-    logits = torch.randn(3, 320)
+    logits = torch.randn(3, 320).to(device)
     restricted, in_vocab = drafter.teacher_logits(logits)
     assert torch.equal(restricted, logits[:, target_ids])
     assert torch.equal(in_vocab, t2d[logits.argmax(-1)])
@@ -402,12 +406,12 @@ MAX_NEW = 24
 def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=False, seed=0):
     """A drafter trained for a few steps on the target's own continuations (so drafts get accepted often)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, min(259, model.config.vocab_size), (32, 4), generator=g)
+    prompts = torch.randint(3, min(259, model.config.vocab_size), (32, 4), generator=g).to(model.device)
     torch.manual_seed(seed)
     seqs = model.generate(prompts, max_new_tokens=40, min_new_tokens=40, do_sample=do_sample, pad_token_id=0)
     with torch.no_grad():
         out = model(seqs, output_hidden_states=True)
-    d2t, _ = build_draft_vocab(count_tokens(seqs, model.config.vocab_size), draft_vocab_size)
+    d2t, _ = build_draft_vocab(count_tokens(seqs.cpu(), model.config.vocab_size), draft_vocab_size)
     if variant == "eagle3-mid":
         steps *= 5  # the midlayer layout learns more slowly (heads.eagle)
     drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=-1)
@@ -445,6 +449,7 @@ def hf_greedy(model, ids, i):
     """HF greedy new tokens and the EOS id: every third prompt stops at a token from the middle of its own
     continuation, so EOS arrives inside runs of tokens a good draft proposes."""
     eos = 2
+    ids = ids.to(model.device)
     if i % 3 == 0:
         free = model.generate(ids[None], do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0)
         eos = int(free[0, len(ids) + 4 + i % 5])
@@ -479,11 +484,12 @@ class DraftCacheCheck(EagleTreeDrafter):
         assert self.seq[state.length] == state.next_token and len(self.seq) == state.length + 1
         self._catch_up()  # what the next propose does first (the catch-up is lazy)
         model, drafter = self.drafter.target, self.drafter
-        seq = torch.tensor(self.seq)
+        seq = torch.tensor(self.seq, device=model.device)
         fresh = DynamicCache()
         with torch.no_grad():
             hs = model(seq[None, : state.length], output_hidden_states=True).hidden_states
-            out = drafter(drafter.target_features(hs), seq[None, 1:], torch.arange(state.length)[None], None, fresh)
+            positions = torch.arange(state.length, device=model.device)[None]
+            out = drafter(drafter.target_features(hs), seq[None, 1:], positions, None, fresh)
         mine = self.cache.layers[0]
         assert mine.keys.shape[-2] == state.length
         torch.testing.assert_close(mine.keys, fresh.layers[0].keys, atol=1e-4, rtol=1e-4)
@@ -598,15 +604,17 @@ def test_sampled_tokens_follow_the_target_distribution(variant):
     from test_verify import chi_square_pvalue
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=1)
-    prompt = torch.tensor([3, 5, 7, 1])
+    device = model.device
+    prompt = torch.tensor([3, 5, 7, 1], device=device)
     v = model.config.vocab_size
+    vocab = torch.arange(v, device=device)
     with torch.no_grad():
         p1 = target_probs(model(input_ids=prompt[None]).logits[0, -1], 0.9, 0, 0.9)
-        one = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)
+        one = torch.cat([prompt.expand(v, -1), vocab[:, None]], 1)
         p2 = target_probs(model(input_ids=one).logits[:, -1], 0.9, 0, 0.9)
-        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(torch.arange(v), torch.arange(v))], 1)
+        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(vocab, vocab)], 1)
         p3 = target_probs(model(input_ids=two).logits[:, -1], 0.9, 0, 0.9).reshape(v, v, v)
-    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1).cpu()  # beside the counts, on the CPU
 
     drafter = train_briefly(model, variant, draft_vocab_size=9, do_sample=True)  # eagle3: 9 of the 12 tokens
     assert variant == "eagle" or int(drafter.t2d.sum()) == 9
@@ -654,7 +662,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     cfg = eagle_cfg(tmp_path / "run", *heads_overrides(heads_option), "heads.draft_vocab_size=64", "trainer.max_steps=12",
                     "heads.unroll_steps=2")
     method = EagleMethod(cfg)
-    initial = {k: v.clone() for k, v in method.build_drafter(target).drafter.state_dict().items()}
+    initial = {k: v.clone().cpu() for k, v in method.build_drafter(target).drafter.state_dict().items()}
     result = train(cfg, method, target=target, datasets=tiny_datasets())
 
     losses = [h["loss"] for h in result.history]
@@ -675,10 +683,10 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
 
         counts = draft_vocab_counts(tiny_datasets()["train"], 320)
         d2t, t2d = build_draft_vocab(counts, 64)
-        assert torch.equal(loaded.module.d2t, d2t) and torch.equal(loaded.module.t2d, t2d)
+        assert torch.equal(loaded.module.d2t.cpu(), d2t) and torch.equal(loaded.module.t2d.cpu(), t2d)
         assert int(t2d.sum()) == 64 and loaded.config["draft_vocab_coverage"] > 0.3
     for k, v in loaded.module.state_dict().items():
-        assert torch.equal(v, trained[k]), k
+        assert torch.equal(v.cpu(), trained[k]), k
 
 
 class KilledEagle(Exception):
@@ -686,7 +694,7 @@ class KilledEagle(Exception):
 
 
 @pytest.mark.parametrize("heads_option", ["eagle", "eagle3"])
-def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option):
+def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option, deterministic):
     from test_medusa_train import tiny_datasets, tiny_target
 
     from train.checkpoint import list_checkpoints
@@ -796,7 +804,8 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     assert isinstance(drafter, EagleTreeDrafter) and drafter.drafter.variant == "eagle3"
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (3, 2, 4)
     ids = [5, 6, 7, 8, 9]
-    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
+    ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
+                                        max_new_tokens=8, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=8).tokens == ref[0, 5:].tolist()
     # draft.* overrides the saved settings one by one
     tuned = load_session(compose("decode", ["draft.total_tokens=6", f"heads={tmp_path / 'run' / 'heads'}"]))

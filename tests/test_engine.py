@@ -59,7 +59,7 @@ def reference(arch: str, model, i: int) -> tuple[list[int], int]:
     middle of its own continuation, so decoding must stop inside a run of tokens the oracle drafts."""
     key = (arch, i)
     if key not in _REFERENCES:
-        ids = prompts()[i]
+        ids = prompts()[i].to(model.device)
         eos = 2
         if i % 3 == 0:
             free = model.generate(ids[None], do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None,
@@ -79,7 +79,7 @@ def random_heads(model, num_heads: int = 6, seed: int = 0) -> MedusaHeads:
         for block in heads.blocks:
             for p in block.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return heads
+    return heads.to(model.device)
 
 
 class OracleDrafter(DrafterBase):
@@ -220,7 +220,8 @@ class CacheCheck(DrafterBase):
 
     def on_commit(self, state, draft, verdict, out):
         self.inner.on_commit(state, draft, verdict, out)
-        committed = torch.cat([state.prompt_ids, torch.tensor(state.new_tokens), draft.tokens[verdict.path[1:]]])
+        new_tokens = torch.tensor(state.new_tokens, device=state.prompt_ids.device)
+        committed = torch.cat([state.prompt_ids, new_tokens, draft.tokens[verdict.path[1:]]])
         assert len(committed) == state.length
         fresh = new_cache()
         with torch.no_grad():
@@ -252,10 +253,10 @@ def test_cache_equals_fresh_forward_after_every_commit(target, tree_name):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_every_tree_node_gets_the_logits_of_its_own_branch(attn):
     model, _ = build_tiny("qwen2", attn_implementation=attn)
-    tree = load_tree("mc_sim_7b_63")
+    tree = load_tree("mc_sim_7b_63").to(model.device)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 259, (7,), generator=g)
-    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g)
+    prompt = torch.randint(3, 259, (7,), generator=g).to(model.device)
+    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g).to(model.device)
     with torch.no_grad():
         cache = new_cache()
         model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
@@ -291,15 +292,18 @@ def small_vocab_target():
 
 
 def exact_first_three(model, prompt) -> torch.Tensor:
-    """The target's own distribution of the first three new tokens, [V, V, V]."""
+    """The target's own distribution of the first three new tokens, [V, V, V] (on the CPU, beside the counts of
+    :func:`sampled_first_three`)."""
     v = model.config.vocab_size
+    prompt = prompt.to(model.device)
+    vocab = torch.arange(v, device=model.device)
     with torch.no_grad():
         p1 = target_probs(model(input_ids=prompt[None]).logits[0, -1], 0.9, 0, 0.9)  # [V]
-        one = torch.cat([prompt.expand(v, -1), torch.arange(v)[:, None]], 1)
+        one = torch.cat([prompt.expand(v, -1), vocab[:, None]], 1)
         p2 = target_probs(model(input_ids=one).logits[:, -1], 0.9, 0, 0.9)  # [V, V]
-        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(torch.arange(v), torch.arange(v))], 1)
+        two = torch.cat([prompt.expand(v * v, -1), torch.cartesian_prod(vocab, vocab)], 1)
         p3 = target_probs(model(input_ids=two).logits[:, -1], 0.9, 0, 0.9).reshape(v, v, v)
-    return p1[:, None, None] * p2[:, :, None] * p3
+    return (p1[:, None, None] * p2[:, :, None] * p3).cpu()
 
 
 def sampled_first_three(model, drafter, seeds: int, depth_policy=None) -> tuple[torch.Tensor, float]:
@@ -431,5 +435,6 @@ def test_greedy_equals_hf_on_smollm2(smollm2):
     for text in ["Name three colours.", "What is 12 times 7?"]:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_dict=False)
-        ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[0, len(ids):].tolist()
+        ref = model.generate(torch.tensor([ids], device=model.device), do_sample=False,
+                             max_new_tokens=24)[0, len(ids):].tolist()
         assert decoder.generate(ids, max_new_tokens=24).tokens == ref

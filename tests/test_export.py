@@ -67,6 +67,7 @@ def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # trained-looking: blocks away from zero, heads away from the target's
+    heads.to(model.device)  # drawn on the CPU: the same heads on every device
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), model)
     folder, fmt = export_heads(tmp_path / "heads", tmp_path / "vllm", model)
     assert fmt == "vllm"
@@ -77,7 +78,7 @@ def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
     assert [k for k in config if "num" in k and "heads" in k] == ["num_heads"]
     hidden = torch.randn(2, 5, 64)
     with torch.no_grad():
-        expected = heads(hidden)
+        expected = heads(hidden.to(model.device)).cpu()  # beside the exported (CPU) weights
         if mapped:  # the draft vocabulary's logits at their ids, nothing elsewhere
             outside = torch.ones(320, dtype=torch.bool)
             outside[token_map] = False
@@ -99,7 +100,7 @@ def rms(x, weight, eps):
 def rotate(x, positions, theta):
     """Llama's rotary embedding on x [B, heads, T, d] (halves rotated)."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     angles = positions[:, None, :, None].float() * inv  # [B, 1, T, d/2]
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
@@ -120,7 +121,7 @@ def eagle3_reference(config, w, prefix, hidden3, ids, positions):
     q, k = rotate(q, positions, theta), rotate(k, positions, theta)
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     scores = (q @ k.transpose(-1, -2)) / d**0.5
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
     attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * d) @ w[prefix + "self_attn.o_proj.weight"].T
     h = feature + attn
     m = rms(h, w[prefix + "post_attention_layernorm.weight"], eps)
@@ -133,12 +134,12 @@ def eagle3_reference(config, w, prefix, hidden3, ids, positions):
 
 def midlayer_drafter(model, layer_ids=None):
     drafter = EagleDrafter(EagleConfig.from_target(model, variant="eagle3", layout="midlayer", draft_vocab_size=100,
-                                                   layer_ids=layer_ids), model)
+                                                   layer_ids=layer_ids), model).to(model.device)
     ids = torch.randint(3, 320, (4, 30), generator=torch.Generator().manual_seed(1))
     drafter.set_draft_vocab(build_draft_vocab(count_tokens(ids, 320), 100)[0], init_lm_head_from=model.lm_head)
     with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+        for p in drafter.parameters():  # drawn on the CPU: the same drafter on every device
+            p.add_(torch.randn(p.shape, dtype=p.dtype).to(p.device) * 0.05)
     return drafter.eval()
 
 
@@ -167,8 +168,9 @@ def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
     assert w["fc.weight"].shape == (64, 192) and w[prefix + "self_attn.q_proj.weight"].shape[1] == 128
     assert w["t2d"].dtype == torch.bool and int(w["t2d"].sum()) == 100
 
-    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2))
-    positions = torch.arange(9)[None].expand(2, 9)
+    ids = torch.randint(3, 320, (2, 9), generator=torch.Generator().manual_seed(2)).to(model.device)
+    positions = torch.arange(9, device=model.device)[None].expand(2, 9)
+    w = {k: v.to(model.device) for k, v in w.items()}  # the exported files, read onto the drafter's device
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
         mine = drafter(drafter.target_features(hs), ids, positions)
@@ -292,11 +294,13 @@ def test_speculators_loads_the_export_and_drafts_the_same_tokens(tmp_path, tiny_
     theirs = Eagle3DraftModel(Eagle3SpeculatorConfig.from_pretrained(str(folder))).eval()
     result = theirs.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
     assert not result.unexpected_keys and all(k.startswith("verifier_") for k in result.missing_keys)
-    ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(5))
+    theirs.to(model.device)
+    ids = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(5)).to(model.device)
+    positions = torch.arange(12, device=model.device)[None]
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
-        mine = drafter.logits(drafter(drafter.target_features(hs), ids, torch.arange(12)[None])).argmax(-1)
+        mine = drafter.logits(drafter(drafter.target_features(hs), ids, positions)).argmax(-1)
         drafted = theirs(hidden_states=torch.cat([hs[i] for i in drafter.config.layer_ids], -1), input_ids=ids,
-                         position_ids=torch.arange(12)[None], document_ids=torch.zeros(1, 12, dtype=torch.long),
+                         position_ids=positions, document_ids=torch.zeros(1, 12, dtype=torch.long, device=model.device),
                          ttt_steps=1)
     assert torch.equal(drafted[0], mine)

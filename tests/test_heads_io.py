@@ -24,7 +24,7 @@ def trained_heads(model, shared: bool = False, seed: int = 0) -> MedusaHeads:
         with torch.no_grad():
             for p in module.parameters():
                 p.add_(torch.randn_like(p) * 0.1)  # as if trained: blocks are no longer zero
-    return module
+    return module.to(model.device)  # drawn on the CPU (the same numbers on every device), used beside the target
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -43,7 +43,7 @@ def test_round_trip_gives_the_same_heads_and_records_the_target(tmp_path, tiny_l
     loaded = heads.load(path, model)
     assert loaded.target is model and loaded.adapter is None
     assert not any(p.requires_grad for p in loaded.module.parameters()) and not loaded.module.training
-    hidden = torch.randn(2, 5, 64)
+    hidden = torch.randn(2, 5, 64).to(model.device)
     with torch.no_grad():
         torch.testing.assert_close(loaded.module(hidden), module(hidden), rtol=0, atol=0)
     # A training run's folder stands for its heads/ folder (outputs/<run_name> for outputs/<run_name>/heads).
@@ -53,7 +53,7 @@ def test_round_trip_gives_the_same_heads_and_records_the_target(tmp_path, tiny_l
     # Without a target: same weights (a shared LM head is attached later).
     bare = heads.load(path)
     assert bare.target is None
-    assert all(torch.equal(v, module.state_dict()[k]) for k, v in bare.module.state_dict().items())
+    assert all(torch.equal(v, module.state_dict()[k].cpu()) for k, v in bare.module.state_dict().items())
 
 
 def test_heads_of_another_target_are_refused(tmp_path, tiny_llama, tiny_qwen2):
@@ -134,7 +134,7 @@ def test_head_type_registry(tmp_path, tiny_llama):
             self.proj = nn.Linear(config["hidden_size"], config["hidden_size"])
 
     register_head_type("test-exit", lambda config, target_model: Exit(config, target_model))
-    exit_head = Exit({"hidden_size": 64}, model)
+    exit_head = Exit({"hidden_size": 64}, model).to(model.device)
     save_heads(tmp_path / "exit", exit_head, "test-exit", {"hidden_size": 64}, model)
     loaded = heads.load(tmp_path / "exit", model)
     assert isinstance(loaded.module, Exit) and loaded.config["head_type"] == "test-exit"
@@ -150,7 +150,7 @@ def test_draft_logits_are_the_heads_logits_on_the_draft_vocabulary(tiny_llama, t
 
     model, _ = tiny_llama
     module = trained_heads(model, shared=shared).eval()
-    ids = torch.tensor([3, 9, 17, 40, 200, 301])
+    ids = torch.tensor([3, 9, 17, 40, 200, 301], device=model.device)
     if mapped:
         config = {**module.config.to_dict(), "draft_vocab_size": len(ids)}
         state = module.state_dict()
@@ -161,7 +161,7 @@ def test_draft_logits_are_the_heads_logits_on_the_draft_vocabulary(tiny_llama, t
         module = heads.load(tmp_path / "mapped", model).module.eval()
         assert torch.equal(module.token_map, ids)
     drafter = MedusaDrafter(module, tree="chain-3")
-    hidden = torch.randn(64)
+    hidden = torch.randn(64).to(model.device)
     with torch.no_grad():
         features = module.features(hidden)
         each = torch.stack([module.project(k, features[k]) for k in range(3)])

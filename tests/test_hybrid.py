@@ -101,7 +101,8 @@ def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen
     decoder = SpeculativeDecoder(model, drafter)
     suffix_accepted = 0
     for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, pad_token_id=0)[0]
+        ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=24,
+                             pad_token_id=0)[0]
         res = decoder.generate(prompt, max_new_tokens=24)
         assert res.tokens == ref[len(prompt):].tolist()[: len(res.tokens)]
         assert len(res.tokens) == min(24, len(ref) - len(prompt)) or res.finish_reason == "eos"
@@ -149,7 +150,8 @@ def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_su
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.inner, MedusaDrafter)
     assert session.decoder.depth_policy is None and drafter.policy is not None  # the hybrid owns it
     ids = [5, 6, 7, 8, 5, 6, 7]
-    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
+                                        max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
     alone = load_session(compose("decode", ["model=tiny", "draft.suffix=false", "max_new_tokens=12"]))
     assert isinstance(alone.decoder.drafter, MedusaDrafter) and alone.decoder.depth_policy is not None

@@ -41,8 +41,8 @@ def test_greedy_equals_hf_generate(arch, exit_layer, threshold):
     g = torch.Generator().manual_seed(exit_layer)
     for _ in range(4):
         prompt = torch.randint(3, 300, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, eos_token_id=None,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+        ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=20,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         res = decoder.generate(prompt, max_new_tokens=20)
         assert res.tokens == ref
         accepted, drafted = accepted + res.stats.accepted, drafted + res.stats.drafted
@@ -73,7 +73,8 @@ def test_after_each_commit_every_layer_equals_a_fresh_forward(arch):
         assert lengths == [length] * len(layers)  # every layer at the committed length
         cache = new_cache()
         with torch.no_grad():
-            model(input_ids=torch.tensor([full[:length]]), use_cache=True, **{cache_kwarg(model): cache})
+            model(input_ids=torch.tensor([full[:length]], device=model.device), use_cache=True,
+                  **{cache_kwarg(model): cache})
         for (k, v), fresh in zip(layers, cache.layers):  # same rows, up to kernel rounding (other batch shapes)
             torch.testing.assert_close(k, fresh.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(v, fresh.values, atol=1e-5, rtol=1e-4)
@@ -118,11 +119,24 @@ def test_decode_run_drafts_with_the_target_own_first_layers():
     drafter = session.decoder.drafter
     assert isinstance(drafter, LayerSkipDrafter) and drafter.exit_layer == 1 and session.heads is None
     assert session.decoder.depth_policy is not None  # adaptive by default: no drafting where it does not pay
+    # ... charging its verify pass only for the layers after the exit
+    assert session.decoder.depth_policy.verify_share == drafter.verify_share < 1
     ids = [5, 6, 7, 8, 5, 6, 7]
-    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
+                                        max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
     default = load_session(compose("decode", ["model=tiny", "drafter=layerskip"])).decoder.drafter
     assert default.exit_layer == session.target.model.config.num_hidden_layers // 2
+
+
+def test_the_verify_share_leaves_out_the_layers_drafting_ran(tiny_llama):
+    model, _ = tiny_llama
+    per_layer = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
+    head = model.get_output_embeddings().weight.numel()
+    layers = model.config.num_hidden_layers
+    for e in (1, layers - 1):
+        share = LayerSkipDrafter(model, exit_layer=e).verify_share
+        assert share == pytest.approx(1 - e * per_layer / (layers * per_layer + head), rel=1e-12)
 
 
 def test_exit_agreement_counts_what_a_direct_comparison_counts(tiny_llama):
@@ -140,7 +154,7 @@ def test_exit_agreement_counts_what_a_direct_comparison_counts(tiny_llama):
         same = 0
         for ex in examples:
             with torch.no_grad():
-                out = model(input_ids=torch.tensor([ex["input_ids"]]), output_hidden_states=True)
+                out = model(input_ids=torch.tensor([ex["input_ids"]], device=model.device), output_hidden_states=True)
                 exit_top = model.lm_head(decoder.norm(out.hidden_states[r["exit_layer"]][0])).argmax(-1)
             same += int((exit_top == out.logits[0].argmax(-1))[4:].sum())
         assert r["agreement"] == pytest.approx(same / 24)

@@ -33,11 +33,11 @@ def trained_like_exit(model, exit_layer: int, form: str, vocab: int | None, seed
     """An exit with every weight moved off its initialisation (as training would), adapter included."""
     config = ExitConfig.from_target(model, exit_layer=exit_layer, form=form, draft_vocab_size=vocab, tune_lm_head=True)
     token_map = None if vocab is None else torch.sort(torch.randperm(config.vocab_size)[:vocab]).values
-    exit_module = LayerSkipExit(config, model, token_map=token_map)
+    exit_module = LayerSkipExit(config, model, token_map=token_map).to(model.device)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in exit_module.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+            p.add_(torch.randn(p.shape, generator=g).to(p.device) * 0.02)
     return exit_module.eval()
 
 
@@ -54,8 +54,8 @@ def test_trained_exits_draft_losslessly(arch, form, vocab):
         g = torch.Generator().manual_seed(exit_layer)
         for _ in range(3):
             prompt = torch.randint(3, 300, (int(torch.randint(3, 16, (1,), generator=g)),), generator=g).tolist()
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
+            ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=16,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
             res = decoder.generate(prompt, max_new_tokens=16)
             assert res.tokens == ref
             accepted, drafted = accepted + res.stats.accepted, drafted + res.stats.drafted
@@ -80,7 +80,7 @@ def test_adapter_cache_after_each_commit_equals_a_fresh_run_of_the_adapter():
     prompt = [5, 9, 17, 33, 65, 129]
     res = decoder.generate(prompt, max_new_tokens=12)
     assert res.stats.accepted > 0 and len(seen) == res.stats.steps
-    full = torch.tensor([prompt + res.tokens])
+    full = torch.tensor([prompt + res.tokens], device=model.device)
     from decode.cache import new_cache
 
     with torch.no_grad():
@@ -109,8 +109,8 @@ def test_the_adapter_catches_up_only_when_drafting_resumes():
     exit_module.features = counted
     prompt = [5, 9, 17, 33, 65, 129]
     res = decoder.generate(prompt, max_new_tokens=16)
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
-                         pad_token_id=0)[0, len(prompt):].tolist()
+    ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=16,
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert res.tokens == ref
     # the prompt's rows run with the prefill, in one batch (not timed as the first draft's); then three steps in four
     # draft nothing and run no adapter; a drafting step catches up in one batch (several rows), then runs the adapter
@@ -136,8 +136,8 @@ def test_sampling_with_an_adapter_exit_keeps_the_target_distribution():
 def test_an_untrained_head_exit_is_the_target_own_norm_and_lm_head():
     model, _ = confident_model()
     config = ExitConfig.from_target(model, exit_layer=2, form="adapter", draft_vocab_size=None, tune_lm_head=True)
-    exit_module = LayerSkipExit(config, model)
-    hidden = torch.randn(1, 5, model.config.hidden_size)
+    exit_module = LayerSkipExit(config, model).to(model.device)
+    hidden = torch.randn(1, 5, model.config.hidden_size).to(model.device)
     with torch.no_grad():  # the adapter's output projections start at zero: the identity
         expected = model.lm_head(model.get_decoder().norm(hidden))
         torch.testing.assert_close(exit_module.logits(exit_module.features(hidden)), expected)
@@ -206,7 +206,7 @@ def test_training_moves_the_exits_keeps_the_target_bit_identical_and_keeps_the_b
         assert other.module.exit_layer == r["exit_layer"] and other.config["decode"]["threshold"] == r["threshold"]
 
 
-def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path):
+def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path, deterministic):
     from test_medusa_train import Killed, assert_same_weights, heads_weights, tiny_datasets
 
     from train.checkpoint import list_checkpoints
@@ -247,7 +247,9 @@ def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
     method = LayerSkipMethod(cfg)
     data = tiny_datasets()
     method.prepare_data(data, target, None, None)
-    batch = collate([data["train"][i] for i in range(4)], pad_token_id=0)
+    device = target.model.device
+    batch = {k: v.to(device) for k, v in collate([data["train"][i] for i in range(4)], pad_token_id=0).items()}
+    token_map = method.token_map.to(device)
     where = exit_positions(batch["labels"])
     states, teacher, _ = method._teacher(batch, target, where)
     with torch.no_grad():
@@ -255,10 +257,10 @@ def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
 
         dense = target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              position_ids=position_ids_from_mask(batch["attention_mask"])).logits
-    torch.testing.assert_close(teacher, dense[where][:, method.token_map], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(teacher, dense[where][:, token_map], atol=1e-4, rtol=1e-4)
     student = torch.randn_like(teacher, requires_grad=True)
     dense_kl = torch.nn.functional.kl_div(torch.log_softmax(student, -1), torch.log_softmax(dense[where][
-        :, method.token_map], -1), log_target=True, reduction="sum")
+        :, token_map], -1), log_target=True, reduction="sum")
     cheap = kl_to_teacher(student, teacher)
     torch.testing.assert_close(cheap, dense_kl, atol=1e-4, rtol=1e-4)
     # labels: position t is trained when token t + 1 is an answer token

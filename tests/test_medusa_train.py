@@ -260,12 +260,12 @@ def test_loss_falls_heads_change_and_target_stays_bit_identical(tmp_path):
     assert len(evals["acc1"]) == 4 and all(0 <= a <= b <= 1 for a, b in zip(evals["acc1"], evals["acc5"]))
     assert evals["expected_accept_length_chain"] == pytest.approx(expected_accept_length(evals["acc1"]))
     assert loaded.config["steps"] == 40 and loaded.config["base_model"] == "tiny-llama"
-    hidden = torch.randn(5, 64)
+    hidden = torch.randn(5, 64).to(target.model.device)
     assert torch.equal(loaded.module(hidden), loaded.module(hidden))  # deterministic, eval mode
 
 
 @pytest.mark.parametrize("heads_option", ["medusa", "medusa2"])
-def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option):
+def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option, deterministic):
     # 24 examples / batch 4 = 6 micro-batches per epoch; 2 per step; checkpoints every 2 steps (the last 2 kept).
     # Killed during step 5: resumes from step 4 = 8 micro-batches, i.e. mid-way through epoch 1.
     opts = [f"heads={heads_option}", "trainer.gradient_accumulation_steps=2", "trainer.save_every=2",
@@ -357,7 +357,7 @@ def test_medusa2_adapter_is_saved_loaded_and_applied(tmp_path):
         if "lora_" not in name:
             assert torch.equal(p, base_params[name.replace(".base_layer", "")]), name
 
-    ids = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]])
+    ids = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33]], device=target.model.device)
     with torch.no_grad():
         trained_logits = target.model(ids).logits
         plain = tiny_target()
@@ -452,7 +452,7 @@ def _family(option: str, run_dir: Path, *overrides: str):
 
 
 @pytest.mark.parametrize("heads_option", ["medusa", "medusa2", "eagle3", "layerskip", "layerskip-frozen-head"])
-def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path, heads_option):
+def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path, heads_option, device):
     """trainer.target_dtype=bfloat16 runs the frozen target in bf16 (Medusa-2, whose LoRA trains inside the target,
     keeps it in float32 under auto); the heads stay float32, load onto the float32 target, and train as a float32
     target would, within rounding: bf16 keeps 8 significant bits (relative rounding 2^-9 per value), so over this tiny
@@ -474,7 +474,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
         result = train(cfg, Recording(cfg), datasets=tiny_datasets())  # the target loaded from cfg.model (tiny)
         runs[dtype] = ([h["loss"] for h in result.history], seen["dtype"], result.run_dir)
     assert runs["float32"][1] == torch.float32 and runs["bfloat16"][1] == torch.bfloat16
-    auto = torch.bfloat16 if heads_option != "medusa2" and _native_here() else torch.float32
+    auto = torch.bfloat16 if heads_option != "medusa2" and _native_here(device) else torch.float32
     assert runs["auto"][1] == auto
     first32, first16 = runs["float32"][0][0], runs["bfloat16"][0][0]
     assert first16 != first32  # the teacher did run in bf16
@@ -489,10 +489,10 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
     assert all(p.dtype == torch.float32 for p in loaded.module.parameters())
 
 
-def _native_here() -> bool:
+def _native_here(device) -> bool:
     from train.loop import native_bf16
 
-    return native_bf16("cpu")
+    return native_bf16(device)
 
 
 # --- configs ------------------------------------------------------------------------------------------------------
@@ -601,7 +601,7 @@ def test_draft_vocabulary_is_chosen_by_coverage_and_saved_with_the_heads(tmp_pat
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=2", "heads.draft_vocab_coverage=0.9")
     result = train(cfg, MedusaMethod(cfg), target=target, datasets=data)
     loaded = heads.load(result.run_dir / "heads", target)
-    token_map = loaded.module.token_map
+    token_map = loaded.module.token_map.cpu()  # beside the counts, on the CPU
     counts = sum(count_tokens(torch.tensor(ex["input_ids"]), 320, torch.tensor(ex["labels"]) != -100)
                  for ex in data["train"])
     share = lambda ids: float(counts[ids].sum()) / float(counts.sum())  # noqa: E731
@@ -617,9 +617,9 @@ def test_draft_vocabulary_is_chosen_by_coverage_and_saved_with_the_heads(tmp_pat
     drafter._logits = lambda depth, features: seen.append(depth) or original(depth, features)
     decoder = SpeculativeDecoder(target.model, drafter, eos_token_ids=[])
     prompt = data["eval"][0]["input_ids"][:12]
-    ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+    ref = target.model.generate(torch.tensor([prompt], device=target.model.device), do_sample=False,
+                                max_new_tokens=16, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert decoder.generate(prompt, max_new_tokens=16).tokens == ref and seen  # lossless with the reduced heads
-    state = type("S", (), {"hidden": torch.randn(64), "next_token": 5})()
+    state = type("S", (), {"hidden": torch.randn(64).to(target.model.device), "next_token": 5})()
     drafted = drafter.propose(state, max_depth=4).tokens[1:]
-    assert bool(torch.isin(drafted, token_map).all())  # drafts come from the map only
+    assert bool(torch.isin(drafted.cpu(), token_map).all())  # drafts come from the map only

@@ -124,8 +124,8 @@ def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch
     assert late.stats.drafted <= 3  # after many rejections the root alone is the best rate, but for a rare look
     # the target's own verify again, and a corpus holding its own continuation: the matches are now right
     monkeypatch.undo()
-    own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, eos_token_id=None,
-                         pad_token_id=0)[0].tolist()
+    own = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=40,
+                         eos_token_id=None, pad_token_id=0)[0].tolist()
     drafter.corpus = SuffixArray.build([own])
     drafter.max_depth = 1  # one candidate a step: it is verified only if its own estimate pays for a second node
     again = SpeculativeDecoder(model, drafter, eos_token_ids=[])
@@ -145,7 +145,8 @@ def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_pat
     drafter = SuffixDrafter(model, corpus=corpus, budget=budget, max_nodes=12, cost_curve=always)
     decoder = SpeculativeDecoder(model, drafter)
     for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
-        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, pad_token_id=0)[0]
+        ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=24,
+                             pad_token_id=0)[0]
         res = decoder.generate(prompt, max_new_tokens=24)
         assert res.tokens == ref[len(prompt):].tolist()[: len(res.tokens)]
         assert len(res.tokens) == min(24, len(ref) - len(prompt)) or res.finish_reason == "eos"
@@ -206,7 +207,8 @@ def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
     session = load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=4", "max_new_tokens=12"]))
     assert isinstance(session.decoder.drafter, SuffixDrafter) and session.heads is None
     ids = [5, 6, 7, 8, 5, 6, 7]
-    ref = session.target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
+                                        max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
     with pytest.raises(DecodeSetupError, match="draft.corpus=.*no such file"):
         load_session(compose("decode", ["model=tiny", "drafter=suffix", f"draft.corpus={tmp_path / 'none.jsonl'}"]))
@@ -255,7 +257,8 @@ def test_a_second_generation_drafts_from_the_first_answer_and_stays_lossless(arc
     model, _ = tiny_llama if arch == "llama" else tiny_qwen2
     always = CostCurve.from_relative({1: 1.0, 64: 1.0})
     prompt = [3, 17, 29, 41, 2, 88, 61]
-    ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, pad_token_id=0)[0]
+    ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=32,
+                         pad_token_id=0)[0]
     ref = ref[len(prompt):].tolist()
     runs = {}
     for remember in (0, 200_000):

@@ -28,12 +28,13 @@ def test_tiny_is_deterministic_frozen_and_generates(arch):
     assert not a.training and not any(p.requires_grad for p in a.parameters())
     ids = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True, return_dict=False)
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
-    out = a.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    out = a.generate(torch.tensor([ids], device=a.device), max_new_tokens=8, do_sample=False)
     assert out.shape[1] == len(ids) + 8 or out[0, -1].item() == tok.eos_token_id
 
 
-def test_tiny_from_config_matches_build():
-    target = load_target({"source": "tiny", "device": "cpu", "dtype": "float32", "tiny": {"arch": "qwen2", "seed": 0}})
+def test_tiny_from_config_matches_build(device):
+    target = load_target({"source": "tiny", "device": str(device), "dtype": "float32",
+                          "tiny": {"arch": "qwen2", "seed": 0}})
     ref, _ = build_tiny("qwen2", seed=0)
     assert target.name == "tiny-qwen2"
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in target.model.state_dict().items())
@@ -82,5 +83,5 @@ def test_smollm2_loads_from_cache_and_is_the_real_model(smollm2):
     assert not any(p.requires_grad for p in model.parameters())
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_dict=False)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, len(ids):])

@@ -1,0 +1,185 @@
+"""How fast the engine can go on this machine: the verify cost curve, plain decoding against HF ``generate``, and an
+oracle drafter that proposes the target's own greedy continuation as a chain of D tokens.
+
+    python scripts/engine_ceiling.py                                   # SmolLM2 on this machine
+    python scripts/engine_ceiling.py -- device=cuda dtype=bfloat16
+    python scripts/engine_ceiling.py --shape smollm2 -- model=tiny device=cuda   # SmolLM2's shapes, random weights
+
+No drafter can beat the oracle: its speedup at depth D bounds what a drafter whose chains of D tokens are always
+accepted would reach, so it separates what the engine (verify cost, per-step overhead) leaves from what drafts leave.
+The cost of a forward depends on the shapes alone, so a random target with a real model's shapes (``--shape``) gives
+that model's cost curve and ceiling where its weights are not at hand (a GPU machine with no network, say).
+Prompts are ``--prompt-tokens`` random token ids (the oracle knows every continuation, so the text does not matter);
+EOS is ignored, so each answer is ``--new-tokens`` long. Every engine answer is checked token for token against HF
+``generate``; a mismatch is reported (low-precision dtypes can flip near-ties between a one-token and a tree forward).
+The config is conf/decode/decode.yaml with the overrides after ``--`` (its ``model``, ``dtype``, ``device``). Writes
+the report as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Shapes of real targets, for a random stand-in (``model=tiny`` builds it): the cost of a forward depends on them only.
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=8192,
+                    tie_word_embeddings=True),
+    "llama1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=8192,
+                    tie_word_embeddings=True),
+}
+
+
+class OracleDrafter:
+    """Proposes the next ``depth`` tokens of a known greedy answer as a chain."""
+
+    def __init__(self, answer: list[int], depth: int):
+        self.answer, self.depth = answer, depth
+
+    def start(self, state, prefill) -> None:
+        return None
+
+    def on_commit(self, state, draft, verdict, out) -> None:
+        return None
+
+    def modules(self):
+        return ()
+
+    def propose(self, state, max_depth: int):
+        import torch
+
+        from decode.tree import chain_tree
+        from decode.types import Draft
+
+        done = len(state.new_tokens)  # emitted so far, next_token (the root) last
+        ahead = self.answer[done:done + min(self.depth, max_depth)]
+        tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)
+        return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="with model=tiny: a random target with this real model's shapes")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--depths", default="1,2,3,4,8")
+    parser.add_argument("--curve-repeats", type=int, default=9)
+    parser.add_argument("--out", default="outputs/engine_ceiling.json")
+    parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from decode.adaptive import CURVE_SIZES, verify_cost_curve
+    from decode.drafters import VanillaDrafter
+    from decode.engine import SpeculativeDecoder
+    from decode.pipeline import resolve_target_config
+    from heads.errors import SettingError, reported_errors
+    from heads.target import load_target
+
+    with reported_errors():
+        with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
+            cfg = compose(config_name="decode", overrides=args.overrides)
+        model_cfg = resolve_target_config(cfg, None)
+        if args.shape:
+            if model_cfg.get("source") != "tiny":
+                raise SettingError(f"--shape {args.shape} builds a random stand-in: add `-- model=tiny`.")
+            model_cfg["tiny"] = {**model_cfg.get("tiny", {}), **SHAPES[args.shape]}
+        target = load_target(model_cfg)
+        model = target.model
+        device = next(model.parameters()).device
+        depths = [int(d) for d in args.depths.split(",")]
+        kernel = "auto"
+
+        curve = verify_cost_curve(model, cache_length=256, sizes=CURVE_SIZES, repeats=args.curve_repeats,
+                                  linear_kernel=kernel)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
+
+        def hf(ids):
+            x = torch.tensor([ids], device=device)
+            eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # no early stop
+            try:
+                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=args.new_tokens, pad_token_id=0)
+            finally:
+                model.generation_config.eos_token_id = eos
+            return out[0, len(ids):].tolist()
+
+        hf(prompts[0])  # warm-up
+        rows = {"hf": [], "plain": [], **{f"oracle-{d}": [] for d in depths}}
+        mismatches = []
+        for i, ids in enumerate(prompts):
+            _sync(device)
+            t0 = time.perf_counter()
+            answer = hf(ids)
+            _sync(device)
+            rows["hf"].append({"s": time.perf_counter() - t0, "tokens": len(answer), "steps": len(answer)})
+            for name in rows:
+                if name == "hf":
+                    continue
+                drafter = VanillaDrafter() if name == "plain" else OracleDrafter(answer, int(name.split("-")[1]))
+                engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel=kernel)
+                if i == 0:
+                    engine.generate(ids, max_new_tokens=8)  # warm-up
+                _sync(device)
+                t0 = time.perf_counter()
+                result = engine.generate(ids, max_new_tokens=args.new_tokens)
+                _sync(device)
+                rows[name].append({"s": time.perf_counter() - t0, "tokens": len(result.tokens),
+                                   "steps": result.stats.steps + 1})
+                if result.tokens != answer:
+                    first = next((j for j, (a, b) in enumerate(zip(answer, result.tokens)) if a != b),
+                                 min(len(answer), len(result.tokens)))
+                    mismatches.append({"prompt": i, "method": name, "first_difference": first})
+
+    hf_rate = sum(r["tokens"] for r in rows["hf"]) / sum(r["s"] for r in rows["hf"])
+    summary = {}
+    for name, rs in rows.items():
+        rate = sum(r["tokens"] for r in rs) / sum(r["s"] for r in rs)
+        per_prompt = [(r["tokens"] / r["s"]) / (h["tokens"] / h["s"]) for r, h in zip(rs, rows["hf"])]
+        summary[name] = {"tokens_per_s": rate, "x_hf": rate / hf_rate, "x_hf_median": statistics.median(per_prompt),
+                         "tau": sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs)}
+    param = next(model.parameters())
+    report = {"model": target.name, "shape": args.shape, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+              "dtype": str(param.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+              "cost_curve": curve, "methods": summary, "mismatches": mismatches}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    one = curve[0]["ms"]
+    print(f"{target.name}{f' (shapes of {args.shape}, random weights)' if args.shape else ''} on {device} "
+          f"{report['device_name'] or ''} {param.dtype}; verify over a 256-token cache, ms (x one token):")
+    print("  " + ", ".join(f"{r['nodes']}: {r['ms']:.2f} ({r['ms'] / one:.2f})" for r in curve))
+    print("| method | tokens/s | x HF generate | median per prompt | tau |")
+    print("|---|---|---|---|---|")
+    for name, s in summary.items():
+        print(f"| {name} | {s['tokens_per_s']:.1f} | {s['x_hf']:.2f} | {s['x_hf_median']:.2f} | {s['tau']:.2f} |")
+    print(f"lossless: {'yes' if not mismatches else mismatches}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -83,29 +83,48 @@ def best_size(scores: Sequence[float], curve: CostCurve, budget: int, base_nodes
 
 @dataclass
 class Calibration:
-    """Scales a drafter's scores into acceptance probabilities, per bucket, from what was accepted so far."""
+    """Scales a drafter's scores into acceptance probabilities, per bucket (e.g. a match length) and tree depth, from
+    what was accepted so far.
+
+    A node is accepted only with its whole branch, so the same score means less the deeper the node (a single earlier
+    occurrence scores every token of its continuation alike): each depth keeps its own ratio of accepted nodes to
+    summed scores. A (bucket, depth) with few verified nodes leans on the depth above it in the same bucket, depth 1
+    on every bucket's depth 1, and that on a prior of ``prior_weight`` nodes at ``prior_rate``.
+    """
 
     prior_rate: float = 0.5
     prior_weight: float = 4.0
-    scored: dict[int, float] = field(default_factory=dict)  # bucket -> summed raw scores of verified drafted nodes
-    accepted: dict[int, float] = field(default_factory=dict)  # bucket -> how many of them were accepted
+    scored: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> summed raw scores
+    accepted: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, depth) -> how many accepted
 
-    def factor(self, bucket: int) -> float:
-        """accepted / scored in this bucket, shrunk towards all buckets' ratio (itself shrunk towards the prior). A
-        bucket pulled down by others' failures learns its own ratio from the drafter's occasional looks."""
-        overall = ((sum(self.accepted.values()) + self.prior_rate * self.prior_weight)
-                   / (sum(self.scored.values()) + self.prior_weight))
-        scored = self.scored.get(bucket, 0.0)
-        accepted = self.accepted.get(bucket, 0.0)
-        return (accepted + overall * self.prior_weight) / (scored + self.prior_weight)
+    def factors(self, bucket: int, depth: int = 1) -> list[float]:
+        """accepted / scored for depths 1..``depth`` of ``bucket``, each shrunk towards the one above it (depth 1
+        towards every bucket's depth 1, itself shrunk towards the prior). A bucket pulled down by others' failures
+        learns its own ratio from the drafter's occasional looks."""
+        w = self.prior_weight
+        top = ((sum(v for (_, d), v in self.accepted.items() if d == 1) + self.prior_rate * w)
+               / (sum(v for (_, d), v in self.scored.items() if d == 1) + w))
+        out = []
+        for d in range(1, depth + 1):
+            top = (self.accepted.get((bucket, d), 0.0) + top * w) / (self.scored.get((bucket, d), 0.0) + w)
+            out.append(top)
+        return out
 
-    def probabilities(self, scores: Sequence[float], bucket: int) -> list[float]:
-        f = self.factor(bucket)
-        return [min(1.0, f * s) for s in scores]
+    def factor(self, bucket: int, depth: int = 1) -> float:
+        return self.factors(bucket, depth)[-1]
 
-    def update(self, bucket: int, scores: Sequence[float], accepted: int) -> None:
-        self.scored[bucket] = self.scored.get(bucket, 0.0) + float(sum(scores))
-        self.accepted[bucket] = self.accepted.get(bucket, 0.0) + float(accepted)
+    def probabilities(self, scores: Sequence[float], bucket: int,
+                      depths: Sequence[int] | None = None) -> list[float]:
+        """Acceptance probabilities of nodes with these raw ``scores`` at these ``depths`` (default: all at 1)."""
+        depths = list(depths) if depths is not None else [1] * len(scores)
+        f = self.factors(bucket, max(depths, default=1))
+        return [min(1.0, f[d - 1] * s) for s, d in zip(scores, depths)]
+
+    def update(self, bucket: int, scores: Sequence[float], accepted: int, depth: int = 1) -> None:
+        """``accepted`` of the verified nodes at ``depth`` with these raw ``scores`` were accepted."""
+        key = (bucket, depth)
+        self.scored[key] = self.scored.get(key, 0.0) + float(sum(scores))
+        self.accepted[key] = self.accepted.get(key, 0.0) + float(accepted)
 
 
 @dataclass

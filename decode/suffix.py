@@ -17,10 +17,11 @@ Each step the context is prompt + emitted tokens, ending with the root (``state.
 - **Candidates**: the continuations (up to ``max_depth`` tokens) after each occurrence, most recent first, form a
   trie. A node's score is the share of occurrences whose continuation starts with its path (so a child never scores
   above its parent); the sources (context, corpus, history) are combined by taking each node's larger score.
-- **How many to verify** (``budget=auto``): scores are scaled into acceptance probabilities per match length from
-  what was accepted so far (:class:`decode.adaptive.Calibration`), and the number of nodes that maximises expected
-  tokens per second under this machine's verify cost curve is verified; no node (plain decoding) when nothing is
-  worth it. A number instead of ``auto`` verifies the best ``budget`` nodes every step.
+- **How many to verify** (``budget=auto``): scores are scaled into acceptance probabilities per match length and
+  depth from what was accepted so far (:class:`decode.adaptive.Calibration`: a single earlier occurrence scores
+  every token of its continuation alike, but the deeper a node the less often its whole branch is accepted), and
+  nodes are verified best probability first, as many as maximise expected tokens per second under this machine's
+  verify cost curve; no node (plain decoding) when nothing is worth it. A number instead of ``auto`` verifies the best ``budget`` nodes every step.
 
 Drafts are deterministic, so both greedy and sampling verification stay lossless (``probs=None``: point masses).
 """
@@ -207,19 +208,28 @@ class Candidates:
         for node, score in counts.items():
             self.scores[node] = max(self.scores[node], score)
 
-    def ranked(self, limit: int) -> list[int]:
-        """Up to ``limit`` nodes, best score first, every node after its parent (a best-first walk from the root)."""
+    def depths(self) -> list[int]:
+        """Each node's depth (1: a child of the root); parents come before their children in the node order."""
+        out: list[int] = []
+        for parent in self.parents:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return out
+
+    def ranked(self, limit: int, scores: Sequence[float] | None = None) -> list[int]:
+        """Up to ``limit`` nodes, best first by ``scores`` (default: the raw scores), every node after its parent (a
+        best-first walk from the root)."""
+        scores = self.scores if scores is None else scores
         children: dict[int, list[int]] = {}
         for node, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(node)
-        heap = [(-self.scores[c], c) for c in children.get(-1, [])]
+        heap = [(-scores[c], c) for c in children.get(-1, [])]
         heapq.heapify(heap)
         order: list[int] = []
         while heap and len(order) < limit:
             _, node = heapq.heappop(heap)
             order.append(node)
             for c in children.get(node, []):
-                heapq.heappush(heap, (-self.scores[c], c))
+                heapq.heappush(heap, (-scores[c], c))
         return order
 
 
@@ -329,21 +339,39 @@ class SuffixDrafter(DrafterBase):
         self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
         bucket, cands = self._candidates(min(self.max_depth, max_depth))
         limit = self.max_nodes if self.budget == "auto" else self.budget
-        ranked = cands.ranked(limit)
         if self.budget == "auto":
-            probs = self.calibration.probabilities([cands.scores[n] for n in ranked], bucket)
-            k = best_size(probs, self.curve(), limit, base_nodes, base_expected)
+            probs = self.probabilities(cands, bucket)
+            ranked = cands.ranked(limit, probs)
+            k = best_size([probs[n] for n in ranked], self.curve(), limit, base_nodes, base_expected)
             self._idle = self._idle + 1 if ranked and k == 0 else 0
             if self._idle > self.explore_every:  # a cheap look (the best candidate alone), so estimates that fell
                 k, self._idle = 1, 0  # too low can recover when the text turns predictable
         else:
+            ranked = cands.ranked(limit)
             k = len(ranked)
         return SuffixPlan(bucket, cands, ranked[:k])
 
+    def probabilities(self, cands: Candidates, bucket: int) -> list[float]:
+        """Every candidate's calibrated acceptance probability (by its match class and depth), never above its
+        parent's: a node is accepted only with its whole branch."""
+        depths = cands.depths()
+        probs = self.calibration.probabilities(cands.scores, bucket, depths)
+        for node, parent in enumerate(cands.parents):
+            if parent >= 0:
+                probs[node] = min(probs[node], probs[parent])
+        return probs
+
     def record(self, plan: SuffixPlan, accepted: int) -> None:
-        """``accepted`` of the plan's chosen nodes were accepted: the calibration learns from it."""
-        if plan.chosen:
-            self.calibration.update(plan.bucket, [plan.cands.scores[n] for n in plan.chosen], accepted)
+        """The plan's branch was accepted to depth ``accepted``: the calibration learns, per depth, that of the nodes
+        chosen there the one on that branch was accepted (if the branch reached it) and the others were not."""
+        if not plan.chosen:
+            return
+        depths = plan.cands.depths()
+        by_depth: dict[int, list[float]] = {}
+        for node in plan.chosen:
+            by_depth.setdefault(depths[node], []).append(plan.cands.scores[node])
+        for depth, scores in sorted(by_depth.items()):
+            self.calibration.update(plan.bucket, scores, int(accepted >= depth), depth)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:

@@ -12,7 +12,8 @@ import torch
 
 from decode.adaptive import Calibration, CostCurve, best_size
 from decode.engine import SpeculativeDecoder
-from decode.suffix import Candidates, NgramIndex, SuffixArray, SuffixDrafter, corpus_documents, load_corpus
+from decode.suffix import (Candidates, NgramIndex, SuffixArray, SuffixDrafter, SuffixPlan, corpus_documents,
+                           load_corpus)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,6 +101,39 @@ def test_adaptive_size_follows_the_cost_curve_and_the_acceptance():
     flat = CostCurve.from_relative({1: 1.0, 64: 1.0})
     steep = CostCurve.from_relative({1: 1.0, 2: 2.0, 64: 64.0})
     assert best_size([0.1] * 10, flat, 10) == 10 and best_size([0.9] * 10, steep, 10) == 0
+
+
+def test_a_flat_scored_chain_is_calibrated_per_depth():
+    # one earlier occurrence scores every token of its 16-token continuation 1.0; the target keeps only the first
+    cal = Calibration()
+    for _ in range(200):
+        for depth in range(1, 17):
+            cal.update(3, [1.0], accepted=int(depth == 1), depth=depth)
+    probs = cal.probabilities([1.0] * 16, 3, range(1, 17))
+    assert probs[0] > 0.95 and max(probs[1:]) < 0.03
+    assert best_size(probs, CPU_CURVE, 16) == 1  # the first token alone is worth verifying
+    # one ratio for the whole chain (the same evidence pooled at one depth) makes every node about 1/16, and on a
+    # flat-enough curve the whole chain looks worth verifying: 16 nodes a step for one accepted token
+    pooled = Calibration()
+    for _ in range(200):
+        pooled.update(3, [1.0] * 16, accepted=1)
+    assert best_size(pooled.probabilities([1.0] * 16, 3), CPU_CURVE, 16) == 16
+    # a depth never verified leans on the one above it in the same bucket; a new bucket on every bucket's depth 1
+    assert cal.factor(3, 17) == pytest.approx(cal.factor(3, 16))
+    assert cal.factor(5, 1) == pytest.approx(cal.factor(3, 1), rel=0.1)
+
+
+def test_the_drafter_records_each_depth_of_its_branch(tiny_llama):
+    model, _ = tiny_llama
+    drafter = SuffixDrafter(model, cost_curve=CPU_CURVE, remember=0)
+    cands = Candidates()
+    cands.add([[10, 11, 12], [10, 13]], 1.0)  # 10 (score 1), then 11 and 13 (0.5 each), then 12 (0.5)
+    chosen = cands.ranked(4)
+    drafter.record(SuffixPlan(2, cands, chosen), accepted=2)  # 10, then one of 11 / 13 accepted; not 12
+    assert drafter.calibration.scored == {(2, 1): 1.0, (2, 2): 1.0, (2, 3): 0.5}
+    assert drafter.calibration.accepted == {(2, 1): 1.0, (2, 2): 1.0, (2, 3): 0.0}
+    probs = drafter.probabilities(cands, 2)
+    assert all(probs[n] <= probs[p] for n, p in enumerate(cands.parents) if p >= 0)
 
 
 def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch):

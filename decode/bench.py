@@ -329,8 +329,13 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                                                           "max_depth": max_draft_depth(decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
-            if (explicit and s.draft_settings.get("suffix")) or "suffix" not in registry.entry(s.drafter).defaults:
-                continue  # already a hybrid under "heads", or a family that does not merge trees (layerskip)
+            if "suffix" not in registry.entry(s.drafter).defaults:  # a family that merges no trees (layerskip):
+                if "heads" not in names:  # its default decoder is the heads alone, the row "heads" gives it
+                    methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
+                                                                    "max_depth": max_draft_depth(s.decoder.drafter)}))
+                continue
+            if explicit and s.draft_settings.get("suffix"):
+                continue  # already a hybrid under "heads"
             settings, decoder = s.draft_settings, s.decoder  # the session's own decoder is the hybrid by default
             if not settings.get("suffix"):
                 settings = {**settings, "suffix": True}

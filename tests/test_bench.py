@@ -217,6 +217,11 @@ def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_tra
     assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip"]  # no hybrid of a chain drafter
     assert report["mismatches"] == []
     assert report["methods"]["layerskip:layerskip-tiny"]["settings"]["threshold"] == 0.0
+    # "hybrid" is each folder's default decoder: for a chain drafter, the heads alone (so every family's default
+    # runs under methods=[vanilla,hybrid,training_free])
+    alone = bench_main()([*FAST, f"heads=[{folder}]", f"prompts={questions}", "limit=1", "methods=[hf,hybrid]",
+                          f"out={tmp_path / 'bench2'}"])
+    assert list(alone["figures"]) == ["hf", "layerskip:layerskip-tiny"] and alone["mismatches"] == []
 
 
 def test_draft_settings_reach_the_training_free_drafters_without_heads(tmp_path, questions):

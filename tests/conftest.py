@@ -53,7 +53,7 @@ def device(pytestconfig) -> torch.device:
 @pytest.fixture
 def deterministic(device):
     """Deterministic kernels for a test that compares two training runs bit for bit (resume): CPU kernels are, but
-    CUDA's attention backward and some reductions accumulate in a varying order unless asked not to."""
+    some CUDA kernels (atomic adds in backward passes) accumulate in a varying order unless asked not to."""
     if device.type == "cpu":
         yield
         return

@@ -77,6 +77,16 @@ def resolve_target_config(cfg: Any, heads_config: dict | None) -> dict:
     return model_cfg
 
 
+def target_config_from_overrides(overrides: list[str]) -> dict:
+    """The target conf/decode/decode.yaml names under command-line ``overrides`` (its ``model``, ``device``,
+    ``dtype``): for scripts that need a target and no drafter (scripts/kernel_plan.py, scripts/engine_ceiling.py)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(MODEL_CONFIGS.parent / "decode"), version_base="1.3"):
+        cfg = compose(config_name="decode", overrides=list(overrides))
+    return resolve_target_config(cfg, None)
+
+
 @dataclass
 class Session:
     target: Target  # the model to decode with (a Medusa-2 adapter already merged in)

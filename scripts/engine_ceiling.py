@@ -88,19 +88,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import torch
-    from hydra import compose, initialize_config_dir
 
     from decode.adaptive import CURVE_SIZES, verify_cost_curve
     from decode.drafters import VanillaDrafter
     from decode.engine import SpeculativeDecoder
-    from decode.pipeline import resolve_target_config
+    from decode.pipeline import target_config_from_overrides
     from heads.errors import SettingError, reported_errors
     from heads.target import load_target
 
     with reported_errors():
-        with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
-            cfg = compose(config_name="decode", overrides=args.overrides)
-        model_cfg = resolve_target_config(cfg, None)
+        model_cfg = target_config_from_overrides(args.overrides)
         if args.shape:
             if model_cfg.get("source") != "tiny":
                 raise SettingError(f"--shape {args.shape} builds a random stand-in: add `-- model=tiny`.")

@@ -33,16 +33,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from decode.pipeline import resolve_target_config
+    from decode.pipeline import target_config_from_overrides
     from heads.errors import reported_errors
     from heads.target import load_target
 
     with reported_errors():
-        with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
-            cfg = compose(config_name="decode", overrides=args.overrides)
-        target = load_target(resolve_target_config(cfg, None))
+        target = load_target(target_config_from_overrides(args.overrides))
         weights = linear_weights(target.model)
         sample = sample_weights(weights)
         seconds = time_widths(sample, repeats=args.repeats)

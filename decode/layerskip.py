@@ -40,6 +40,7 @@ from decode.tree import chain_tree
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
 from heads.kv import additive_mask, cache_length, crop_cache
+from heads.target import cache_kwarg
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -188,6 +189,11 @@ class LayerSkipDrafter(DrafterBase):
             raise RuntimeError("LayerSkipDrafter verifies its own chain drafts only.")
         device = draft.tokens.device
         positions = torch.arange(state.length, state.length + n, device=device)
+        if n == 1 and not done:  # no draft this step (adaptive depth chose a plain one): the model's own forward,
+            out = model(input_ids=draft.tokens[None], position_ids=positions[None], use_cache=True,  # not two ranges
+                        output_hidden_states=True, **{cache_kwarg(model): state.cache})
+            self._chain = out.hidden_states[self.exit_layer][0]  # the root's layer-E state, for the adapter
+            return ForwardOutput(logits=out.logits[0], hidden_states=(out.hidden_states[-1][0],))
         parts = [torch.cat(self._rows, dim=0)[None]] if done else []  # [1, done, H]
         if done < n:
             fresh = self.stack.embed(draft.tokens[done:])

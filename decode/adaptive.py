@@ -237,7 +237,8 @@ class AdaptiveDepth:
 # --- the measured curve, cached -------------------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that wall-clock timings are honest; a no-op on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -282,10 +283,10 @@ def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> lis
         for n in sizes:
             state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length,
                                 next_token=int(layouts[n].tokens[0]), hidden=torch.empty(0, device=device))
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             tree_forward(model, state, layouts[n])
-            _sync(device)
+            synchronize(device)
             times[n].append(time.perf_counter() - t0)
             crop_cache(cache, cache_length)
     rows = []

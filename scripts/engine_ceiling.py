@@ -40,38 +40,21 @@ SHAPES = {
 }
 
 
-class OracleDrafter:
-    """Proposes the next ``depth`` tokens of a known greedy answer as a chain."""
-
-    def __init__(self, answer: list[int], depth: int):
-        self.answer, self.depth = answer, depth
-
-    def start(self, state, prefill) -> None:
-        return None
-
-    def on_commit(self, state, draft, verdict, out) -> None:
-        return None
-
-    def modules(self):
-        return ()
-
-    def propose(self, state, max_depth: int):
-        import torch
-
-        from decode.tree import chain_tree
-        from decode.types import Draft
-
-        done = len(state.new_tokens)  # emitted so far, next_token (the root) last
-        ahead = self.answer[done:done + min(self.depth, max_depth)]
-        tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)
-        return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
-
-
-def _sync(device) -> None:
+def oracle_drafter(answer: list[int], depth: int):
+    """A drafter that proposes the next ``depth`` tokens of a known greedy ``answer`` as a chain."""
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    from decode.tree import chain_tree
+    from decode.types import Draft, DrafterBase
+
+    class OracleDrafter(DrafterBase):
+        def propose(self, state, max_depth: int) -> Draft:
+            done = len(state.new_tokens)  # emitted so far, next_token (the root) last
+            ahead = answer[done:done + min(depth, max_depth)]
+            tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)
+            return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
+
+    return OracleDrafter()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from decode.adaptive import CURVE_SIZES, verify_cost_curve
+    from decode.adaptive import CURVE_SIZES, synchronize, verify_cost_curve
     from decode.drafters import VanillaDrafter
     from decode.engine import SpeculativeDecoder
     from decode.pipeline import target_config_from_overrides
@@ -128,22 +111,22 @@ def main(argv: list[str] | None = None) -> dict:
         rows = {"hf": [], "plain": [], **{f"oracle-{d}": [] for d in depths}}
         mismatches = []
         for i, ids in enumerate(prompts):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             answer = hf(ids)
-            _sync(device)
+            synchronize(device)
             rows["hf"].append({"s": time.perf_counter() - t0, "tokens": len(answer), "steps": len(answer)})
             for name in rows:
                 if name == "hf":
                     continue
-                drafter = VanillaDrafter() if name == "plain" else OracleDrafter(answer, int(name.split("-")[1]))
+                drafter = VanillaDrafter() if name == "plain" else oracle_drafter(answer, int(name.split("-")[1]))
                 engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel=kernel)
                 if i == 0:
                     engine.generate(ids, max_new_tokens=8)  # warm-up
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 result = engine.generate(ids, max_new_tokens=args.new_tokens)
-                _sync(device)
+                synchronize(device)
                 rows[name].append({"s": time.perf_counter() - t0, "tokens": len(result.tokens),
                                    "steps": result.stats.steps + 1})
                 if result.tokens != answer:

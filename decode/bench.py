@@ -329,11 +329,6 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                                                           "max_depth": max_draft_depth(decoder.drafter)}))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
-            if "suffix" not in registry.entry(s.drafter).defaults:  # a family that merges no trees (layerskip):
-                if "heads" not in names:  # its default decoder is the heads alone, the row "heads" gives it
-                    methods.append(Method(name, s, s.decoder, info={"drafter": s.drafter, "settings": s.draft_settings,
-                                                                    "max_depth": max_draft_depth(s.decoder.drafter)}))
-                continue
             if explicit and s.draft_settings.get("suffix"):
                 continue  # already a hybrid under "heads"
             settings, decoder = s.draft_settings, s.decoder  # the session's own decoder is the hybrid by default
@@ -350,8 +345,9 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         drafter = entry.build(None, base.target, settings)
         decoder = build_decoder(base.target, drafter, settings, base.decoder.linear_kernel,
                                 sorted(base.decoder.eos_token_ids))  # with its depth policy, as decode/run.py runs it
-        methods.append(Method(entry.name, base, decoder,
-                              info={"drafter": entry.name, "settings": settings, "max_depth": max_draft_depth(drafter)}))
+        name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip merges by default
+        methods.append(Method(name, base, decoder,
+                              info={"drafter": name, "settings": settings, "max_depth": max_draft_depth(drafter)}))
     return methods
 
 

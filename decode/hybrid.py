@@ -10,7 +10,9 @@ Each step (:class:`HybridDrafter`):
 3. :func:`merge_drafts` merges both into one tree under one node budget (``max_nodes``): a node's token under the
    same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
    come first (they were chosen by their calibrated acceptance), then the trained drafter's, each after its parent;
-   what does not fit the budget is dropped with its subtree.
+   what does not fit the budget is dropped with its subtree. A drafter with its own verify forward (layer-skip,
+   whose draft already ran the first layers on its chain and holds their KV rows in that order) comes first
+   instead, and verifies the merged tree: the suffix's nodes are the ones its draft did not run.
 
 After the verify, each part learns from its own share of the accepted branch (the accepted nodes it proposed, from
 the root down): the suffix drafter's calibration and the depth policy's acceptance per level. The trained drafter's
@@ -28,7 +30,7 @@ from typing import Sequence
 import torch
 
 from decode.adaptive import AdaptiveDepth
-from decode.engine import on_device, truncate_draft
+from decode.engine import on_device, tree_forward, truncate_draft
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
@@ -107,9 +109,21 @@ class HybridDrafter(DrafterBase):
         expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
         plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)
         suffix = candidates_draft(state.next_token, plan.cands, sorted(plan.chosen), device)
-        merged, sources = merge_drafts([suffix, inner], self.max_nodes)
-        self._step = (asked, inner, plan, sources, inner_seconds)
+        if self._own_verify:  # the inner drafter verifies its chain itself: its nodes first, as its cache holds them
+            merged, (inner_nodes, suffix_nodes) = merge_drafts([inner, suffix], self.max_nodes)
+        else:
+            merged, (suffix_nodes, inner_nodes) = merge_drafts([suffix, inner], self.max_nodes)
+        self._step = (asked, inner, plan, (suffix_nodes, inner_nodes), inner_seconds)
         return merged
+
+    @property
+    def _own_verify(self) -> bool:
+        return hasattr(self.inner, "verify_forward")
+
+    def verify_forward(self, model: torch.nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
+        """The inner drafter's own verify forward when it has one (a layer-skip drafter: the merged tree starts with
+        its chain), else one target forward over the tree."""
+        return self.inner.verify_forward(model, state, draft) if self._own_verify else tree_forward(model, state, draft)
 
     @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:

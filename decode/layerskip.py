@@ -11,9 +11,10 @@ Each step (:class:`LayerSkipDrafter`), with the root r = ``state.next_token`` at
    0..E-1 on d1 at p + 1, and so on, up to ``max_depth`` tokens. Layers 0..E-1 now hold rows for every chain token
    they ran on, and the drafter keeps those tokens' layer-E hidden states.
 2. **Verify without recomputation** (:meth:`LayerSkipDrafter.verify_forward`, which the engine calls instead of a
-   full forward): layers 0..E-1 run only on the chain tokens the draft has not run them on (the last drafted token,
-   when drafting stopped at ``max_depth``); layers E..L-1 run on the whole chain from the kept layer-E states; the
-   final norm and LM head give the logits the verifier reads.
+   full forward): layers 0..E-1 run only on the tree nodes the draft has not run them on (the last drafted token,
+   when drafting stopped at ``max_depth``, and in a hybrid (decode/hybrid.py) the suffix drafter's nodes, after the
+   chain), under the tree's mask; layers E..L-1 run on every node from the kept layer-E states; the final norm and
+   LM head give the logits the verifier reads. A step with no draft is the model's own forward over the tree.
 3. **Commit** (the engine's): every layer now holds ``state.length + N`` rows, so the usual commit keeps the accepted
    prefix and leaves every layer at the committed length.
 
@@ -36,7 +37,8 @@ import torch
 from torch import nn
 
 from decode.cache import Backlog, layer_lengths, new_cache
-from decode.tree import chain_tree
+from decode.engine import tree_forward
+from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
 from heads.kv import additive_mask, cache_length, crop_cache
@@ -66,10 +68,15 @@ class LayerStack:
         """tokens [q] -> input embeddings [1, q, H]."""
         return self.decoder.embed_tokens(tokens[None])
 
-    def run(self, hidden: torch.Tensor, start: int, stop: int, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Layers start..stop-1 on ``hidden`` [1, q, H] at ``positions`` [q] (a causal chain after each layer's
-        cached rows, which it extends): the hidden state entering layer ``stop``."""
+    def run(self, hidden: torch.Tensor, start: int, stop: int, positions: torch.Tensor, cache,
+            ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """Layers start..stop-1 on ``hidden`` [1, q, H] at ``positions`` [q], after each layer's cached rows (which
+        it extends): the hidden state entering layer ``stop``. ``ancestors`` [q, k] (bool, k >= q): which of each
+        layer's last k positions, these q rows included, each row may attend (tree nodes whose first k - q are
+        cached); every earlier row is seen by all. None: a causal chain after the cache."""
         q = hidden.shape[1]
+        if ancestors is None:
+            ancestors = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
         position_ids = positions[None]
         rotary = self.decoder.rotary_emb(hidden, position_ids=position_ids)
         lengths = layer_lengths(cache)
@@ -78,7 +85,7 @@ class LayerStack:
             past = lengths[i] if i < len(lengths) else 0
             if past not in masks:
                 allowed = torch.ones(q, past + q, dtype=torch.bool, device=hidden.device)
-                allowed[:, past:] = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
+                allowed[:, past + q - ancestors.shape[1]:] = ancestors
                 masks[past] = additive_mask(allowed, hidden.dtype)[None, None]
             hidden = self.layers[i](hidden, attention_mask=masks[past], position_ids=position_ids, cache=cache,
                                     use_cache=True, position_embeddings=rotary)
@@ -109,6 +116,7 @@ class LayerSkipDrafter(DrafterBase):
                                    ">= 0.")
         self.exit_layer, self.threshold, self.max_depth = exit_layer, threshold, max_depth
         self.exit = exit
+        self._tokens: list[int] = []  # this step's chain, root first
         self._rows: list[torch.Tensor] = []  # layer-E hidden states [1, H] of the chain tokens layers 0..E-1 ran on
         self._chain: torch.Tensor | None = None  # layer-E states [N, H] of the chain verify_forward ran
         # An adapter exit attends over earlier positions: its own cache, one row per committed position (drafting
@@ -167,6 +175,7 @@ class LayerSkipDrafter(DrafterBase):
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         device = state.prompt_ids.device
         tokens, self._rows = [state.next_token], []
+        self._tokens = tokens  # the chain, root first: verify_forward checks the tree starts with it
         depth = min(self.max_depth, max_depth)
         if self._adapted and depth > 0:
             self._catch_up()
@@ -183,24 +192,27 @@ class LayerSkipDrafter(DrafterBase):
 
     @torch.no_grad()
     def verify_forward(self, model: nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
-        """The verify forward over the drafted chain, running layers 0..E-1 only where the draft did not."""
+        """The verify forward over a tree whose first nodes are the chain this step drafted (more nodes may follow:
+        a hybrid's suffix proposals, :mod:`decode.hybrid`), running layers 0..E-1 only on the nodes the draft did not
+        run them on: layers 0..E-1 on those, under the tree's mask over the chain rows already cached; then layers
+        E..L-1 on every node from its layer-E state; the final norm and LM head give the verifier's logits."""
         n, done = draft.tree.num_nodes, len(self._rows)
-        if int(draft.tree.max_depth) != n - 1 or done > n:
-            raise RuntimeError("LayerSkipDrafter verifies its own chain drafts only.")
-        device = draft.tokens.device
-        positions = torch.arange(state.length, state.length + n, device=device)
-        if n == 1 and not done:  # no draft this step (adaptive depth chose a plain one): the model's own forward,
-            out = model(input_ids=draft.tokens[None], position_ids=positions[None], use_cache=True,  # not two ranges
-                        output_hidden_states=True, **{cache_kwarg(model): state.cache})
-            self._chain = out.hidden_states[self.exit_layer][0]  # the root's layer-E state, for the adapter
-            return ForwardOutput(logits=out.logits[0], hidden_states=(out.hidden_states[-1][0],))
-        parts = [torch.cat(self._rows, dim=0)[None]] if done else []  # [1, done, H]
+        if done > n or (done and (draft.tree.depth[:done].tolist() != list(range(done))
+                                  or draft.tokens[:done].tolist() != self._tokens[:done])):
+            raise RuntimeError("LayerSkipDrafter verifies trees whose first nodes are the chain it drafted.")
+        if not done:  # no draft this step (adaptive depth chose not to): the model's own forward over the tree
+            out = tree_forward(model, state, draft)
+            self._chain = out.hidden_states[self.exit_layer]  # layer-E states [N, H], for the adapter
+            return ForwardOutput(logits=out.logits, hidden_states=(out.hidden_states[-1],))
+        positions = tree_position_ids(draft.tree, state.length)[0]
+        ancestors = draft.tree.ancestor_mask  # [N, N]
+        parts = [torch.cat(self._rows, dim=0)[None]]  # [1, done, H]
         if done < n:
             fresh = self.stack.embed(draft.tokens[done:])
-            parts.append(self.stack.run(fresh, 0, self.exit_layer, positions[done:], state.cache))
+            parts.append(self.stack.run(fresh, 0, self.exit_layer, positions[done:], state.cache, ancestors[done:]))
         chain = torch.cat(parts, dim=1)
         self._chain = chain[0]
-        hidden = self.stack.run(chain, self.exit_layer, self.stack.num_layers, positions, state.cache)
+        hidden = self.stack.run(chain, self.exit_layer, self.stack.num_layers, positions, state.cache, ancestors)
         final = self.stack.decoder.norm(hidden)[0]  # [N, H]
         return ForwardOutput(logits=self.stack.lm_head(final), hidden_states=(final,))
 
@@ -210,16 +222,18 @@ class LayerSkipDrafter(DrafterBase):
         chain, self._chain = self._chain, None
         if not self._adapted:
             return
-        accepted = len(verdict.path)  # root first: positions start .. start + accepted - 1 are now committed
-        start = state.length - accepted
-        keep = min(drafted, accepted)  # rows drafting wrote for tokens that were accepted
+        path = verdict.path  # root first: positions start .. start + len(path) - 1 are now committed
+        start = state.length - len(path)
+        keep = 0  # accepted nodes whose adapter rows drafting wrote: the chain's nodes 0..drafted-1, from the root
+        while keep < min(drafted, len(path)) and path[keep] == keep:
+            keep += 1
         if drafted:  # drafting caught up first, then wrote rows for the chain: keep the accepted ones
             crop_cache(self._adapter_cache, start + keep)
             self._backlog.start = start + keep
-        if keep < accepted:  # accepted tokens the adapter has not seen: their layer-E states from the verify pass
+        if keep < len(path):  # accepted nodes the adapter has not seen: their layer-E states from the verify pass
             if chain is None:
                 raise RuntimeError("LayerSkipDrafter's commit follows its own verify_forward only.")
-            self._backlog.add(chain[keep:accepted], at=start + keep)
+            self._backlog.add(chain[path[keep:]], at=start + keep)
         assert cache_length(self._adapter_cache) == self._backlog.start and self._backlog.end == state.length
 
 

@@ -167,7 +167,7 @@ register(DrafterEntry("suffix", "training-free: continuations of the longest ear
 register(DrafterEntry("layerskip", "self-speculation: the target's first layers and an exit (a trained one from "
                       "train/layerskip.py, or the target's own final norm and LM head) draft a chain, the remaining "
                       "layers verify it (no layer recomputed)", _layerskip,
-                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True},
+                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True, **HYBRID},
                       saved_key="decode", optional_heads=True))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
                       defaults={"tree": "mc_sim_7b_63", "adaptive": True, **HYBRID}, saved_key="decode",

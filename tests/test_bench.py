@@ -67,7 +67,8 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
     saved = json.loads((out / "bench.json").read_text())
     assert saved["figures"] == json.loads(json.dumps(report["figures"]))
     methods = ["hf", "hf_prompt_lookup", "hf_early_exit", "vanilla", "medusa:medusa-tiny", "medusa:random",
-               "medusa:medusa-tiny+suffix", "medusa:random+suffix", *(name for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
+               "medusa:medusa-tiny+suffix", "medusa:random+suffix", *(name + ("+suffix" if e.defaults.get("suffix") else "")  # a training-free drafter's default: merged?
+                 for name, e in registry.REGISTRY.items() if not e.needs_heads and name != "vanilla")]
     assert list(saved["figures"]) == methods and saved["categories"] == ["math", "writing"]
     assert saved["early_exit"]["layer"] == 2 and saved["methods"]["hf_early_exit"]["assistant_early_exit"] == 2
     assert saved["methods"]["hf_early_exit"]["num_assistant_tokens"] == 6  # conf/decode/bench.yaml's setting
@@ -201,7 +202,7 @@ def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
         "math", "writing", "overall"}
 
 
-def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_training_free_exit(tmp_path, questions):
+def test_a_trained_exit_folder_runs_alone_and_as_a_hybrid_beside_the_training_free_exit(tmp_path, questions):
     from test_layerskip_train import trained_like_exit
 
     from decode.pipeline import load_session
@@ -214,14 +215,14 @@ def test_a_trained_exit_folder_runs_as_heads_without_a_hybrid_and_beside_the_tra
     save_heads(folder, exit_module, "layerskip", exit_module.config.to_dict(), target, {"decode": {"threshold": 0.0}})
     report = bench_main()([*FAST, f"heads=[{folder}]", f"prompts={questions}", "limit=2",
                            "methods=[hf,heads,hybrid,layerskip]", f"out={tmp_path / 'bench'}"])
-    assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip"]  # no hybrid of a chain drafter
+    # the exit alone, merged with the suffix drafter's proposals (its default decoder), and the training-free exit
+    # (merged too, by default)
+    assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip:layerskip-tiny+suffix",
+                                       "layerskip+suffix"]
     assert report["mismatches"] == []
     assert report["methods"]["layerskip:layerskip-tiny"]["settings"]["threshold"] == 0.0
-    # "hybrid" is each folder's default decoder: for a chain drafter, the heads alone (so every family's default
-    # runs under methods=[vanilla,hybrid,training_free])
-    alone = bench_main()([*FAST, f"heads=[{folder}]", f"prompts={questions}", "limit=1", "methods=[hf,hybrid]",
-                          f"out={tmp_path / 'bench2'}"])
-    assert list(alone["figures"]) == ["hf", "layerskip:layerskip-tiny"] and alone["mismatches"] == []
+    assert report["methods"]["layerskip:layerskip-tiny"]["settings"]["suffix"] is False
+    assert report["methods"]["layerskip:layerskip-tiny+suffix"]["settings"]["suffix"] is True
 
 
 def test_draft_settings_reach_the_training_free_drafters_without_heads(tmp_path, questions):

@@ -82,6 +82,13 @@ def test_each_part_is_credited_with_its_own_accepted_prefix():
 def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
     if family == "medusa":
         inner = MedusaDrafter(random_medusa_heads(model, seed=1), tree="small_16")
+    elif family.startswith("layerskip"):  # the target's own exit after layer 1, or a trained adapter exit there
+        from test_layerskip_train import trained_like_exit
+
+        from decode.layerskip import LayerSkipDrafter
+
+        exit = trained_like_exit(model, 1, "adapter", None) if family == "layerskip_adapter" else None
+        inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=3, exit=exit)
     else:
         from decode.eagle_drafter import EagleTreeDrafter
 
@@ -90,11 +97,16 @@ def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
     return HybridDrafter(inner, suffix, policy, max_nodes=16)
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "layerskip", "layerskip_adapter"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen2):
-    model, _ = tiny_llama if arch == "llama" else tiny_qwen2
+    if family.startswith("layerskip"):  # exits that are often right, so chain and suffix nodes both get accepted
+        from test_layerskip import confident_target
+
+        model, _ = confident_target(arch)
+    else:
+        model, _ = tiny_llama if arch == "llama" else tiny_qwen2
     corpus = SuffixArray.build([[9, 10, 11, 12, 13] * 4, list(range(20, 60))])
     policy = AdaptiveDepth(FLAT, measure_draft=False, explore_every=2) if adaptive else None
     drafter = hybrid(model, family, corpus, policy)
@@ -111,6 +123,47 @@ def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen
     assert suffix_accepted > 0  # the suffix's part was verified and accepted, not only the heads'
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_layerskip_hybrid_commit_leaves_every_layer_as_a_fresh_forward(arch):
+    """The suffix's nodes run layers 0..E-1 in the verify pass under the tree mask, beside the chain rows drafting
+    cached: after each commit (accepted branches through either part), every layer holds what a plain forward over
+    the committed text gives."""
+    from test_layerskip import confident_target
+
+    from decode.cache import layer_lengths, new_cache
+    from heads.target import cache_kwarg
+
+    model, _ = confident_target(arch)
+    prompt = [9, 10, 11, 12, 13, 9, 10]
+    with torch.no_grad():  # the target's own answer as the corpus: the suffix drafts deeper than the chain, and right
+        own = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=16,
+                             eos_token_id=None, pad_token_id=0)[0].tolist()
+    drafter = hybrid(model, "layerskip", SuffixArray.build([own]))
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+    states, original = [], drafter.on_commit
+
+    def check(state, draft, verdict, out):
+        original(state, draft, verdict, out)
+        branch = list(verdict.path[1:])
+        states.append((state.length, [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers],
+                       layer_lengths(state.cache), branch, len(drafter.inner._tokens)))
+
+    drafter.on_commit = check
+    res = decoder.generate(prompt, max_new_tokens=16)
+    # some step accepted a node past the chain (a suffix node verified by the layer-skip pass)
+    assert any(any(node >= chain for node in branch) for _, _, _, branch, chain in states)
+    full = prompt + res.tokens
+    for length, layers, lengths, _, _ in states:
+        assert lengths == [length] * len(layers)
+        cache = new_cache()
+        with torch.no_grad():
+            model(input_ids=torch.tensor([full[:length]], device=model.device), use_cache=True,
+                  **{cache_kwarg(model): cache})
+        for (k, v), fresh in zip(layers, cache.layers):  # same rows, up to kernel rounding (other batch shapes)
+            torch.testing.assert_close(k, fresh.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v, fresh.values, atol=1e-5, rtol=1e-4)
+
+
 def test_sampled_tokens_follow_the_target_distribution():
     from test_engine import SAMPLE_TREE, random_heads, sampled_first_three, small_vocab_target
     from test_suffix import own_samples_corpus
@@ -119,6 +172,24 @@ def test_sampled_tokens_follow_the_target_distribution():
     model = small_vocab_target()
     exact, corpus = own_samples_corpus(model)
     inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
+    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12)
+    counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
+    assert accept_rate > 0.5
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution():
+    from test_engine import sampled_first_three
+    from test_suffix import own_samples_corpus
+    from test_verify import chi_square_pvalue
+
+    from decode.layerskip import LayerSkipDrafter
+    from heads.target import build_tiny
+
+    model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
+    exact, corpus = own_samples_corpus(model)
+    inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=2)
     drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5

@@ -116,17 +116,22 @@ def test_decode_run_drafts_with_the_target_own_first_layers():
 
     session = load_session(compose("decode", ["model=tiny", "drafter=layerskip", "draft.exit_layer=1",
                                               "draft.threshold=0.0", "max_new_tokens=12"]))
-    drafter = session.decoder.drafter
-    assert isinstance(drafter, LayerSkipDrafter) and drafter.exit_layer == 1 and session.heads is None
-    assert session.decoder.depth_policy is not None  # adaptive by default: no drafting where it does not pay
+    from decode.hybrid import HybridDrafter
+
+    hybrid = session.decoder.drafter  # by default merged with the suffix drafter's proposals, as every family
+    assert isinstance(hybrid, HybridDrafter) and session.heads is None
+    drafter = hybrid.inner
+    assert isinstance(drafter, LayerSkipDrafter) and drafter.exit_layer == 1
+    assert hybrid.policy is not None  # adaptive by default: no drafting where it does not pay
     # ... charging its verify pass only for the layers after the exit
-    assert session.decoder.depth_policy.verify_share == drafter.verify_share < 1
+    assert hybrid.policy.verify_share == drafter.verify_share < 1
     ids = [5, 6, 7, 8, 5, 6, 7]
     ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
                                         max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
-    default = load_session(compose("decode", ["model=tiny", "drafter=layerskip"])).decoder.drafter
-    assert default.exit_layer == session.target.model.config.num_hidden_layers // 2
+    alone = load_session(compose("decode", ["model=tiny", "drafter=layerskip", "draft.suffix=false"])).decoder
+    assert isinstance(alone.drafter, LayerSkipDrafter) and alone.depth_policy.verify_share == alone.drafter.verify_share
+    assert alone.drafter.exit_layer == session.target.model.config.num_hidden_layers // 2  # the default: half
 
 
 def test_the_verify_share_leaves_out_the_layers_drafting_ran(tiny_llama):

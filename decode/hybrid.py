@@ -12,7 +12,9 @@ Each step (:class:`HybridDrafter`):
    come first (they were chosen by their calibrated acceptance), then the trained drafter's, each after its parent;
    what does not fit the budget is dropped with its subtree. A drafter with its own verify forward (layer-skip,
    whose draft already ran the first layers on its chain and holds their KV rows in that order) comes first
-   instead, and verifies the merged tree: the suffix's nodes are the ones its draft did not run.
+   instead, and verifies the merged tree: the suffix's nodes are the ones its draft did not run. By default such a
+   drafter and the suffix take turns instead (``exclusive``): the suffix drafts when it has candidates worth
+   verifying, the layer-skip chain only when it has none.
 
 After the verify, each part learns from its own share of the accepted branch (the accepted nodes it proposed, from
 the root down): the suffix drafter's calibration and the depth policy's acceptance per level. The trained drafter's
@@ -82,12 +84,17 @@ class HybridDrafter(DrafterBase):
     """A trained drafter (``inner``) and a :class:`SuffixDrafter` merged into one tree per step (module docstring).
 
     ``policy``: the inner drafter's adaptive depth (None: its whole tree every step). ``max_nodes``: the merged
-    tree's drafted-node budget.
+    tree's drafted-node budget. ``exclusive``: each step either part drafts, not both: the suffix drafter when it
+    chose candidates (on top of the root alone), else the inner drafter. By default for an inner drafter with its own
+    verify forward (layer-skip): its chain is drafted one sequential pass per token, and beside the suffix's nodes
+    its verify runs the first layers again in a pass of their own, which cost more than the merged nodes earned
+    (docs/benchmarks.md); merged trees otherwise.
     """
 
     def __init__(self, inner: Drafter, suffix: SuffixDrafter, policy: AdaptiveDepth | None = None,
-                 max_nodes: int = 64):
+                 max_nodes: int = 64, exclusive: bool | None = None):
         self.inner, self.suffix, self.policy, self.max_nodes = inner, suffix, policy, max_nodes
+        self.exclusive = self._own_verify if exclusive is None else exclusive
         self._step: tuple[int, Draft, SuffixPlan, list[set[int]], float] | None = None
 
     def modules(self) -> Sequence[torch.nn.Module]:
@@ -101,13 +108,16 @@ class HybridDrafter(DrafterBase):
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         device = self.suffix.device
+        plan = self.suffix.plan(state, max_depth) if self.exclusive else None
         t0 = time.perf_counter()
-        asked = max_depth if self.policy is None else min(max_depth, self.policy.choose(max_depth))
+        asked = 0 if plan is not None and plan.chosen else (  # exclusive: the suffix has this step
+            max_depth if self.policy is None else min(max_depth, self.policy.choose(max_depth)))
         inner = self.inner.propose(state, asked) if asked > 0 else root_only(state, device)
         inner = truncate_draft(on_device(inner, device), asked)  # as the engine would cut it
         inner_seconds = time.perf_counter() - t0
         expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
-        plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)
+        if plan is None:
+            plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)
         suffix = candidates_draft(state.next_token, plan.cands, sorted(plan.chosen), device)
         if self._own_verify:  # the inner drafter verifies its chain itself: its nodes first, as its cache holds them
             merged, (inner_nodes, suffix_nodes) = merge_drafts([inner, suffix], self.max_nodes)

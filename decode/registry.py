@@ -13,8 +13,9 @@ Each entry says:
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
 
-Every trained family also takes ``suffix`` (merge the suffix drafter's proposals into its tree: decode/hybrid.py,
-built by decode/pipeline.py:build_decoder) and that drafter's ``corpus`` and ``remember``.
+Every trained family and layer-skip (trained exit or not) also take ``suffix`` (merge the suffix drafter's proposals
+into the draft: decode/hybrid.py, built by decode/pipeline.py:build_decoder; on by default) and that drafter's
+``corpus`` and ``remember``.
 
 A new family adds one :class:`DrafterEntry` with :func:`register` (see docs/architecture.md).
 """
@@ -156,8 +157,8 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
 
 
 EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48, "adaptive": True}
-HYBRID = {"suffix": True, "corpus": None, "remember": None}  # trained families: merge the suffix drafter's proposals
-# into their trees (decode/hybrid.py); on by default: in the headline benchmark it sped up every trained family
+HYBRID = {"suffix": True, "corpus": None, "remember": None}  # trained families and layer-skip: merge the suffix
+# drafter's proposals into their drafts (decode/hybrid.py); on by default: in the benchmarks it sped up every family
 
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "

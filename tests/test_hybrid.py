@@ -94,10 +94,11 @@ def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
 
         inner = EagleTreeDrafter(random_eagle_heads(model, seed=1, variant=family), depth=3, top_k=2, total_tokens=6)
     suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
-    return HybridDrafter(inner, suffix, policy, max_nodes=16)
+    exclusive = False if family == "layerskip_merged" else None  # layer-skip: turns by default, or one merged tree
+    return HybridDrafter(inner, suffix, policy, max_nodes=16, exclusive=exclusive)
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "layerskip", "layerskip_adapter"])
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "layerskip", "layerskip_merged", "layerskip_adapter"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen2):
@@ -138,7 +139,7 @@ def test_a_layerskip_hybrid_commit_leaves_every_layer_as_a_fresh_forward(arch):
     with torch.no_grad():  # the target's own answer as the corpus: the suffix drafts deeper than the chain, and right
         own = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=16,
                              eos_token_id=None, pad_token_id=0)[0].tolist()
-    drafter = hybrid(model, "layerskip", SuffixArray.build([own]))
+    drafter = hybrid(model, "layerskip_merged", SuffixArray.build([own]))
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
     states, original = [], drafter.on_commit
 
@@ -179,7 +180,41 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(counts, exact) > 1e-3
 
 
-def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution():
+def test_a_layerskip_hybrid_takes_turns_by_default(tiny_llama):
+    """Each step either the suffix drafts (it chose candidates) or the layer-skip chain does, never both; a Medusa
+    hybrid merges both every step."""
+    from test_layerskip import confident_target
+
+    model, _ = confident_target("llama")
+    prompt = [9, 10, 11, 12, 13, 9, 10]
+    with torch.no_grad():
+        own = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=8,
+                             eos_token_id=None, pad_token_id=0)[0].tolist()
+    corpus = SuffixArray.build([own])  # the suffix has candidates for the first 8 tokens, then none
+    for family, exclusive in (("layerskip", True), ("medusa", False)):
+        drafter = hybrid(model if family == "layerskip" else tiny_llama[0], family, corpus)
+        assert drafter.exclusive is exclusive
+        steps = []
+        original = drafter.propose
+
+        def propose(state, max_depth):
+            draft = original(state, max_depth)
+            _, inner, plan, (suffix_nodes, inner_nodes), _ = drafter._step
+            steps.append((len(plan.chosen), int(inner.tree.num_nodes) - 1))
+            return draft
+
+        drafter.propose = propose
+        SpeculativeDecoder(drafter.inner.stack.model if family == "layerskip" else tiny_llama[0], drafter,
+                           eos_token_ids=[]).generate(prompt, max_new_tokens=20)
+        if exclusive:
+            assert all(suffix == 0 or inner == 0 for suffix, inner in steps)
+            assert any(suffix > 0 for suffix, _ in steps) and any(inner > 0 for _, inner in steps)
+        else:
+            assert all(inner > 0 for _, inner in steps)  # the heads draft every step (no policy), beside the suffix
+
+
+@pytest.mark.parametrize("exclusive", [None, False])
+def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution(exclusive):
     from test_engine import sampled_first_three
     from test_suffix import own_samples_corpus
     from test_verify import chi_square_pvalue
@@ -190,7 +225,7 @@ def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution():
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact, corpus = own_samples_corpus(model)
     inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=2)
-    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12)
+    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12, exclusive=exclusive)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1

@@ -129,10 +129,9 @@ def test_a_layerskip_hybrid_commit_leaves_every_layer_as_a_fresh_forward(arch):
     """The suffix's nodes run layers 0..E-1 in the verify pass under the tree mask, beside the chain rows drafting
     cached: after each commit (accepted branches through either part), every layer holds what a plain forward over
     the committed text gives."""
-    from test_layerskip import confident_target
+    from test_layerskip import assert_caches_equal_fresh_forwards, confident_target
 
-    from decode.cache import layer_lengths, new_cache
-    from heads.target import cache_kwarg
+    from decode.cache import layer_lengths
 
     model, _ = confident_target(arch)
     prompt = [9, 10, 11, 12, 13, 9, 10]
@@ -153,16 +152,7 @@ def test_a_layerskip_hybrid_commit_leaves_every_layer_as_a_fresh_forward(arch):
     res = decoder.generate(prompt, max_new_tokens=16)
     # some step accepted a node past the chain (a suffix node verified by the layer-skip pass)
     assert any(any(node >= chain for node in branch) for _, _, _, branch, chain in states)
-    full = prompt + res.tokens
-    for length, layers, lengths, _, _ in states:
-        assert lengths == [length] * len(layers)
-        cache = new_cache()
-        with torch.no_grad():
-            model(input_ids=torch.tensor([full[:length]], device=model.device), use_cache=True,
-                  **{cache_kwarg(model): cache})
-        for (k, v), fresh in zip(layers, cache.layers):  # same rows, up to kernel rounding (other batch shapes)
-            torch.testing.assert_close(k, fresh.keys, atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(v, fresh.values, atol=1e-5, rtol=1e-4)
+    assert_caches_equal_fresh_forwards(model, prompt + res.tokens, states)
 
 
 def test_sampled_tokens_follow_the_target_distribution():

@@ -68,8 +68,14 @@ def test_after_each_commit_every_layer_equals_a_fresh_forward(arch):
     decoder.drafter.on_commit = check
     res = decoder.generate(prompt, max_new_tokens=12)
     assert len(states) == res.stats.steps and res.stats.accepted > 0
-    full = prompt + res.tokens
-    for length, layers, lengths in states:
+    assert_caches_equal_fresh_forwards(model, prompt + res.tokens, states)
+
+
+def assert_caches_equal_fresh_forwards(model, full: list[int], states) -> None:
+    """Each (committed length, every layer's (keys, values), layer lengths, ...) snapshot in ``states`` holds every
+    layer at the committed length, with the rows a plain forward over the first ``length`` tokens of ``full``
+    writes."""
+    for length, layers, lengths, *_ in states:
         assert lengths == [length] * len(layers)  # every layer at the committed length
         cache = new_cache()
         with torch.no_grad():

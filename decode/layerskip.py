@@ -42,7 +42,6 @@ from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
 from heads.kv import additive_mask, cache_length, crop_cache
-from heads.target import cache_kwarg
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -296,8 +295,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
     import statistics
     import time
 
-    from decode.cache import new_cache
-    from heads.kv import crop_cache
+    from decode.adaptive import synchronize
     from heads.target import cache_kwarg
 
     stack = LayerStack(model)
@@ -316,8 +314,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
     times: dict = {"forward": [], **{("layers", e): [] for e in exits}, **{("exit", e): [] for e in exits}}
 
     def clock() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         return time.perf_counter()
 
     for r in range(repeats + 1):

@@ -241,6 +241,7 @@ class SuffixPlan:
     bucket: int
     cands: Candidates
     chosen: list[int]
+    depths: list[int]  # every candidate's depth (cands.depths()), for the calibration's update
 
 
 def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device) -> Draft:
@@ -339,8 +340,9 @@ class SuffixDrafter(DrafterBase):
         self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
         bucket, cands = self._candidates(min(self.max_depth, max_depth))
         limit = self.max_nodes if self.budget == "auto" else self.budget
+        depths = cands.depths()
         if self.budget == "auto":
-            probs = self.probabilities(cands, bucket)
+            probs = self.probabilities(cands, bucket, depths)
             ranked = cands.ranked(limit, probs)
             k = best_size([probs[n] for n in ranked], self.curve(), limit, base_nodes, base_expected)
             self._idle = self._idle + 1 if ranked and k == 0 else 0
@@ -349,12 +351,11 @@ class SuffixDrafter(DrafterBase):
         else:
             ranked = cands.ranked(limit)
             k = len(ranked)
-        return SuffixPlan(bucket, cands, ranked[:k])
+        return SuffixPlan(bucket, cands, ranked[:k], depths)
 
-    def probabilities(self, cands: Candidates, bucket: int) -> list[float]:
-        """Every candidate's calibrated acceptance probability (by its match class and depth), never above its
-        parent's: a node is accepted only with its whole branch."""
-        depths = cands.depths()
+    def probabilities(self, cands: Candidates, bucket: int, depths: list[int]) -> list[float]:
+        """Every candidate's calibrated acceptance probability (by its match class and ``depths``, as
+        ``cands.depths()`` gives them), never above its parent's: a node is accepted only with its whole branch."""
         probs = self.calibration.probabilities(cands.scores, bucket, depths)
         for node, parent in enumerate(cands.parents):
             if parent >= 0:
@@ -366,10 +367,9 @@ class SuffixDrafter(DrafterBase):
         chosen there the one on that branch was accepted (if the branch reached it) and the others were not."""
         if not plan.chosen:
             return
-        depths = plan.cands.depths()
         by_depth: dict[int, list[float]] = {}
         for node in plan.chosen:
-            by_depth.setdefault(depths[node], []).append(plan.cands.scores[node])
+            by_depth.setdefault(plan.depths[node], []).append(plan.cands.scores[node])
         for depth, scores in sorted(by_depth.items()):
             self.calibration.update(plan.bucket, scores, int(accepted >= depth), depth)
 

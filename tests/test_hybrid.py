@@ -181,21 +181,20 @@ def test_a_layerskip_hybrid_takes_turns_by_default(tiny_llama):
         own = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=8,
                              eos_token_id=None, pad_token_id=0)[0].tolist()
     corpus = SuffixArray.build([own])  # the suffix has candidates for the first 8 tokens, then none
-    for family, exclusive in (("layerskip", True), ("medusa", False)):
-        drafter = hybrid(model if family == "layerskip" else tiny_llama[0], family, corpus)
+    for family, exclusive, target in (("layerskip", True, model), ("medusa", False, tiny_llama[0])):
+        drafter = hybrid(target, family, corpus)
         assert drafter.exclusive is exclusive
         steps = []
         original = drafter.propose
 
         def propose(state, max_depth):
             draft = original(state, max_depth)
-            _, inner, plan, (suffix_nodes, inner_nodes), _ = drafter._step
+            _, inner, plan, _, _ = drafter._step
             steps.append((len(plan.chosen), int(inner.tree.num_nodes) - 1))
             return draft
 
         drafter.propose = propose
-        SpeculativeDecoder(drafter.inner.stack.model if family == "layerskip" else tiny_llama[0], drafter,
-                           eos_token_ids=[]).generate(prompt, max_new_tokens=20)
+        SpeculativeDecoder(target, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=20)
         if exclusive:
             assert all(suffix == 0 or inner == 0 for suffix, inner in steps)
             assert any(suffix > 0 for suffix, _ in steps) and any(inner > 0 for _, inner in steps)

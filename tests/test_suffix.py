@@ -129,10 +129,10 @@ def test_the_drafter_records_each_depth_of_its_branch(tiny_llama):
     cands = Candidates()
     cands.add([[10, 11, 12], [10, 13]], 1.0)  # 10 (score 1), then 11 and 13 (0.5 each), then 12 (0.5)
     chosen = cands.ranked(4)
-    drafter.record(SuffixPlan(2, cands, chosen), accepted=2)  # 10, then one of 11 / 13 accepted; not 12
+    drafter.record(SuffixPlan(2, cands, chosen, cands.depths()), accepted=2)  # 10, then one of 11 / 13 accepted; not 12
     assert drafter.calibration.scored == {(2, 1): 1.0, (2, 2): 1.0, (2, 3): 0.5}
     assert drafter.calibration.accepted == {(2, 1): 1.0, (2, 2): 1.0, (2, 3): 0.0}
-    probs = drafter.probabilities(cands, 2)
+    probs = drafter.probabilities(cands, 2, cands.depths())
     assert all(probs[n] <= probs[p] for n, p in enumerate(cands.parents) if p >= 0)
 
 

@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from decode.cache import new_cache
-from decode.engine import tree_forward
+from decode.engine import synchronize, tree_forward
 from decode.kernels import decoding_linears, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import DecodeState, Draft
@@ -235,12 +235,6 @@ class AdaptiveDepth:
 
 
 # --- the measured curve, cached -------------------------------------------------------------------------------------
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so that wall-clock timings are honest; a no-op on a CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()

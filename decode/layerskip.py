@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from decode.cache import Backlog, layer_lengths, new_cache
-from decode.engine import tree_forward
+from decode.engine import synchronize, tree_forward
 from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
@@ -295,7 +295,6 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
     import statistics
     import time
 
-    from decode.adaptive import synchronize
     from heads.target import cache_kwarg
 
     stack = LayerStack(model)

@@ -20,7 +20,7 @@ import torch
 
 from decode import registry
 from decode.adaptive import AdaptiveDepth, measured_cost_curve
-from decode.engine import DecodeResult, SpeculativeDecoder
+from decode.engine import DecodeResult, SpeculativeDecoder, synchronize
 from decode.kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
 from decode.types import DecodeSetupError, Drafter
@@ -285,13 +285,11 @@ def hf_generate(session: Session, ids: list[int]) -> tuple[list[int], float]:
         kwargs.update(stop_strings=s["stop"], tokenizer=tokenizer)
     torch.manual_seed(s["seed"])
     input_ids = torch.tensor([ids], device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 

@@ -345,7 +345,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         drafter = entry.build(None, base.target, settings)
         decoder = build_decoder(base.target, drafter, settings, base.decoder.linear_kernel,
                                 sorted(base.decoder.eos_token_ids))  # with its depth policy, as decode/run.py runs it
-        name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip merges by default
+        name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip: a hybrid by default
         methods.append(Method(name, base, decoder,
                               info={"drafter": name, "settings": settings, "max_depth": max_draft_depth(drafter)}))
     return methods

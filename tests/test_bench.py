@@ -215,8 +215,8 @@ def test_a_trained_exit_folder_runs_alone_and_as_a_hybrid_beside_the_training_fr
     save_heads(folder, exit_module, "layerskip", exit_module.config.to_dict(), target, {"decode": {"threshold": 0.0}})
     report = bench_main()([*FAST, f"heads=[{folder}]", f"prompts={questions}", "limit=2",
                            "methods=[hf,heads,hybrid,layerskip]", f"out={tmp_path / 'bench'}"])
-    # the exit alone, merged with the suffix drafter's proposals (its default decoder), and the training-free exit
-    # (merged too, by default)
+    # the exit alone, the exit with the suffix drafter (its default decoder: the two take turns), and the
+    # training-free exit (with the suffix drafter too, by default)
     assert list(report["figures"]) == ["hf", "layerskip:layerskip-tiny", "layerskip:layerskip-tiny+suffix",
                                        "layerskip+suffix"]
     assert report["mismatches"] == []

@@ -124,7 +124,7 @@ def test_decode_run_drafts_with_the_target_own_first_layers():
                                               "draft.threshold=0.0", "max_new_tokens=12"]))
     from decode.hybrid import HybridDrafter
 
-    hybrid = session.decoder.drafter  # by default merged with the suffix drafter's proposals, as every family
+    hybrid = session.decoder.drafter  # by default a hybrid with the suffix drafter, as every family
     assert isinstance(hybrid, HybridDrafter) and session.heads is None
     drafter = hybrid.inner
     assert isinstance(drafter, LayerSkipDrafter) and drafter.exit_layer == 1

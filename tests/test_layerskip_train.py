@@ -290,7 +290,7 @@ def test_decode_session_drafts_with_a_trained_exit_folder(tmp_path):
     save_heads(tmp_path / "heads", exit_module, "layerskip", exit_module.config.to_dict(), target,
                {"decode": {"threshold": 0.25, "max_depth": 3}})
     session = load_session(compose("decode", [f"heads={tmp_path / 'heads'}", "max_new_tokens=8"]))
-    drafter = session.decoder.drafter.inner  # merged with the suffix drafter's proposals by default
+    drafter = session.decoder.drafter.inner  # a hybrid with the suffix drafter by default
     assert isinstance(drafter, LayerSkipDrafter) and drafter.exit is session.heads
     assert drafter.exit_layer == 1 and drafter.threshold == 0.25 and drafter.max_depth == 3
     torch.testing.assert_close(drafter.exit.token_map, exit_module.token_map)

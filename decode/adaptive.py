@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -143,6 +144,10 @@ class AdaptiveDepth:
     while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps).
     ``verify_share`` scales the verify cost of a drafted step: 1 for a verify pass over the whole target; a layer-skip
     drafter's pass skips the first layers its draft already ran on the chain, whose time is in the drafting cost.
+    The choice is optimistic under uncertainty (as UCB bandits are): each ``a_j`` counts ``optimism`` standard errors
+    above its estimate, a bonus that shrinks as verified trees accumulate. Without it a few unlucky first drafts
+    switched off a drafter that pays (a layer-skip exit accepted 27% of the time, none of its first 7), and the
+    rare looks that followed took thousands of steps to bring it back (docs/benchmarks.md).
     """
 
     curve: CostCurve
@@ -151,6 +156,7 @@ class AdaptiveDepth:
     explore_every: int = 16
     prior_steps: float = 2.0
     prior_accept: float = 0.6
+    optimism: float = 1.0  # standard errors added to each level's acceptance when choosing (0: the estimate alone)
     tried: dict[int, float] = field(default_factory=dict)  # level j -> verified trees that reached it
     reached: dict[int, float] = field(default_factory=dict)  # level j -> of those, accepted branches that reached it
     nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
@@ -166,23 +172,30 @@ class AdaptiveDepth:
     def __post_init__(self) -> None:
         self.interval = self.interval or self.explore_every
 
-    def acceptance(self, level: int) -> float:
+    def acceptance(self, level: int, optimistic: bool = False) -> float:
+        """The estimated share of trees reaching ``level`` whose accepted branch does too; ``optimistic``: plus
+        ``optimism`` standard errors of that estimate (a binomial share over the trees tried and the prior's)."""
         prior = self.prior_steps * self.prior_accept ** level
-        return (self.reached.get(level, 0.0) + prior) / (self.tried.get(level, 0.0) + self.prior_steps)
+        count = self.tried.get(level, 0.0) + self.prior_steps
+        mean = (self.reached.get(level, 0.0) + prior) / count
+        if not optimistic:
+            return mean
+        return min(1.0, mean + self.optimism * math.sqrt(mean * (1.0 - mean) / count))
 
     def _nodes(self, depth: int) -> int:
         known = [d for d in self.nodes if d >= depth]
         return self.nodes[depth] if depth in self.nodes else (self.nodes[min(known)] if known else depth + 1)
 
-    def expected(self, depth: int) -> float:
+    def expected(self, depth: int, optimistic: bool = False) -> float:
         """Expected tokens of a step that drafts to ``depth``: the target's own plus the accepted drafted ones."""
-        return 1.0 + sum(self.acceptance(j) for j in range(1, depth + 1))
+        return 1.0 + sum(self.acceptance(j, optimistic) for j in range(1, depth + 1))
 
-    def rate(self, depth: int) -> float:
-        """Expected tokens per one-token forward time when drafting to ``depth``."""
+    def rate(self, depth: int, optimistic: bool = False) -> float:
+        """Expected tokens per one-token forward time when drafting to ``depth`` (``optimistic``: see
+        :meth:`acceptance`)."""
         if depth == 0:
             return 1.0 / self.curve.cost(1)
-        expected = self.expected(depth)
+        expected = self.expected(depth, optimistic)
         draft = self.draft_seconds(depth) / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
         return expected / (self.verify_share * self.curve.cost(self._nodes(depth)) + draft)
 
@@ -200,7 +213,7 @@ class AdaptiveDepth:
         if self.full_depth is None:
             return max_depth  # the first step shows how deep the drafter goes
         top = min(max_depth, self.full_depth)
-        best = max(range(top + 1), key=self.rate)
+        best = max(range(top + 1), key=lambda d: self.rate(d, optimistic=True))
         if best > self.last_best:
             self.interval = self.explore_every  # deeper paid off: look further again soon
         self.last_best = best

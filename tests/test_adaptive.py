@@ -75,6 +75,30 @@ def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
     assert policy.draft_seconds(3) == pytest.approx(3 * policy.draft_seconds(1), rel=0.3)  # scaled from a neighbour
 
 
+def test_unlucky_first_drafts_do_not_switch_off_a_drafter_that_pays():
+    # layer-skip-like again: one level accepted a third of the time pays ((1 + 1/3) / (1 + 0.2) > 1). Its first
+    # ten drafts are all rejected (a 2% chance at that rate). On the estimate alone (optimism 0) depth 1 then looks
+    # worse than plain decoding, and only the rare looks one level deeper could bring it back; counting the
+    # estimate's standard error (the default), it drafts on and learns the true rate.
+    def run(optimism: float) -> list[int]:
+        policy = AdaptiveDepth(CPU_LIKE, measure_draft=True, optimism=optimism, full_depth=1)
+        tree = load_tree("chain-1", num_heads=1)
+        chosen, drafted = [], 0
+        for _ in range(300):
+            depth = policy.choose(100)
+            chosen.append(depth)
+            cut = tree.truncate(min(depth, tree.max_depth))
+            accepted = 0
+            if depth:
+                drafted += 1
+                accepted = 1 if drafted > 10 and drafted % 3 == 2 else 0
+            policy.observe(depth, draft_of(cut), accepted, 0.0002 * cut.max_depth)  # forward: 1 ms
+        return chosen
+
+    assert run(0.0)[100:].count(1) <= 0.1 * 200  # stuck on plain decoding
+    assert run(1.0)[100:].count(1) >= 0.9 * 200
+
+
 def test_a_verify_that_skips_the_drafted_layers_is_charged_only_for_the_rest():
     # layer-skip: drafting ran the first layers on the chain (their time is in the 0.2 of a forward that drafting
     # costs per level), so its verify pass runs the other 85% of the target. Level 1 is accepted 15% of the time:

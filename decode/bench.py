@@ -352,7 +352,8 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
 
 
 def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:
-    """``early_exit_layers``: the layers to try (one: no sweep); null: a quarter, half and three quarters deep."""
+    """``early_exit_layers``: the layers to try (one: no sweep); null: an eighth, a quarter, half and three quarters
+    deep (on SmolLM2 the shallowest was fastest: docs/benchmarks.md)."""
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     if layers not in (None, "", []):
         chosen = [int(x) for x in ([layers] if isinstance(layers, (int, str)) else layers)]
@@ -360,7 +361,7 @@ def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:
         if bad:
             raise DecodeSetupError(f"early_exit_layers: {bad[0]} is not a layer to exit after (1..{n - 1}).")
         return chosen
-    return sorted({min(max(1, n * k // 4), n - 1) for k in (1, 2, 3)})
+    return sorted({min(max(1, n * k // 8), n - 1) for k in (1, 2, 4, 6)})
 
 
 def choose_early_exit(method: Method, candidates: list[int], prompts: list[list[int]],

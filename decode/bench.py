@@ -59,10 +59,12 @@ def sweep_drafters(session: Session, drafters: dict[str, object], questions: lis
     """First turns of ``questions`` decoded by the session's target with each of ``drafters`` (name -> drafter, e.g.
     one set of heads under several trees), prompt by prompt: tau, tokens/s, draft/verify seconds per drafter, and on
     how many prompts its tokens equal the first drafter's (all of them under greedy acceptance: trees change speed,
-    never the output). What scripts/sweep_trees.py prints to choose a tree."""
+    never the output). What scripts/sweep_trees.py prints to choose a tree. A value may also be a whole
+    :class:`SpeculativeDecoder` (e.g. with adaptive depth, from :func:`decode.pipeline.build_decoder`)."""
     s, tokenizer = session.settings, session.target.tokenizer
-    decoders = {name: SpeculativeDecoder(session.target.model, drafter, eos_token_ids=session.decoder.eos_token_ids,
-                                         decode=session.decoder.decode, linear_kernel=session.decoder.linear_kernel)
+    decoders = {name: drafter if isinstance(drafter, SpeculativeDecoder) else SpeculativeDecoder(
+                    session.target.model, drafter, eos_token_ids=session.decoder.eos_token_ids,
+                    decode=session.decoder.decode, linear_kernel=session.decoder.linear_kernel)
                 for name, drafter in drafters.items()}
     if not decoders:
         raise ValueError("Give at least one drafter to sweep.")

@@ -15,6 +15,13 @@ on the heads and on the machine (scripts/bench.py writes the verify cost curve, 
     python scripts/sweep_trees.py heads=outputs/layerskip-smollm2 prompts=../shared/data/mt_bench/question.jsonl \\
         max_questions=8 max_new_tokens=64 --layerskip 11:2:0.5,15:2:0.5,22:1:0.5,22:3:0.7,22:6:0.9
 
+Each setting runs as given (the whole tree every step, the heads alone). ``--as-decoded`` runs each as decode/run.py
+would instead: adaptive depth and the suffix hybrid as the drafter's settings say (``draft.adaptive=false`` and
+``draft.suffix=false`` switch them off for every setting), e.g. to compare EAGLE trees under the default decoder:
+
+    python scripts/sweep_trees.py heads=outputs/eagle3-smollm2-cpu1h/heads \\
+        prompts=../shared/data/mt_bench/question.jsonl max_new_tokens=128 --eagle 2:2:3,2:1:2 --as-decoded
+
 Takes the overrides of conf/decode/decode.yaml (heads, model, device, dtype, max_new_tokens, acceptance, ...). Uses the first
 turn of each question. ``--out`` also writes the figures as JSON.
 """
@@ -31,7 +38,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from decode import registry  # noqa: E402
 from decode.bench import format_sweep, sweep_drafters  # noqa: E402
-from decode.pipeline import DecodeSetupError, load_session, read_questions  # noqa: E402
+from decode.pipeline import DecodeSetupError, build_decoder, load_session, read_questions  # noqa: E402
+from heads.config import to_dict  # noqa: E402
 from heads.errors import reported_errors  # noqa: E402
 
 
@@ -70,9 +78,11 @@ def exit_heads(session, heads_path, exit_layer: int):
 
 
 def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool, layerskip: list[str] = (),
-                   heads_path=None) -> dict:
+                   heads_path=None, as_decoded: bool = False, draft: dict | None = None) -> dict:
     """One drafter per swept setting, each built by the session's registry entry from its settings (defaults <
-    saved with the heads < the swept value), so a setting of another family is refused by the entry."""
+    saved with the heads < ``draft``, the command's draft.* < the swept value), so a setting of another family is
+    refused by the entry. ``as_decoded``: each in the decoder decode/run.py builds from those settings (adaptive
+    depth, the suffix hybrid)."""
     entry = registry.entry(session.drafter)
     sweeps = ([(f"tree {t}", {"tree": t}) for t in trees] + [(f"eagle {e}", parse_eagle(e)) for e in eagle]
               + [(f"layerskip {x}", parse_layerskip(x)) for x in layerskip])
@@ -85,8 +95,11 @@ def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool, l
             heads = exit_heads(session, heads_path, overrides["exit_layer"])
             if heads is not None:
                 overrides = {k: v for k, v in overrides.items() if k != "exit_layer"}
-        settings = entry.settings(session.heads_config, overrides)
+        settings = entry.settings(session.heads_config, {**(draft or {}), **overrides})
         drafters[name] = entry.build(heads, session.target, settings)
+        if as_decoded:
+            drafters[name] = build_decoder(session.target, drafters[name], settings, session.decoder.linear_kernel,
+                                           sorted(session.decoder.eos_token_ids))
     if vanilla:
         drafters["vanilla"] = registry.entry("vanilla").build(None, session.target, {})
     return drafters
@@ -98,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eagle", default="", help="comma-separated depth:top_k:total_tokens for EAGLE heads")
     parser.add_argument("--layerskip", default="", help="comma-separated exit_layer:max_depth:threshold")
     parser.add_argument("--no-vanilla", action="store_true", help="leave out plain decoding (one token per step)")
+    parser.add_argument("--as-decoded", action="store_true",
+                        help="each setting with adaptive depth and the suffix hybrid, as decode/run.py decodes")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
     with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
@@ -107,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     session = load_session(cfg)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     drafters = build_drafters(session, split(args.trees), split(args.eagle), not args.no_vanilla,
-                              split(args.layerskip), cfg.heads)
+                              split(args.layerskip), cfg.heads, args.as_decoded, to_dict(cfg.draft))
     questions = read_questions(cfg.prompts, cfg.max_questions)
     print(f"target {session.target.name}, heads {cfg.heads}; {len(questions)} prompts (first turns), "
           f"max_new_tokens={cfg.max_new_tokens}, acceptance {cfg.acceptance}")

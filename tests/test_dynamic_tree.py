@@ -70,7 +70,7 @@ def paths_of(tree) -> dict[tuple[int, ...], float]:
     return out
 
 
-@pytest.mark.parametrize("depth,top_k,total", [(1, 3, 2), (3, 2, 6), (4, 3, 10), (5, 4, 30), (3, 7, 100)])
+@pytest.mark.parametrize("depth,top_k,total", [(1, 3, 2), (2, 1, 2), (3, 2, 6), (4, 3, 10), (5, 4, 30), (3, 7, 100)])
 def test_selection_matches_brute_force(depth, top_k, total):
     calls = []
     tree = grow(depth, top_k, total, calls=calls)
@@ -83,7 +83,7 @@ def test_selection_matches_brute_force(depth, top_k, total):
 
 
 @pytest.mark.parametrize("peaked", [False, True])
-@pytest.mark.parametrize("depth,top_k,total", [(2, 2, 3), (4, 3, 12), (6, 4, 40)])
+@pytest.mark.parametrize("depth,top_k,total", [(2, 1, 2), (2, 2, 3), (4, 3, 12), (6, 4, 40)])
 def test_tree_invariants(depth, top_k, total, peaked):
     tree = grow(depth, top_k, total, peaked=peaked)
     n_candidates = top_k + (depth - 1) * top_k * top_k

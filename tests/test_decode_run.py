@@ -55,20 +55,6 @@ def test_draft_settings_apply_the_same_way_for_every_family():
     assert isinstance(alone, MedusaDrafter) and alone.tree.num_nodes == 5
     eagle = load_session(compose("decode", TINY + ["drafter=eagle", "draft.top_k=3"])).decoder.drafter.inner
     assert (eagle.depth, eagle.top_k, eagle.total_tokens) == (5, 3, 48)
-    # --as-decoded: each setting in the decoder decode/run.py builds (adaptive depth, the suffix hybrid by default;
-    # the command's draft.* switch them off for every setting)
-    from decode.hybrid import HybridDrafter
-    from decode.pipeline import load_session
-
-    session = load_session(compose("decode", ["model=tiny", "drafter=eagle"]))
-    hybrid = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True)["eagle 2:1:2"]
-    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.drafter.policy is not None
-    assert (hybrid.drafter.inner.top_k, hybrid.drafter.inner.total_tokens) == (1, 2)
-    alone = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True, draft={"suffix": False})["eagle 2:1:2"]
-    assert not isinstance(alone.drafter, HybridDrafter) and alone.depth_policy is not None
-    ways = sweep.main(["model=tiny", "drafter=eagle", f"prompts={questions}", "max_questions=2", "max_new_tokens=8",
-                       "--eagle", "2:1:2,3:4:8", "--as-decoded"])
-    assert all(w["same_as_first"] == 2 for w in ways.values())
     with pytest.raises(DecodeSetupError, match="draft.tree is not a setting of the eagle drafter"):
         load_session(compose("decode", TINY + ["drafter=eagle", "draft.tree=chain"]))
     with pytest.raises(DecodeSetupError, match="Unknown drafter 'medussa'"):

@@ -54,8 +54,7 @@ def parse_eagle(spec: str) -> dict:
 def parse_layerskip(spec: str) -> dict:
     try:
         exit_layer, depth, threshold = spec.split(":")
-        return {"exit_layer": int(exit_layer), "max_depth": int(depth), "threshold": float(threshold),
-                "adaptive": False}
+        return {"exit_layer": int(exit_layer), "max_depth": int(depth), "threshold": float(threshold)}
     except ValueError:
         raise DecodeSetupError(f"--layerskip {spec!r}: give exit_layer:max_depth:threshold, e.g. 15:3:0.5.") from None
 

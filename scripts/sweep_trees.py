@@ -97,8 +97,7 @@ def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool, l
         settings = entry.settings(session.heads_config, {**(draft or {}), **overrides})
         drafters[name] = entry.build(heads, session.target, settings)
         if as_decoded:
-            drafters[name] = build_decoder(session.target, drafters[name], settings, session.decoder.linear_kernel,
-                                           sorted(session.decoder.eos_token_ids))
+            drafters[name] = build_decoder(session.target, drafters[name], settings, session.decoder.linear_kernel)
     if vanilla:
         drafters["vanilla"] = registry.entry("vanilla").build(None, session.target, {})
     return drafters

@@ -157,16 +157,20 @@ def causal_mask(
     return additive_mask(allowed, dtype)
 
 
-def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype,
+                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Mask of unrolled training step ``step`` over the keys of steps 0..step: [B, 1, T, (step + 1) T].
 
     Step 0's keys are the real prefix: query t sees keys s <= t (not padding). Each later step's keys at index t are
     the draft's own earlier guesses on the path of t, so query t sees only index t in those blocks (a chain through
-    the steps, exactly what the dynamic tree shows the draft at test time).
+    the steps, exactly what the dynamic tree shows the draft at test time). With ``segment_ids`` [B, T] (a packed
+    batch, train.data.collate_packed) step 0's keys are further limited to query t's own example.
     """
     bsz, length = key_padding.shape
     idx = torch.arange(length, device=key_padding.device)
     causal = (idx[None, :] <= idx[:, None])[None] & key_padding.bool()[:, None, :]  # [B, T, T]
+    if segment_ids is not None:
+        causal = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
     diag = torch.eye(length, dtype=torch.bool, device=key_padding.device).expand(bsz, length, length)
     allowed = torch.cat([causal] + [diag] * step, dim=-1)  # [B, T, (step+1) T]
     return additive_mask(allowed[:, None], dtype)
@@ -401,6 +405,8 @@ class EagleDrafter(nn.Module):
         input_ids: torch.Tensor,
         steps: int = 1,
         key_padding: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training forward with ``steps`` unrolled test-time steps.
 
@@ -408,6 +414,9 @@ class EagleDrafter(nn.Module):
         input_ids [B, T]: the sequence x_0..x_{T-1}. Index t of step j reads token x_{t+j+1} at position t+j
         (the draft's guess of feature t+j for j > 0) and returns [B, T, H] per step, predicting feature t+j+1 /
         token t+j+2. Inputs past the sequence end read token 0; their losses are masked by the loss functions.
+        A packed batch gives ``segment_ids`` and ``position_ids`` [B, T] (train.data.collate_packed): attention stays
+        within each example and positions restart in each; an index whose tokens run into the next example is not
+        trained on (see :func:`drafter_loss`).
         """
         bsz, length = input_ids.shape
         if key_padding is None:
@@ -415,12 +424,14 @@ class EagleDrafter(nn.Module):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        positions = (torch.cumsum(key_padding.long(), -1) - 1).clamp(min=0)  # [B, T] (left padding safe)
+        positions = position_ids
+        if positions is None:
+            positions = (torch.cumsum(key_padding.long(), -1) - 1).clamp(min=0)  # [B, T] (left padding safe)
         outputs = []
         current = features
         for step in range(steps):
             tokens = shift_left(input_ids, step + 1, fill=0)
-            mask = unrolled_step_mask(key_padding, step, self.dtype)
+            mask = unrolled_step_mask(key_padding, step, self.dtype, segment_ids)
             current = self(current, tokens, positions + step, mask, cache)
             outputs.append(current)
         return outputs
@@ -498,15 +509,19 @@ def _loss_at(
     weights: EagleLossWeights,
     target_features: torch.Tensor | None,
     teacher: torch.Tensor | None,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The unrolled loss over the positions it trains on, given as teacher rows (b, p) [N] (sample, position of the
     feature / teacher row a draft step predicts; its drafted token is labels[b, p + 1]) with ``teacher`` [N, V'] the
     target's logits there. Step j reads index t = p - j - 1 of its features (where t >= 0), so each step's logits
-    are computed only at the positions it is scored on."""
+    are computed only at the positions it is scored on. With ``segment_ids`` (a packed batch) step j is scored only
+    where index t and the drafted token p + 1 lie in the same example."""
     total = step_features[0].new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     for j, feat in enumerate(step_features):
         keep = p >= j + 1
+        if segment_ids is not None:
+            keep = keep & (segment_ids[b, (p - j - 1).clamp(min=0)] == segment_ids[b, p + 1])
         bj, pj = b[keep], p[keep]
         tj = pj - j - 1
         if callable(step_logits):
@@ -588,6 +603,8 @@ def drafter_loss(
     attention_mask: torch.Tensor | None = None,
     feature_noise: float = 0.0,
     generator: torch.Generator | None = None,
+    segment_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The training loss of one batch, given the frozen target's forward over it (the same as :func:`eagle_loss`
     over the drafter's full logits, but the draft's and the target's vocabulary projections, the costliest part of a
@@ -597,13 +614,15 @@ def drafter_loss(
     token_loss='kl'): the target's logits [B, T, V], or a function (b, p) -> [N, V] computing rows (b, p) only
     (e.g. the target's LM head over stored last hidden states); input_ids / labels / attention_mask [B, T] as
     collated (labels -100 off the assistant's tokens). Noise goes on the step-0 input features only; regression
-    targets stay clean.
+    targets stay clean. A packed batch (train.data.collate_packed) passes its ``segment_ids`` and ``position_ids``:
+    the loss then equals the padded batch's over the same examples.
     """
     use_teacher = target_logits is not None and weights.token_loss == "kl"
     _check_loss_inputs(weights, hidden_states[-1] if weights.regression > 0 else None,
                        target_logits if use_teacher else None)
     features = add_uniform_noise(drafter.target_features(hidden_states), feature_noise, generator)
-    steps = drafter.unrolled_forward(features, input_ids, unroll_steps, key_padding=attention_mask)
+    steps = drafter.unrolled_forward(features, input_ids, unroll_steps, key_padding=attention_mask,
+                                     segment_ids=segment_ids, position_ids=position_ids)
     draft_labels = drafter.target_to_draft(labels)
     b, p = (shift_left(draft_labels, 1, fill=-100) != -100).nonzero(as_tuple=True)
     teacher = None
@@ -617,7 +636,7 @@ def drafter_loss(
         if drafter.variant != "eagle":
             raise SettingError("eagle3 has no feature regression target: set heads.loss.regression=0.")
         regression_target = hidden_states[-1].to(steps[0].dtype)
-    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher)
+    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher, segment_ids)
 
 
 # --- save / load ------------------------------------------------------------------------------------------------------

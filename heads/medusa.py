@@ -155,14 +155,19 @@ class MedusaHeads(nn.Module):
         return torch.stack([F.linear(f, w) for f, w in zip(features, weights)])
 
 
-def medusa_targets(labels: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
-    """Per-head label tensors [B, T]: head k at position t is trained on labels[t + k + 2] (-100 where none)."""
+def medusa_targets(labels: torch.Tensor, num_heads: int,
+                   segment_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per-head label tensors [B, T]: head k at position t is trained on labels[t + k + 2] (-100 where none, and,
+    with ``segment_ids`` [B, T] of a packed batch, where t + k + 2 lies in another example)."""
     out = []
     for k in range(num_heads):
         shift = k + 2
         target = torch.full_like(labels, -100)
         if shift < labels.shape[1]:
             target[:, :-shift] = labels[:, shift:]
+            if segment_ids is not None:
+                apart = segment_ids[:, :-shift] != segment_ids[:, shift:]
+                target[:, :-shift] = target[:, :-shift].masked_fill(apart, -100)
         out.append(target)
     return out
 
@@ -210,13 +215,15 @@ def medusa_head_losses(
     return loss.sum(-1), count
 
 
-def medusa_positions(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_positions(labels: torch.Tensor, num_heads: int,
+                     segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions where at least one head has a target, and each head's target there.
 
-    labels [B, T] (-100 = no label). Returns (flat_index [N] into the B*T positions, head_targets [K, N]).
-    Training on these positions only skips the full-vocabulary projection where no head has anything to learn.
+    labels [B, T] (-100 = no label); segment_ids [B, T] of a packed batch (targets stay within an example). Returns
+    (flat_index [N] into the B*T positions, head_targets [K, N]). Training on these positions only skips the
+    full-vocabulary projection where no head has anything to learn.
     """
-    head_targets = torch.stack(medusa_targets(labels, num_heads)).flatten(1)  # [K, B*T]
+    head_targets = torch.stack(medusa_targets(labels, num_heads, segment_ids)).flatten(1)  # [K, B*T]
     flat_index = (head_targets != -100).any(0).nonzero().squeeze(-1)  # [N]
     return flat_index, head_targets[:, flat_index]
 

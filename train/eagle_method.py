@@ -38,7 +38,7 @@ from heads.eagle import (
     EagleLossWeights,
     drafter_loss,
 )
-from train.data import choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
+from train.data import choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -106,17 +106,21 @@ class EagleTrainModule(nn.Module):
         self.drafter = drafter
         self.weights, self.unroll_steps, self.feature_noise = weights, unroll_steps, feature_noise
 
-    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask):
-        """-> (loss, metrics); noise only in training mode."""
+    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, segment_ids=None,
+                position_ids=None):
+        """-> (loss, metrics); noise only in training mode; segment_ids / position_ids of a packed batch."""
         return drafter_loss(
             self.drafter, hidden_states, target_logits, input_ids, labels, self.weights,
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
             feature_noise=self.feature_noise if self.training else 0.0,
+            segment_ids=segment_ids, position_ids=position_ids,
         )
 
 
 class EagleMethod:
     """The EAGLE family for the shared loop (see train.loop.TrainMethod)."""
+
+    supports_packing = True  # trainer.packing: the drafter's masks and losses read segment_ids
 
     def __init__(self, cfg: Any):
         self.settings = EagleSettings.from_cfg(cfg.heads)
@@ -182,8 +186,7 @@ class EagleMethod:
                 for j, i in enumerate(layer_ids or []):
                     hidden_states[i] = batch["aux"][:, :, j]
             else:  # online: the decoder stack only; the LM head runs below on the trained rows alone
-                out = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                          position_ids=position_ids_from_mask(batch["attention_mask"]),
+                out = model.get_decoder()(input_ids=batch["input_ids"], **target_inputs(batch),
                                           output_hidden_states=True, use_cache=False)
                 hidden_states = out.hidden_states  # [-1]: after the final norm, what the LM head reads
             lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
@@ -197,7 +200,8 @@ class EagleMethod:
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
-        loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"])
+        loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                batch.get("segment_ids"), batch.get("position_ids"))
         return loss, {k: torch.tensor(v) for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
 
     # --- evaluation ---------------------------------------------------------------------------------------------
@@ -212,7 +216,7 @@ class EagleMethod:
         for batch in loader:
             hidden_states, logits = self._target_outputs(batch, target, layer_ids)
             loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"],
-                                    batch["attention_mask"])
+                                    batch["attention_mask"], batch.get("segment_ids"), batch.get("position_ids"))
             for j in range(steps):
                 n = metrics[f"count_{j}"]
                 token = metrics.get(f"token_{j}", 0.0) + self.weights.regression * metrics.get(f"regression_{j}", 0.0)

@@ -38,7 +38,7 @@ import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -128,6 +128,8 @@ class TrainerConfig:
     resume: Any  # false | true (latest of this run) | path of a checkpoint or run folder
     overwrite: bool  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
     num_workers: int
+    packing: bool  # each batch's examples packed into rows of pack_length tokens (train.data.collate_packed)
+    pack_length: int | None  # null: data.max_length
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "TrainerConfig":
@@ -142,6 +144,8 @@ class TrainerConfig:
             problems.append(f"trainer.lr_scheduler={out.lr_scheduler!r}: use one of {sorted(_SCHEDULERS)}")
         if out.mixed_precision not in (None, "no", "bf16", "fp16"):
             problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16 or null")
+        if out.pack_length is not None and out.pack_length < 1:
+            problems.append(f"trainer.pack_length={out.pack_length} must be >= 1 (or null: data.max_length)")
         if out.target_dtype not in TARGET_DTYPES:
             problems.append(f"trainer.target_dtype={out.target_dtype!r}: use one of {', '.join(TARGET_DTYPES)}")
         if problems:
@@ -342,11 +346,13 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
         target = _load_target(cfg, accelerator, tc.target_dtype, getattr(method, "trains_target", False))
     else:
         target.model.to(accelerator.device)
+    packed_collate = _packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
     train_ds, eval_ds, collate_fn = _data(cfg, tc, method, target, datasets, accelerator)
+    train_collate = packed_collate or collate_fn
     drafter, optimizer, scheduler = _optimization(tc, method, target)
     loader_gen = torch.Generator().manual_seed(tc.seed)  # DataLoader seeds from this, not the global RNG
     train_loader = DataLoader(train_ds, batch_size=tc.batch_size, sampler=EpochSampler(len(train_ds), tc.seed),
-                              collate_fn=collate_fn, num_workers=tc.num_workers, generator=loader_gen)
+                              collate_fn=train_collate, num_workers=tc.num_workers, generator=loader_gen)
     drafter, optimizer, train_loader, scheduler = accelerator.prepare(drafter, optimizer, train_loader, scheduler)
     eval_loader = None
     if eval_ds is not None:
@@ -379,6 +385,24 @@ def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, dataset
     if eval_ds is not None and len(eval_ds) == 0:
         eval_ds = None
     return train_ds, eval_ds, collate_fn
+
+
+def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:
+    """trainer.packing: batches of the same examples, packed (train.data.collate_packed) into rows of
+    trainer.pack_length tokens (default data.max_length), whether the examples are tokenized data or feature-store
+    items. Only for methods whose losses and masks read the packed layout (``supports_packing``). Evaluation keeps
+    padded batches: its per-example sums (gather_for_metrics) count examples, and the metrics are the same."""
+    from train.data import collate_packed
+
+    if not getattr(method, "supports_packing", False):
+        raise SettingError(f"trainer.packing=true is not supported by {method.name} training: set "
+                           "trainer.packing=false (medusa, medusa2, eagle and eagle3 support it).")
+    capacity = tc.pack_length
+    if capacity is None:
+        capacity = cfg_get(cfg_get(cfg, "data"), "max_length")
+    if capacity is None:
+        raise SettingError("trainer.packing=true needs trainer.pack_length (or data.max_length) to size its rows.")
+    return functools.partial(collate_packed, pad_token_id=target.tokenizer.pad_token_id, capacity=int(capacity))
 
 
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):

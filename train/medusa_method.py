@@ -44,7 +44,7 @@ from heads.medusa import (
     to_draft_ids,
     weighted_head_loss,
 )
-from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
+from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -110,11 +110,12 @@ class Medusa2Model(nn.Module):
     def base_causal_lm(self) -> nn.Module:
         return self.target.get_base_model()
 
-    def forward(self, input_ids, attention_mask, head_index, lm_index, draft_vocab: bool = False):
-        """input_ids, attention_mask [B, T]; head_index [N], lm_index [M] flat positions.
-        Returns (head_logits [K, N, V] (V' with ``draft_vocab``), lm_logits [M, V])."""
+    def forward(self, input_ids, attention_mask, head_index, lm_index, draft_vocab: bool = False, position_ids=None):
+        """input_ids, attention_mask [B, T]; head_index [N], lm_index [M] flat positions; position_ids [B, T] of a
+        packed batch (attention_mask None). Returns (head_logits [K, N, V] (V' with ``draft_vocab``),
+        lm_logits [M, V])."""
         causal_lm = self.base_causal_lm()
-        hidden = last_hidden_state(causal_lm, input_ids, attention_mask).flatten(0, 1)  # [B*T, H], LoRA active
+        hidden = last_hidden_state(causal_lm, input_ids, attention_mask, position_ids).flatten(0, 1)  # LoRA active
         head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)), draft_vocab=draft_vocab)
         lm_logits = causal_lm.get_output_embeddings()(hidden[lm_index])
         return head_logits, lm_logits
@@ -125,12 +126,21 @@ def _dtype(module: nn.Module, default: torch.Tensor) -> torch.dtype:
     return param.dtype if param is not None else default.dtype
 
 
-def last_hidden_state(causal_lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The hidden state the LM head reads (after the final norm), [B, T, H], without computing logits."""
+def last_hidden_state(causal_lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The hidden state the LM head reads (after the final norm), [B, T, H], without computing logits. A padded
+    batch gives its attention_mask (positions follow from it); a packed one no mask and its restarting position_ids
+    (train.data.target_inputs)."""
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.base_model
-    out = decoder(input_ids=input_ids, attention_mask=attention_mask,
-                  position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
+
+
+def batch_hidden_state(causal_lm: nn.Module, batch: dict) -> torch.Tensor:
+    """:func:`last_hidden_state` over a collated batch, padded or packed."""
+    return last_hidden_state(causal_lm, batch["input_ids"], **target_inputs(batch))
 
 
 def lm_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +154,9 @@ def lm_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class MedusaMethod:
     """The Medusa family for the shared loop (see train.loop.TrainMethod)."""
+
+    supports_packing = True  # trainer.packing: targets stay within an example (segment_ids), the target reads
+    # packed rows through transformers' packed-sequence masks
 
     def __init__(self, cfg: Any):
         self.settings = MedusaSettings.from_cfg(cfg.heads)
@@ -237,7 +250,7 @@ class MedusaMethod:
     def count_items(self, batch: dict) -> torch.Tensor:
         """Label positions per head [K] (Medusa-2: and for the target's LM loss, [K + 1])."""
         labels = batch["labels"]
-        _, head_targets = medusa_positions(labels, self.settings.num_heads)
+        _, head_targets = medusa_positions(labels, self.settings.num_heads, batch.get("segment_ids"))
         counts = (self._loss_targets(head_targets) != IGNORE_INDEX).sum(-1)
         if self.is_medusa2:
             counts = torch.cat([counts, ((labels[:, 1:] != IGNORE_INDEX).sum()).reshape(1)])
@@ -245,7 +258,8 @@ class MedusaMethod:
 
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         s = self.settings
-        head_index, head_targets = medusa_positions(batch["labels"], s.num_heads)  # [N], [K, N]
+        segments = batch.get("segment_ids")  # a packed batch's
+        head_index, head_targets = medusa_positions(batch["labels"], s.num_heads, segments)  # [N], [K, N]
         loss_targets = self._loss_targets(head_targets)
         if self.is_medusa2:
             head_logits, lm_logits, teacher, lm_teacher = self._medusa2_forward(batch, drafter, head_index)
@@ -273,7 +287,7 @@ class MedusaMethod:
         if "hidden" in batch:  # from the feature store
             return batch["hidden"]
         with torch.no_grad():
-            return last_hidden_state(target.model, batch["input_ids"], batch["attention_mask"])
+            return batch_hidden_state(target.model, batch)
 
     def _teacher(self, batch: dict, target, hidden: torch.Tensor, head_index: torch.Tensor) -> torch.Tensor:
         """The target's logits for each head's token at each position: [K, N, V] (head k at t: logits at t+k+1);
@@ -308,14 +322,15 @@ class MedusaMethod:
         the teachers are the adapter-free target's logits, computed only for the KL losses."""
         s = self.settings
         lm_index, _ = lm_positions(batch["labels"])
-        head_logits, lm_logits = drafter(batch["input_ids"], batch["attention_mask"], head_index, lm_index,
-                                         draft_vocab=self.reduced)
+        inputs = target_inputs(batch)
+        head_logits, lm_logits = drafter(batch["input_ids"], inputs["attention_mask"], head_index, lm_index,
+                                         draft_vocab=self.reduced, position_ids=inputs["position_ids"])
         head_teacher = lm_teacher = None
         if teachers and (s.loss == "kl" or s.target_loss == "kl"):
             base = unwrap(drafter)
             with torch.no_grad(), base.target.disable_adapter():
                 causal_lm = base.base_causal_lm()
-                hidden = last_hidden_state(causal_lm, batch["input_ids"], batch["attention_mask"]).flatten(0, 1)
+                hidden = batch_hidden_state(causal_lm, batch).flatten(0, 1)
                 base_logits = causal_lm.get_output_embeddings()(hidden)  # [B*T, V]
             last = base_logits.shape[0] - 1
             if s.loss == "kl":

@@ -1,0 +1,259 @@
+"""Sequence packing (trainer.packing, train.data.collate_packed).
+
+- Layout: every example lands once, rows hold at most pack_length tokens, positions restart per example.
+- Attention does not cross examples: the target's hidden states of a packed row equal each example's own forward
+  (transformers' packed-sequence masks), and the EAGLE and Medusa losses and gradients of a packed batch equal the
+  padded batch's over the same examples (a packed row read as one sequence gives other values: the check can fail).
+- Training: a packed run ends with the padded run's parameters, resumes exactly, and a method that cannot read packed
+  batches refuses them before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.target import build_tiny
+from train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, same_segment, target_inputs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# fp32 forwards of the same examples in different layouts differ only by summation order: relative 1e-6 per matmul,
+# a few orders of magnitude below these bounds.
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def examples(lengths, seed=0, prompt=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, 259, (n,), generator=g)
+        labels = ids.clone()
+        labels[:prompt] = IGNORE_INDEX
+        out.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return out
+
+
+def to(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+# --- layout ----------------------------------------------------------------------------------------------------------
+
+
+def test_pack_rows_is_first_fit_longest_first():
+    assert pack_rows([5, 3, 4, 2], 8) == [[0, 1], [2, 3]]
+    assert pack_rows([9, 2], 8) == [[0], [1]]  # too long for any row: a row of its own
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, 40, (50,), generator=g).tolist()
+    rows = pack_rows(lengths, 64)
+    assert sorted(i for row in rows for i in row) == list(range(50))
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+    assert len(rows) < 50 and all(row == sorted(row) for row in rows)
+
+
+def test_collate_packed_lays_examples_end_to_end():
+    ex = examples([5, 3, 4, 2])
+    ex[1]["extra"] = torch.arange(3 * 2, dtype=torch.float16).view(3, 2)  # a per-token feature (a store's field)
+    for e in ex:
+        e.setdefault("extra", torch.zeros(len(e["input_ids"]), 2, dtype=torch.float16))
+    batch = collate_packed(ex, pad_token_id=0, capacity=8)
+    assert batch["input_ids"].shape == (2, 8) and batch["extra"].shape == (2, 8, 2)
+    assert batch["segment_ids"].tolist() == [[1] * 5 + [2] * 3, [1] * 4 + [2] * 2 + [0] * 2]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 0, 1]]
+    assert batch["attention_mask"].tolist() == [[1] * 8, [1] * 6 + [0] * 2]
+    assert batch["input_ids"][0, 5:].tolist() == ex[1]["input_ids"]
+    assert torch.equal(batch["extra"][0, 5:], ex[1]["extra"])
+    # labels as given, except each example's first token (no position of its own example predicts it)
+    assert batch["labels"][0, 5:].tolist() == [IGNORE_INDEX] + ex[1]["labels"][1:]
+    assert batch["labels"][1, 6:].tolist() == [IGNORE_INDEX] * 2
+    ahead = same_segment(batch["segment_ids"], 2)
+    assert ahead[0].tolist() == [True, True, True, False, False, True, False, False]
+    assert ahead[1].tolist() == [True, True, False, False, False, False, False, False]
+    # the same tokens as the padded batch
+    padded = collate(ex, pad_token_id=0)
+    assert int(batch["attention_mask"].sum()) == int(padded["attention_mask"].sum())
+    assert batch["input_ids"].numel() < padded["input_ids"].numel()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_target_reads_a_packed_row_as_separate_sequences(arch, device):
+    model, _ = build_tiny(arch, seed=0)
+    ex = examples([7, 12, 5, 9], seed=2)
+    packed = to(collate_packed(ex, pad_token_id=0, capacity=24), device)
+    padded = to(collate(ex, pad_token_id=0), device)
+    assert packed["input_ids"].shape[0] < len(ex)
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        got = decoder(input_ids=packed["input_ids"], **target_inputs(packed), use_cache=False).last_hidden_state
+        want = decoder(input_ids=padded["input_ids"], **target_inputs(padded), use_cache=False).last_hidden_state
+        # the packed row read as one sequence: later examples attend to earlier ones
+        mixed = decoder(input_ids=packed["input_ids"], attention_mask=packed["attention_mask"],
+                        use_cache=False).last_hidden_state
+    rows = pack_rows([len(e["input_ids"]) for e in ex], 24)
+    crossed = 0.0
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = len(ex[i]["input_ids"])
+            torch.testing.assert_close(got[r, start:start + n], want[i, :n], rtol=RTOL, atol=ATOL)
+            crossed = max(crossed, float((mixed[r, start:start + n] - want[i, :n]).abs().max()))
+            start += n
+    assert crossed > 100 * ATOL
+
+
+# --- losses ----------------------------------------------------------------------------------------------------------
+
+
+def _grads(module, loss):
+    module.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _compare(method, target, module, ex, capacity):
+    device = target.model.device
+    padded = to(collate(ex, target.tokenizer.pad_token_id), device)
+    packed = to(collate_packed(ex, target.tokenizer.pad_token_id, capacity), device)
+    assert packed["input_ids"].shape[0] < len(ex)
+    module.eval()  # no dropout (Medusa-2's LoRA): both layouts see the same function; gradients still flow
+    want, _ = method.compute_loss(padded, target, module)
+    want_grads = _grads(module, want)
+    got, _ = method.compute_loss(packed, target, module)
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=RTOL) and float(want.detach()) > 0
+    got_grads = _grads(module, got)
+    assert got_grads.keys() == want_grads.keys() and got_grads
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=RTOL, atol=ATOL, msg=name)
+    # the same rows read as single sequences (no segments, positions running on): a different loss
+    unpacked = {k: v for k, v in packed.items() if k not in ("segment_ids", "position_ids")}
+    crossed, _ = method.compute_loss(unpacked, target, module)
+    assert abs(float(crossed.detach()) - float(want.detach())) > 1e-3 * float(want.detach())
+
+
+@pytest.mark.parametrize("variant", ["eagle", "eagle3", "eagle3-mid"])
+def test_packed_eagle_loss_equals_the_padded_loss(tmp_path, variant):
+    from test_eagle import eagle_cfg, heads_overrides
+    from test_medusa_train import tiny_target
+
+    from train.eagle_method import EagleMethod
+
+    target = tiny_target()
+    # noise off: the two forwards would draw different noise
+    cfg = eagle_cfg(tmp_path, *heads_overrides(variant), "heads.draft_vocab_size=200", "heads.unroll_steps=3",
+                    "heads.feature_noise=0")
+    method = EagleMethod(cfg)
+    torch.manual_seed(0)
+    module = method.build_drafter(target)
+    _compare(method, target, module, examples([14, 9, 20, 6, 11], seed=3), capacity=32)
+
+
+@pytest.mark.parametrize("heads_option", ["medusa", "medusa2"])
+def test_packed_medusa_loss_equals_the_padded_loss(tmp_path, heads_option):
+    from test_medusa_train import medusa_cfg, tiny_target
+
+    from train.medusa_method import MedusaMethod
+
+    target = tiny_target()
+    cfg = medusa_cfg(tmp_path, f"heads={heads_option}")
+    method = MedusaMethod(cfg)
+    torch.manual_seed(0)
+    module = method.build_drafter(target)
+    if heads_option == "medusa2":  # LoRA's B starts at zero: move it so the adapter changes the target's forward
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+    _compare(method, target, module, examples([14, 9, 20, 6, 11], seed=3), capacity=32)
+
+
+# --- training --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["eagle3", "medusa"])
+def test_a_packed_run_ends_with_the_padded_runs_parameters(tmp_path, family):
+    from test_eagle import eagle_cfg, saved_weights
+    from test_medusa_train import heads_weights, medusa_cfg, tiny_datasets, tiny_target
+
+    from train.eagle_method import EagleMethod
+    from train.loop import train
+    from train.medusa_method import MedusaMethod
+
+    if family == "eagle3":
+        make_cfg, method_of, weights = eagle_cfg, EagleMethod, saved_weights
+        opts = ["heads=eagle3", "heads.draft_vocab_size=64", "heads.feature_noise=0"]
+    else:
+        make_cfg, method_of, weights = medusa_cfg, MedusaMethod, heads_weights
+        opts = []
+    opts += ["trainer.max_steps=4", "trainer.batch_size=6", "trainer.pack_length=96"]
+    data = tiny_datasets()  # 20-40 tokens: rows of 96 hold two or three
+    class Counted(method_of):
+        rows: list[int] = []
+
+        def compute_loss(self, batch, *args, **kwargs):
+            self.rows.append(int(batch["input_ids"].shape[0]))
+            return super().compute_loss(batch, *args, **kwargs)
+
+    runs = {}
+    for name, packing in (("padded", "false"), ("packed", "true")):
+        cfg = make_cfg(tmp_path / name, *opts, f"trainer.packing={packing}")
+        method = Counted(cfg)
+        method.rows = []
+        result = train(cfg, method, target=tiny_target(), datasets=data)
+        runs[name] = (result, weights(tmp_path / name), method.rows)
+    (padded, a, padded_rows), (packed, b, packed_rows) = runs["padded"], runs["packed"]
+    assert padded_rows == [6] * 4 and max(packed_rows) < 6
+    assert [h["loss"] for h in packed.history] == pytest.approx([h["loss"] for h in padded.history], rel=RTOL)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_a_killed_packed_run_resumes_exactly(tmp_path, deterministic):
+    from test_eagle import KilledEagle, eagle_cfg, saved_weights
+    from test_medusa_train import tiny_datasets, tiny_target
+
+    from train.eagle_method import EagleMethod
+    from train.loop import train
+
+    class KilledAt(EagleMethod):
+        calls = 0
+
+        def compute_loss(self, batch, target, drafter):
+            assert "segment_ids" in batch  # packed
+            KilledAt.calls += 1
+            if KilledAt.calls == 5:
+                raise KilledEagle
+            return super().compute_loss(batch, target, drafter)
+
+    opts = ["heads=eagle3", "heads.feature_noise=0.1", "heads.draft_vocab_size=64", "trainer.packing=true",
+            "trainer.pack_length=96", "trainer.save_every=2", "trainer.max_steps=6"]
+    data = tiny_datasets()
+    full_cfg = eagle_cfg(tmp_path / "full", *opts)
+    train(full_cfg, EagleMethod(full_cfg), target=tiny_target(), datasets=data)
+    cfg = eagle_cfg(tmp_path / "killed", *opts)
+    with pytest.raises(KilledEagle):
+        train(cfg, KilledAt(cfg), target=tiny_target(), datasets=data)  # dies in step 5
+    resumed_cfg = eagle_cfg(tmp_path / "killed", *opts, "trainer.resume=true")
+    result = train(resumed_cfg, EagleMethod(resumed_cfg), target=tiny_target(), datasets=data)
+    assert result.steps == 6 and len(result.history) == 2
+    full, resumed = saved_weights(tmp_path / "full"), saved_weights(tmp_path / "killed")
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+
+
+def test_packing_is_refused_clearly_where_unsupported(tmp_path):
+    from test_layerskip_train import layerskip_cfg
+    from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
+
+    from heads.errors import SettingError
+    from train.layerskip_method import LayerSkipMethod
+    from train.loop import TrainerConfig, train
+    from train.medusa_method import MedusaMethod
+
+    cfg = layerskip_cfg(tmp_path / "ls", "trainer.packing=true")
+    with pytest.raises(SettingError, match="trainer.packing=false"):
+        train(cfg, LayerSkipMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
+    assert not (tmp_path / "ls" / "checkpoints").exists()
+    with pytest.raises(SettingError, match="pack_length"):
+        TrainerConfig.from_cfg(medusa_cfg(tmp_path / "m", "trainer.pack_length=0").trainer)
+    MedusaMethod(medusa_cfg(tmp_path / "m", "trainer.packing=true"))  # composes

@@ -6,6 +6,7 @@
   padded batch's over the same examples (a packed row read as one sequence gives other values: the check can fail).
 - Training: a packed run ends with the padded run's parameters, resumes exactly, and a method that cannot read packed
   batches refuses them before any work.
+- trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings.
 """
 
 from __future__ import annotations
@@ -257,3 +258,43 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
     with pytest.raises(SettingError, match="pack_length"):
         TrainerConfig.from_cfg(medusa_cfg(tmp_path / "m", "trainer.pack_length=0").trainer)
     MedusaMethod(medusa_cfg(tmp_path / "m", "trainer.packing=true"))  # composes
+
+
+# --- memory held for reuse (trainer.hold_freed_memory) ---------------------------------------------------------------
+
+_MMAPPED_AFTER_A_BIG_TENSOR = """
+import ctypes, sys, torch
+sys.path.insert(0, {root!r})
+from train.loop import hold_freed_memory
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+held = hold_freed_memory() if {hold} else False
+x = torch.empty(64 * 2**20, dtype=torch.uint8)
+print(held, libc.mallinfo2().hblkhd)
+"""
+
+
+def test_held_memory_serves_big_tensors_from_the_heap():
+    """With hold_freed_memory, a 64 MiB tensor comes from the heap (kept for reuse) and not from a fresh mapping that
+    the kernel zeroes anew after every free; without it glibc maps it."""
+    import ctypes
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    try:
+        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018
+    except (OSError, AttributeError):
+        pytest.skip("not glibc 2.33+")
+    out = {}
+    for hold in (False, True):
+        code = _MMAPPED_AFTER_A_BIG_TENSOR.format(root=str(REPO), hold=hold)
+        held, mapped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout.split()
+        out[hold] = (held == "True", int(mapped))
+    assert out[False][1] >= 64 * 2**20
+    assert out[True] == (True, out[True][1]) and out[True][1] < 64 * 2**20

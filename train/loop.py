@@ -128,6 +128,7 @@ class TrainerConfig:
     resume: Any  # false | true (latest of this run) | path of a checkpoint or run folder
     overwrite: bool  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
     num_workers: int
+    hold_freed_memory: bool  # glibc: freed blocks stay in the process for reuse (hold_freed_memory())
     packing: bool  # each batch's examples packed into rows of pack_length tokens (train.data.collate_packed)
     pack_length: int | None  # null: data.max_length
 
@@ -334,6 +335,8 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
     from accelerate.utils import set_seed
 
     tc = TrainerConfig.from_cfg(cfg.trainer)
+    if tc.hold_freed_memory:
+        hold_freed_memory()
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file INFO lines drown the progress bar
     run_dir = Path(str(cfg.run_dir))
     accelerator = make_accelerator(tc, run_dir)
@@ -385,6 +388,26 @@ def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, dataset
     if eval_ds is not None and len(eval_ds) == 0:
         eval_ds = None
     return train_ds, eval_ds, collate_fn
+
+
+def hold_freed_memory() -> bool:
+    """Keep memory the process frees for its own reuse (glibc's allocator; elsewhere nothing changes): no block is
+    served by mmap and the heap is never trimmed. A training step allocates and frees the same large tensors (logits,
+    their softmax and gradients) every step; by default glibc maps each block over 32 MB afresh and returns it on
+    free, so the kernel zeroes those pages again every step. Returns whether the settings took."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1)) \
+        and bool(mallopt(m_top_pad, 2**28))
 
 
 def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:

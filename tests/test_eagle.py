@@ -693,7 +693,7 @@ class KilledEagle(Exception):
     pass
 
 
-@pytest.mark.parametrize("heads_option", ["eagle", "eagle3"])
+@pytest.mark.parametrize("heads_option", ["eagle", "eagle3", "eagle3-packed"])
 def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option, deterministic):
     from test_medusa_train import tiny_datasets, tiny_target
 
@@ -713,8 +713,10 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
             return super().compute_loss(batch, target, drafter)
 
     # feature_noise on: random draws every step, so the RNG states must be restored as well.
-    opts = [f"heads={heads_option}", "heads.feature_noise=0.1", "heads.draft_vocab_size=64",
+    opts = [f"heads={heads_option.split('-')[0]}", "heads.feature_noise=0.1", "heads.draft_vocab_size=64",
             "trainer.gradient_accumulation_steps=2", "trainer.save_every=2", "trainer.max_steps=6"]
+    if heads_option.endswith("-packed"):  # rows of 96 tokens hold two or three of the 20-40 token examples
+        opts += ["trainer.packing=true", "trainer.pack_length=96"]
     data = tiny_datasets()
     full_cfg = eagle_cfg(tmp_path / "full", *opts)
     train(full_cfg, EagleMethod(full_cfg), target=tiny_target(), datasets=data)

@@ -4,8 +4,8 @@
 - Attention does not cross examples: the target's hidden states of a packed row equal each example's own forward
   (transformers' packed-sequence masks), and the EAGLE and Medusa losses and gradients of a packed batch equal the
   padded batch's over the same examples (a packed row read as one sequence gives other values: the check can fail).
-- Training: a packed run ends with the padded run's parameters, resumes exactly, and a method that cannot read packed
-  batches refuses them before any work.
+- Training: a packed run ends with the padded run's parameters (and resumes exactly: tests/test_eagle.py), and a
+  method that cannot read packed batches refuses them before any work.
 - trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings.
 """
 
@@ -207,39 +207,6 @@ def test_a_packed_run_ends_with_the_padded_runs_parameters(tmp_path, family):
     assert [h["loss"] for h in packed.history] == pytest.approx([h["loss"] for h in padded.history], rel=RTOL)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
-
-
-def test_a_killed_packed_run_resumes_exactly(tmp_path, deterministic):
-    from test_eagle import KilledEagle, eagle_cfg, saved_weights
-    from test_medusa_train import tiny_datasets, tiny_target
-
-    from train.eagle_method import EagleMethod
-    from train.loop import train
-
-    class KilledAt(EagleMethod):
-        calls = 0
-
-        def compute_loss(self, batch, target, drafter):
-            assert "segment_ids" in batch  # packed
-            KilledAt.calls += 1
-            if KilledAt.calls == 5:
-                raise KilledEagle
-            return super().compute_loss(batch, target, drafter)
-
-    opts = ["heads=eagle3", "heads.feature_noise=0.1", "heads.draft_vocab_size=64", "trainer.packing=true",
-            "trainer.pack_length=96", "trainer.save_every=2", "trainer.max_steps=6"]
-    data = tiny_datasets()
-    full_cfg = eagle_cfg(tmp_path / "full", *opts)
-    train(full_cfg, EagleMethod(full_cfg), target=tiny_target(), datasets=data)
-    cfg = eagle_cfg(tmp_path / "killed", *opts)
-    with pytest.raises(KilledEagle):
-        train(cfg, KilledAt(cfg), target=tiny_target(), datasets=data)  # dies in step 5
-    resumed_cfg = eagle_cfg(tmp_path / "killed", *opts, "trainer.resume=true")
-    result = train(resumed_cfg, EagleMethod(resumed_cfg), target=tiny_target(), datasets=data)
-    assert result.steps == 6 and len(result.history) == 2
-    full, resumed = saved_weights(tmp_path / "full"), saved_weights(tmp_path / "killed")
-    for k in full:
-        assert torch.equal(full[k], resumed[k]), k
 
 
 def test_packing_is_refused_clearly_where_unsupported(tmp_path):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from heads.target import build_tiny
-from train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, same_segment, target_inputs
+from heads.medusa import medusa_targets
+from train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, target_inputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,7 +69,8 @@ def test_collate_packed_lays_examples_end_to_end():
     # labels as given, except each example's first token (no position of its own example predicts it)
     assert batch["labels"][0, 5:].tolist() == [IGNORE_INDEX] + ex[1]["labels"][1:]
     assert batch["labels"][1, 6:].tolist() == [IGNORE_INDEX] * 2
-    ahead = same_segment(batch["segment_ids"], 2)
+    # a look-ahead of 2 (Medusa's head 0) keeps within an example: targets only where t + 2 is in t's example
+    ahead = medusa_targets(batch["labels"], 1, batch["segment_ids"])[0] != IGNORE_INDEX
     assert ahead[0].tolist() == [True, True, True, False, False, True, False, False]
     assert ahead[1].tolist() == [True, True, False, False, False, False, False, False]
     # the same tokens as the padded batch

@@ -736,7 +736,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # The first token of every example is labelled -100 (no position of its own example predicts it; the previous
 # example's last token must not learn it). Attention stays within an example: the target reads packed rows through
 # transformers' own packed-sequence masks (attention_mask=None with restarting position_ids, see target_inputs), the
-# drafters build theirs from segment_ids, and every loss that looks k tokens ahead checks same_segment.
+# drafters build theirs from segment_ids, and every loss that looks k tokens ahead keeps within an example.
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -800,29 +800,13 @@ def collate_packed(examples: Iterable[Mapping[str, Any]], pad_token_id: int, cap
     return out
 
 
-def is_packed(batch: Mapping[str, Any]) -> bool:
-    return "segment_ids" in batch
-
-
 def target_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """The attention inputs of a target forward over ``batch``: a padded batch's attention_mask and the positions
     it implies; for a packed batch no mask and its restarting position_ids, which transformers turns into a
     block-diagonal causal mask (its packed-sequence detection; use_cache=False and no cache, as training runs)."""
-    if is_packed(batch):
+    if "segment_ids" in batch:  # packed
         return {"attention_mask": None, "position_ids": batch["position_ids"]}
     return {"attention_mask": batch["attention_mask"], "position_ids": position_ids_from_mask(batch["attention_mask"])}
-
-
-def same_segment(segment_ids: torch.Tensor | None, shift: int) -> torch.Tensor | None:
-    """[B, T] bool: token t + shift is in token t's example (False past the row's end or on padding); None for a
-    padded batch (segment_ids None), where every row is one example."""
-    if segment_ids is None:
-        return None
-    out = torch.zeros_like(segment_ids, dtype=torch.bool)
-    if shift < segment_ids.shape[1]:
-        ahead = segment_ids[:, shift:]
-        out[:, : segment_ids.shape[1] - shift] = (segment_ids[:, : segment_ids.shape[1] - shift] == ahead) & (ahead > 0)
-    return out
 
 
 # --- draft vocabularies ----------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def test_collate_packed_lays_examples_end_to_end():
     assert batch["labels"][0, 5:].tolist() == [IGNORE_INDEX] + ex[1]["labels"][1:]
     assert batch["labels"][1, 6:].tolist() == [IGNORE_INDEX] * 2
     # a look-ahead of 2 (Medusa's head 0) keeps within an example: targets only where t + 2 is in t's example
-    ahead = medusa_targets(batch["labels"], 1, batch["segment_ids"])[0] != IGNORE_INDEX
+    ahead = medusa_targets(torch.zeros_like(batch["labels"]), 1, batch["segment_ids"])[0] != IGNORE_INDEX
     assert ahead[0].tolist() == [True, True, True, False, False, True, False, False]
     assert ahead[1].tolist() == [True, True, False, False, False, False, False, False]
     # the same tokens as the padded batch

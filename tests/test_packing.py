@@ -267,3 +267,59 @@ def test_held_memory_serves_big_tensors_from_the_heap():
         out[hold] = (held == "True", int(mapped))
     assert out[False][1] >= 64 * 2**20
     assert out[True] == (True, out[True][1]) and out[True][1] < 64 * 2**20
+
+
+_RESIDENT_AFTER_FREE = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from train.loop import hold_freed_memory, release_held_memory
+
+def anon_mib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) / 1024
+
+held = hold_freed_memory()
+x = torch.ones(256 * 2**20, dtype=torch.uint8)  # every page written
+pin = torch.ones(1024)  # a live block after it, so that it is not the heap's top
+del x
+kept = anon_mib()
+released = release_held_memory()
+print(held, released, kept - anon_mib())
+"""
+
+
+def test_released_held_memory_goes_back_to_the_kernel():
+    """Held memory stays resident after it is freed (that is the point: no zeroing on reuse); release_held_memory
+    gives the pages of free blocks back, even inside the heap, so a long run's heap does not keep its high-water
+    mark of every block size it met."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc on Linux only")
+    code = _RESIDENT_AFTER_FREE.format(root=str(REPO))
+    held, released, dropped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True).stdout.split()
+    if held != "True":
+        pytest.skip("not glibc")
+    assert released == "True"
+    assert float(dropped) > 200  # of the 256 MiB freed
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold):
+    """With memory held, the loop gives free pages back every RELEASE_HELD_EVERY steps and after each evaluation;
+    without it, never."""
+    from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
+
+    import train.loop as loop
+    from train.medusa_method import MedusaMethod
+
+    calls = []
+    monkeypatch.setattr(loop, "RELEASE_HELD_EVERY", 2)
+    monkeypatch.setattr(loop, "hold_freed_memory", lambda: True)
+    monkeypatch.setattr(loop, "release_held_memory", lambda: calls.append(1) or True)
+    cfg = medusa_cfg(tmp_path, "trainer.max_steps=5", "trainer.eval_every=3", f"trainer.hold_freed_memory={hold}")
+    loop.train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
+    assert len(calls) == (2 + 2 if hold else 0)  # steps 2 and 4; the evaluations at step 3 and at the end

@@ -38,7 +38,7 @@ from heads.eagle import (
     EagleLossWeights,
     drafter_loss,
 )
-from train.data import choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -153,8 +153,7 @@ class EagleMethod:
         layer_ids = self.settings.eagle_config(model).layer_ids if self.settings.type == "eagle3" else None
 
         def extract(batch):
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        position_ids=position_ids_from_mask(batch["attention_mask"]), output_hidden_states=True,
+            out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
                         use_cache=False, logits_to_keep=1)
             fields = {"hidden": out.hidden_states[-1].to(dtype)}  # [B, T, H] after the final norm
             if layer_ids is not None:

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 
 from heads.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
-from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask
+from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
 
@@ -195,8 +195,7 @@ class LayerSkipMethod:
         model, layers, dtype = target.model, self.layers, self.features.dtype
 
         def extract(batch):
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        position_ids=position_ids_from_mask(batch["attention_mask"]), output_hidden_states=True,
+            out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
                         use_cache=False, logits_to_keep=1)
             return {"hidden": out.hidden_states[-1].to(dtype),  # [B, T, H] after the final norm
                     "aux": torch.stack([out.hidden_states[e] for e in layers], dim=2).to(dtype)}  # [B, T, n, H]
@@ -229,8 +228,7 @@ class LayerSkipMethod:
                 final = batch["hidden"]
                 states = {e: batch["aux"][:, :, j] for j, e in enumerate(self.layers)}
             else:
-                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            position_ids=position_ids_from_mask(batch["attention_mask"]), output_hidden_states=True,
+                out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
                             use_cache=False, logits_to_keep=1)
                 final = out.hidden_states[-1]
                 states = {e: out.hidden_states[e] for e in self.layers}

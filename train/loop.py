@@ -256,6 +256,7 @@ class _Run:
     train_loader: DataLoader
     eval_loader: DataLoader | None
     logger: Any  # None on processes other than the main one
+    held_memory: bool = False  # hold_freed_memory() took: release_held_memory() every RELEASE_HELD_EVERY steps
 
     @property
     def ckpt_dir(self) -> Path:
@@ -335,8 +336,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
     from accelerate.utils import set_seed
 
     tc = TrainerConfig.from_cfg(cfg.trainer)
-    if tc.hold_freed_memory:
-        hold_freed_memory()
+    held = hold_freed_memory() if tc.hold_freed_memory else False
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file INFO lines drown the progress bar
     run_dir = Path(str(cfg.run_dir))
     accelerator = make_accelerator(tc, run_dir)
@@ -366,7 +366,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
     logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
     return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
                 drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
-                eval_loader=eval_loader, logger=logger)
+                eval_loader=eval_loader, logger=logger, held_memory=held)
 
 
 def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, datasets: Any, accelerator):
@@ -390,24 +390,48 @@ def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, dataset
     return train_ds, eval_ds, collate_fn
 
 
-def hold_freed_memory() -> bool:
-    """Keep memory the process frees for its own reuse (glibc's allocator; elsewhere nothing changes): no block is
-    served by mmap and the heap is never trimmed. A training step allocates and frees the same large tensors (logits,
-    their softmax and gradients) every step; by default glibc maps each block over 32 MB afresh and returns it on
-    free, so the kernel zeroes those pages again every step. Returns whether the settings took."""
+# Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back
+# one more zeroing, so every 25 steps costs about 1/25 of what holding saves (docs/benchmarks.md).
+RELEASE_HELD_EVERY = 25
+
+
+@functools.cache
+def _glibc():
+    """glibc's C library, or None (not Linux, or another C library: musl has no mallopt)."""
     import ctypes
     import ctypes.util
 
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        libc.mallopt, libc.malloc_trim  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def hold_freed_memory() -> bool:
+    """Keep memory the process frees for its own reuse (glibc's allocator; elsewhere nothing changes): no block is
+    served by mmap and the heap is never trimmed. A training step allocates and frees the same large tensors (logits,
+    their softmax and gradients) every step; by default glibc maps each block over 32 MB afresh and returns it on
+    free, so the kernel zeroes those pages again every step. Those tensors change size from step to step (the
+    number of trained positions), so freed blocks do not always fit the next ones and the heap keeps growing: the
+    training loop calls :func:`release_held_memory` every ``RELEASE_HELD_EVERY`` steps. Returns whether the
+    settings took."""
+    libc = _glibc()
+    if libc is None:
         return False
     m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1)) \
-        and bool(mallopt(m_top_pad, 2**28))
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1)) \
+        and bool(libc.mallopt(m_top_pad, 2**28))
+
+
+def release_held_memory() -> bool:
+    """Give the pages of every free block back to the kernel (glibc's ``malloc_trim(0)``, which also releases whole
+    free pages inside the heap, not only at its top); the blocks stay reusable. Returns whether any was released."""
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:
@@ -669,6 +693,8 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
             window.steps += 1
             bar.update(1)
             step = progress.step
+            if run.held_memory and step % RELEASE_HELD_EVERY == 0:
+                release_held_memory()
             if step % max(tc.log_every, 1) == 0 or step == tc.max_steps:
                 _log_window(run, progress, window, bar)
                 window = _LogWindow.empty(run.accelerator.device)
@@ -737,6 +763,8 @@ def _log_window(run: _Run, progress: _Progress, window: _LogWindow, bar) -> None
 
 def _evaluate_and_log(run: _Run, progress: _Progress) -> None:
     progress.eval_metrics = _evaluate(run.method, run.eval_loader, run.target, run.drafter, run.accelerator)
+    if run.held_memory:  # evaluation's batches leave blocks of other sizes
+        release_held_memory()
     if run.is_main:
         run.logger.log(progress.eval_metrics, step=progress.step)
 

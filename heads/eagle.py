@@ -58,6 +58,7 @@ from torch.nn import functional as F
 from heads.errors import SettingError
 from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
+from heads.vocab import rows_through
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -525,7 +526,7 @@ def _loss_at(
         bj, pj = b[keep], p[keep]
         tj = pj - j - 1
         if callable(step_logits):
-            logits = step_logits(feat[bj, tj])  # [N_j, V']
+            logits = rows_through(step_logits, feat[bj, tj])  # [N_j, V']
         else:
             logits = step_logits[j][bj, tj]
         label_j = labels[bj, pj + 1]

@@ -323,3 +323,26 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
     cfg = medusa_cfg(tmp_path, "trainer.max_steps=5", "trainer.eval_every=3", f"trainer.hold_freed_memory={hold}")
     loop.train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
     assert len(calls) == (2 + 2 if hold else 0)  # steps 2 and 4; the evaluations at step 3 and at the end
+
+
+def test_rows_through_pads_to_repeating_shapes_with_the_same_values_and_gradients():
+    """Gathered rows go through an LM head padded to a multiple of ROW_BUCKET rows (bfloat16 CPU matmuls keep
+    buffers per shape): the head sees only such shapes, and values and gradients equal the unpadded call."""
+    from heads.vocab import ROW_BUCKET, rows_through
+
+    head = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 11))
+    seen = []
+    head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[0]))
+    for n in (1, 37, ROW_BUCKET, ROW_BUCKET + 5):
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n), requires_grad=True)
+        padded = rows_through(head, x)
+        gx_padded, *gw_padded = torch.autograd.grad(padded.square().sum(), [x, *head.parameters()])
+        plain = head(x)
+        gx, *gw = torch.autograd.grad(plain.square().sum(), [x, *head.parameters()])
+        assert padded.shape == plain.shape
+        torch.testing.assert_close(padded, plain)
+        torch.testing.assert_close(gx_padded, gx)
+        for a, b in zip(gw_padded, gw):
+            torch.testing.assert_close(a, b)
+    assert all(m % ROW_BUCKET == 0 for m in seen[0::2])  # the padded calls
+    assert seen[0::2] == [ROW_BUCKET, ROW_BUCKET, ROW_BUCKET, 2 * ROW_BUCKET]

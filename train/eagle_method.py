@@ -38,6 +38,7 @@ from heads.eagle import (
     EagleLossWeights,
     drafter_loss,
 )
+from heads.vocab import rows_through
 from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
@@ -191,7 +192,7 @@ class EagleMethod:
             lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
 
             def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
-                return lm_head(hidden[b, p].to(lm_head.weight.dtype)).float()
+                return rows_through(lm_head, hidden[b, p].to(lm_head.weight.dtype)).float()
 
             return hidden_states, logits if need_logits else None
 

@@ -44,6 +44,7 @@ from torch.nn import functional as F
 
 from heads.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
+from heads.vocab import rows_through
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg, unwrap
@@ -139,7 +140,7 @@ class ExitTrainModule(nn.Module):
 
                 mask = causal_mask(hidden.shape[1], 0, hidden.dtype, hidden.device, key_padding=attention_mask)
                 features = exit_module.features(hidden, position_ids_from_mask(attention_mask), mask)[where]
-            logits[e] = exit_module.logits(features)
+            logits[e] = rows_through(exit_module.logits, features)
             losses[e] = kl_to_teacher(logits[e], teacher_logits)
         return logits, losses
 
@@ -235,7 +236,7 @@ class LayerSkipMethod:
             head = model.get_output_embeddings().weight
             rows = final[where].to(head.dtype)  # [N, H]
             weight = head if self.token_map is None else head[self.token_map.to(head.device)]
-            return states, (rows @ weight.t()).float(), rows
+            return states, rows_through(lambda x: x @ weight.t(), rows).float(), rows
 
     def count_items(self, batch: dict) -> torch.Tensor:
         return exit_positions(batch["labels"]).sum().reshape(1)

@@ -390,8 +390,9 @@ def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, dataset
     return train_ds, eval_ds, collate_fn
 
 
-# Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back
-# one more zeroing, so every 25 steps costs about 1/25 of what holding saves (docs/benchmarks.md).
+# Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
+# more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
+# memory stayed flat (docs/benchmarks.md).
 RELEASE_HELD_EVERY = 25
 
 

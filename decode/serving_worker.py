@@ -1,0 +1,114 @@
+"""Decode prompts in vLLM and report tokens, timings and vLLM's own speculative-decoding counters.
+
+This file runs inside vLLM's virtualenv (``serving.vllm_venv``), not selfspec's: vLLM pins its own torch and
+transformers. It imports nothing of selfspec, only vLLM and the standard library; ``decode/serving.py`` writes its job
+and reads its answer:
+
+    <vllm-venv>/bin/python decode/serving_worker.py job.json result.json
+
+The job (JSON): ``model`` (a target folder), ``dtype``, ``max_model_len``, ``max_new_tokens``, ``prompts`` (lists of
+token ids: both engines decode the very same ids, so no tokenizer or chat template can differ), ``stop_token_ids``,
+``warmup`` (prompts decoded first and not reported), ``engine`` (extra ``LLM(...)`` arguments) and ``runs``: each
+``{"name", "speculative_config"}`` (``null``: plain decoding), with ``model`` where the run serves another folder
+(a speculators export names its verifier itself). Every run gets its own ``LLM``; a run whose model does not
+load is reported with the error and the others still run.
+
+The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
+difference of vLLM's counters over that prompt: ``drafts``, ``draft_tokens``, ``accepted`` and
+``accepted_per_pos`` (how many drafts had their token at position i accepted).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (summed over engines)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            out[COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POS:
+            values = [int(v) for v in metric.values]
+            pos = out["accepted_per_pos"]
+            pos.extend([0] * (len(values) - len(pos)))
+            for i, v in enumerate(values):
+                pos[i] += v
+    return out
+
+
+def difference(after: dict, before: dict) -> dict:
+    per_pos = [a - (before["accepted_per_pos"][i] if i < len(before["accepted_per_pos"]) else 0)
+               for i, a in enumerate(after["accepted_per_pos"])]
+    return {**{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}, "accepted_per_pos": per_pos}
+
+
+def run_one(job: dict, run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    result = {"name": run["name"], "loaded": False, "error": None, "prompts": []}
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(
+            model=run.get("model") or job["model"], dtype=job.get("dtype", "float32"), max_model_len=int(job["max_model_len"]),
+            speculative_config=run.get("speculative_config"), disable_log_stats=False, seed=0,
+            **job.get("engine", {}),
+        )
+    except Exception as err:  # noqa: BLE001 - the caller reports why a model did not load
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc(limit=8)
+        return result
+    result["loaded"] = True
+    result["init_s"] = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
+                            stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+    try:
+        for ids in job.get("warmup") or []:
+            llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
+        for ids in job["prompts"]:
+            before = spec_counters(llm)
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            counts = difference(spec_counters(llm), before)
+            result["prompts"].append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, **counts})
+    except Exception as err:  # noqa: BLE001
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc(limit=8)
+    finally:
+        del llm
+        gc.collect()
+    return result
+
+
+def main(job_path: str, result_path: str) -> None:
+    with open(job_path) as f:
+        job = json.load(f)
+    results = {"vllm_version": None, "runs": []}
+    import vllm
+
+    results["vllm_version"] = vllm.__version__
+    for run in job["runs"]:
+        print(f"[serving_worker] {run['name']}", file=sys.stderr, flush=True)
+        results["runs"].append(run_one(job, run))
+        tmp = result_path + ".tmp"
+        with open(tmp, "w") as f:  # after every run: a killed worker still leaves what it measured
+            json.dump(results, f)
+        os.replace(tmp, result_path)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes: everything runs under this guard
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,141 @@
+"""Exported heads in real vLLM (the CPU build, in its own venv): every format loads, decodes the target's own greedy
+tokens, and accepts at each draft position what selfspec's engine accepts with the same heads.
+
+The target is a tiny random Llama saved to disk with its tokenizer (head size 32: vLLM's CPU attention has no kernel
+for the usual tiny model's 16). The heads are trained for a few dozen steps through the real training loop on the
+target's own greedy continuations, so their drafts are accepted often: a broken export or a misread weight shows as
+acceptance that differs, not only as tokens that differ.
+
+Without vLLM's venv (``scripts/make_vllm_venv.sh``) these tests skip with the reason; under CI they fail instead,
+since .ci/run makes the venv.
+
+Tolerance. Both engines run float32 on the same weights, but in different kernels, so a float near-tie between two
+tokens can break differently: a drafted token (or the target's token) then differs at one step. A near-tie needs two
+logits within float32 rounding of each other (relative 1e-6 over logits of size ~10: gaps below ~1e-5); over the few
+hundred steps of these prompts the chance of one is far below a percent, and the check asserts the counters equal
+exactly. The tokens are compared exactly too (greedy output is the target's, in every engine).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.serving import (
+    CheckSettings,
+    ServingError,
+    acceptance_per_position,
+    serve_check,
+    vllm_available,
+)
+from heads.target import Target, build_tiny
+
+HIDDEN = 128  # 4 heads of 32: a head size vLLM's CPU attention runs
+LAYERS = 8  # EAGLE-3's default layers are three different ones (2, 4, 5)
+K = 3
+MAX_NEW = 32
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def vllm_or_skip():
+    reason = vllm_available()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI makes vLLM's venv (.ci/run), but: {reason}")
+    pytest.skip(reason.split(":")[0] + " (scripts/make_vllm_venv.sh makes it)")
+
+
+def tiny_target() -> Target:
+    model, tokenizer = build_tiny("llama", hidden_size=HIDDEN, num_hidden_layers=LAYERS)
+    return Target(model=model, tokenizer=tokenizer, name="tiny-llama")
+
+
+def own_continuations(model, n: int, seed: int, length: int = 48):
+    """The target's greedy continuations of random byte prompts: input_ids, labels on the continuation."""
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 259, (n, 6), generator=g)
+    with torch.no_grad():
+        seqs = model.generate(prompts, max_new_tokens=length, min_new_tokens=length, do_sample=False,
+                              pad_token_id=0).tolist()
+    return datasets.Dataset.from_dict({"input_ids": seqs, "labels": [[-100] * 6 + s[6:] for s in seqs]})
+
+
+def prompts(n: int = 6, seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 259, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained_heads(tmp_path_factory):
+    """Medusa-1 and midlayer EAGLE-3 heads, trained briefly by the real loop on the tiny target's own answers."""
+    import datasets
+
+    from conftest import compose
+    from train.eagle_method import EagleMethod
+    from train.loop import train
+    from train.medusa_method import MedusaMethod
+
+    vllm_or_skip()
+    target = tiny_target()
+    data = datasets.DatasetDict({"train": own_continuations(target.model, 48, 0),
+                                 "eval": own_continuations(target.model, 8, 1)})
+    common = ["experiment=debug", f"model.tiny.hidden_size={HIDDEN}", f"model.tiny.num_hidden_layers={LAYERS}", "trainer.batch_size=8",
+              "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=10",
+              "trainer.target_dtype=float32", "speed_check.prompts=0"]
+    root = tmp_path_factory.mktemp("serving")
+    out = {}
+    cfg = compose("medusa", common + [f"run_dir={root / 'medusa'}", "trainer.max_steps=60",
+                                      "trainer.learning_rate=1e-2", "heads.num_heads=3"])
+    out["medusa"] = train(cfg, MedusaMethod(cfg), target=target, datasets=data).run_dir / "heads"
+    cfg = compose("eagle", common + [f"run_dir={root / 'eagle3'}", "heads=eagle3", "heads.layout=midlayer",
+                                     "trainer.max_steps=80", "trainer.learning_rate=3e-3"])
+    out["eagle3"] = train(cfg, EagleMethod(cfg), target=target, datasets=data).run_dir / "heads"
+    return out
+
+
+def test_acceptance_counted_over_the_steps_vllm_runs():
+    # steps: (drafted, accepted, emitted) after the prefill's token; the answer is 8 tokens: vLLM runs the first three
+    # steps (1 + 3 + 1 + 4 = 9 >= 8)
+    counts = acceptance_per_position([3, 3, 3, 3], [2, 0, 3, 1], [3, 1, 4, 2], length=8, k=3)
+    assert counts == {"drafts": 3, "draft_tokens": 9, "accepted": 5, "accepted_per_pos": [2, 2, 1]}
+    # a step without a draft (depth 0) emits a token but is no draft
+    counts = acceptance_per_position([0, 2], [0, 2], [1, 3], length=5, k=2)
+    assert counts == {"drafts": 1, "draft_tokens": 2, "accepted": 2, "accepted_per_pos": [1, 1]}
+
+
+@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_heads, family, tmp_path):
+    settings = CheckSettings(k=K, max_new_tokens=MAX_NEW, out=str(tmp_path / "exports"), timeout=900)
+    report = serve_check(trained_heads[family], prompts(), settings=settings, progress=False)
+    assert not report["mismatches"], report["mismatches"]
+    formats = ["vllm"] if family == "medusa" else ["eagle3", "speculators"]
+    assert sorted(report["formats"]) == sorted(formats)
+    for fmt, entry in report["formats"].items():
+        assert entry["loaded"] and not entry["error"], (fmt, entry["error"])
+        assert entry["lossless"]
+        # the heads were trained to be accepted: the comparison has something to compare at every position
+        assert all(a > 0 for a in entry["selfspec"]["accepted_per_pos"]), entry["selfspec"]
+        assert entry["vllm"]["drafts"] == entry["selfspec"]["drafts"], fmt
+        assert entry["vllm"]["accepted_per_pos"] == entry["selfspec"]["accepted_per_pos"], fmt
+        for p in entry["prompts"]:
+            assert p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"], fmt
+
+
+def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
+    with pytest.raises(ServingError, match="do not export to eagle3"):
+        serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=CheckSettings(k=K))
+    with pytest.raises(ServingError, match="at most 3 tokens"):
+        serve_check(trained_heads["medusa"], prompts(1), settings=CheckSettings(k=4))
+
+
+def test_a_missing_venv_is_named_with_the_command_that_makes_it(tmp_path):
+    reason = vllm_available(tmp_path / "nowhere")
+    assert reason and "scripts/make_vllm_venv.sh" in reason and str(Path(tmp_path / "nowhere")) in reason

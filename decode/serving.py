@@ -264,10 +264,11 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
     return chain, plain, vocab
 
 
-def serve_check(heads_path: str | Path, prompts: list[list[int]], formats: list[str] | None = None,
+def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,
                 settings: CheckSettings | None = None, progress: bool = True) -> dict:
-    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids) in vLLM plain and with
-    each export, and in selfspec's engine; returns the report (see :func:`format_report`)."""
+    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
+    the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
+    (see :func:`format_report`)."""
     from heads.export import export_heads
     from heads.io import heads_dir, read_heads_config
 
@@ -294,13 +295,19 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]], formats: list[
             raise ServingError(f"k={settings.k}: these Medusa heads draft at most {num_heads} tokens a step.")
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
+    if prompts and isinstance(prompts[0], str):
+        from decode.pipeline import prompt_ids
+
+        prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    prompts = [list(map(int, p)) for p in prompts]
     eos = set(chain.decoder.eos_token_ids)
     limit = int(getattr(target.model.config, "max_position_embeddings", 2048))
     longest = max(len(p) for p in prompts) + settings.max_new_tokens + settings.k + 1
     if longest > limit:
         raise ServingError(f"The longest prompt plus max_new_tokens ({longest} tokens) exceeds the target's context "
                            f"({limit}); shorten the prompts or lower max_new_tokens.")
-    out_root = Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))
+    # absolute: vLLM's worker runs in a folder of its own
+    out_root = (Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))).resolve()
     served = served_target_dir(target)
     exports = {}
     for fmt in formats:
@@ -442,7 +449,8 @@ def format_report(report: dict) -> str:
     ]
     for fmt, e in report["formats"].items():
         if not e["loaded"] or e["error"]:
-            lines.append(f"| {fmt} | {'no' if not e['loaded'] else 'yes'}: {e['error']} | | | | | | | |")
+            error = " ".join(str(e["error"]).split())[:300]
+            lines.append(f"| {fmt} | {'no' if not e['loaded'] else 'yes, but decoding failed'}: {error} | | | | | | | |")
             continue
         fmt_rates = " ".join(f"{r:.3f}" for r in e["vllm"]["rates"])
         our_rates = " ".join(f"{r:.3f}" for r in e["selfspec"]["rates"])

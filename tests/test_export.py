@@ -54,9 +54,10 @@ def vllm_medusa_logits(config, w, hidden):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("vocab", ["auto", "draft"])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("mapped", [False, True])
-def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
+def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped, vocab):
     model, _ = tiny_llama
     token_map = torch.tensor([2, 5, 7, 11, 64, 300]) if mapped else None
     heads = MedusaHeads(MedusaConfig(64, 320, num_heads=3, num_layers=2, shared_lm_head=shared,
@@ -69,9 +70,15 @@ def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
             p.add_(torch.randn_like(p) * 0.05)  # trained-looking: blocks away from zero, heads away from the target's
     heads.to(model.device)  # drawn on the CPU: the same heads on every device
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), model)
-    folder, fmt = export_heads(tmp_path / "heads", tmp_path / "vllm", model)
+    folder, fmt = export_heads(tmp_path / "heads", tmp_path / "vllm", model, vocab=vocab)
     assert fmt == "vllm"
     config, w = read_export(folder)
+    # auto: heads that share the target's LM head are written over the full vocabulary, without the token_map vLLM
+    # 0.32 refuses (tests/test_serving.py loads both forms in vLLM)
+    full = mapped and shared and vocab == "auto"
+    if full:
+        heads.token_map = None  # what the export drafts: the argmax over every row of the target's LM head
+        mapped = False
     assert config["architectures"] == ["MedusaModel"] and config["model_type"] == "medusa"
     assert (config["num_heads"], config["num_hidden_layers"], config["original_lm_head"]) == (3, 2, shared)
     # vLLM renames every config key holding "num" and "heads" to num_heads: only that one may exist.
@@ -86,8 +93,21 @@ def test_medusa_exports_to_vllm(tmp_path, tiny_llama, shared, mapped):
         torch.testing.assert_close(vllm_medusa_logits(config, w, hidden), expected, atol=1e-5, rtol=1e-5)
     assert ("lm_heads.1.weight" in w) == (not shared)
     assert config["truncated_vocab_size"] == (len(token_map) if mapped else 320)
+    assert ("token_map" in w) == mapped
     if mapped:
         assert torch.equal(w["token_map"], token_map) and w["lm_heads.0.weight"].shape == (len(token_map), 64)
+
+
+def test_medusa_heads_of_their_own_have_no_full_vocabulary_form(tmp_path, tiny_llama):
+    model, _ = tiny_llama
+    heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False, draft_vocab_size=4),
+                        model.lm_head)
+    heads.set_token_map(torch.tensor([2, 5, 7, 11]))
+    save_heads(tmp_path / "heads", heads.to(model.device), "medusa", heads.config.to_dict(), model)
+    with pytest.raises(ExportError, match="vocab=draft"):
+        export_heads(tmp_path / "heads", tmp_path / "vllm", model, vocab="full")
+    with pytest.raises(ExportError, match="vocab='x'"):
+        export_heads(tmp_path / "heads", tmp_path / "vllm", model, vocab="x")
 
 
 # --- EAGLE-3 -> SGLang / speculators ----------------------------------------------------------------------------------
@@ -144,10 +164,11 @@ def midlayer_drafter(model, layer_ids=None):
 
 
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
-def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
+@pytest.mark.parametrize("layer_ids", [None, [3, 1, 2]])
+def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt, layer_ids):
     model, _ = tiny_llama
     torch.manual_seed(0)
-    drafter = midlayer_drafter(model)
+    drafter = midlayer_drafter(model, layer_ids=layer_ids)
     save_heads(tmp_path / "heads", drafter, "eagle3", drafter.config.to_dict(), model, extra_meta={"tree": {"depth": 4}})
     folder, used = export_heads(tmp_path / "heads", tmp_path / fmt, model, fmt=fmt)
     assert used == fmt
@@ -155,11 +176,13 @@ def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
     if fmt == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
         assert config["draft_vocab_size"] == 100 and config["tie_word_embeddings"] is False
-        assert "eagle_config" not in config  # default layers: SGLang assumes them
+        # the 4-layer target's default layers (1, 2, 3) are not the engines' own (2, 2, 1): named for both engines
+        assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: inputs of layers
+        assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # SGLang: outputs
         layer_cfg, prefix = config, "midlayer."
     else:
         assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
-        assert config["eagle_aux_hidden_state_layer_ids"] == drafter.config.layer_ids
+        assert config["eagle_aux_hidden_state_layer_ids"] == sorted(drafter.config.layer_ids)
         assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
         assert config["norm_before_residual"] is False and config["draft_vocab_size"] == 100
         layer_cfg, prefix = config["transformer_layer_config"], "layers.0."
@@ -175,7 +198,8 @@ def test_eagle3_exports_compute_the_drafter(tmp_path, tiny_llama, fmt):
         hs = model(ids, output_hidden_states=True).hidden_states
         mine = drafter(drafter.target_features(hs), ids, positions)
         my_top = drafter.draft_to_target(drafter.logits(mine).argmax(-1))
-        hidden3 = torch.cat([hs[i] for i in drafter.config.layer_ids], -1)
+        # the engines fuse the captured layers in ascending order (vLLM's Llama appends them as it runs the layers)
+        hidden3 = torch.cat([hs[i] for i in sorted(drafter.config.layer_ids)], -1)
         ref, ref_top = eagle3_reference(layer_cfg, w, prefix, hidden3, ids, positions)
     torch.testing.assert_close(ref, mine, atol=1e-5, rtol=1e-4)
     assert torch.equal(ref_top, my_top)
@@ -190,6 +214,15 @@ def test_eagle3_export_names_custom_layers_in_sglang_terms(tmp_path, tiny_llama)
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
     _, w = read_export(tmp_path / "out")
     assert "embed_tokens.weight" not in w
+
+
+def test_eagle3_export_refuses_a_layer_fused_twice(tmp_path, tiny_llama):
+    model, _ = tiny_llama
+    drafter = midlayer_drafter(model, layer_ids=[2, 2, 1])  # what the 4-layer default used to be
+    save_heads(tmp_path / "heads", drafter, "eagle3", drafter.config.to_dict(), model)
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(ExportError, match="name a layer twice"):
+            export_heads(tmp_path / "heads", tmp_path / fmt, model, fmt=fmt)
 
 
 def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):

@@ -110,7 +110,7 @@ def format_sweep(ways: dict[str, dict]) -> str:
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
 METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # what ``methods=`` names (plus registry names)
-VLLM_GROUPS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_heads")  # decode/bench_vllm.py; named, never by default
+VLLM_GROUPS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")  # decode/bench_vllm.py; named, never by default
 
 
 class LosslessnessError(SelfspecError, RuntimeError):

@@ -5,6 +5,9 @@ method, its tokens checked against HF generate's with the others.
 - ``vllm_ngram``: its n-gram proposer (``prompt_lookup_max`` 4, ``min`` 1, ``vllm_speculative_tokens`` tokens);
 - ``vllm_suffix``: its suffix proposer (SuffixDecoding). It needs Arctic Inference, which PyPI has only as a source
   archive that does not build here (docs/serving.md), so the row reports that it did not load;
+- ``vllm_selfspec_suffix``: selfspec's suffix drafter as a vLLM proposer (decode/vllm_suffix.py, vLLM's
+  ``custom_class``), chains of up to ``vllm_suffix_tokens`` with adaptive length, under selfspec's measured verify cost
+  curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads).
 
@@ -15,16 +18,18 @@ results. First turns only.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_target_dir
 from decode.types import DecodeSetupError
 
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_heads")
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")
+SELFSPEC_SUFFIX = "decode.vllm_suffix.SuffixProposer"
 
 
-def vllm_runs(names: list[str], heads: dict, out: Path, k: int) -> list[dict]:
+def vllm_runs(names: list[str], heads: dict, out: Path, k: int, suffix_k: int = 8) -> list[dict]:
     """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
     exported under ``out``."""
     from heads.export import export_heads
@@ -37,6 +42,9 @@ def vllm_runs(names: list[str], heads: dict, out: Path, k: int) -> list[dict]:
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}})
     if "vllm_suffix" in names:
         runs.append({"name": "vllm_suffix", "speculative_config": {"method": "suffix", "num_speculative_tokens": k}})
+    if "vllm_selfspec_suffix" in names:
+        runs.append({"name": "vllm_selfspec_suffix", "speculative_config": {
+            "method": "custom_class", "model": SELFSPEC_SUFFIX, "num_speculative_tokens": suffix_k}})
     if "vllm_heads" in names:
         for label, (s, heads_path) in heads.items():
             meta = s.heads_config or {}
@@ -59,7 +67,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     from heads.config import cfg_get
 
     k = int(cfg_get(cfg, "vllm_speculative_tokens", 3))
-    runs = vllm_runs(names, heads, out, k)
+    suffix_k = int(cfg_get(cfg, "vllm_suffix_tokens", 8))
+    runs = vllm_runs(names, heads, out, k, suffix_k)
     if not runs:
         raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, or EAGLE-3 with "
                                "heads.layout=midlayer).")
@@ -71,6 +80,12 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_model_len": min(limit, max(map(len, prompts)) + s["max_new_tokens"] + k + 8),
            "max_new_tokens": s["max_new_tokens"], "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
+    if "vllm_selfspec_suffix" in names:  # selfspec's proposer imports from this repository, inside vLLM's venv
+        from decode.adaptive import measured_cost_curve
+
+        curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
+        job["pythonpath"] = [str(Path(__file__).resolve().parents[1])]
+        job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)})}
     result = run_vllm(job, cfg_get(cfg, "vllm_venv"), log_path=out / "vllm.log")
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):

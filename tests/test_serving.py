@@ -167,7 +167,8 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
 
 def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path):
     """decode/vllm_suffix.py through vLLM's custom_class: lossless, and a prompt asked again drafts from the
-    remembered answer, so far more of its drafts are accepted the second time."""
+    remembered answer, so far more of its drafts are accepted the second time. vLLM's own suffix proposer (Arctic
+    Inference, built by scripts/make_vllm_venv.sh) runs beside it, lossless too."""
     from decode.serving import REPO, run_vllm, served_target_dir
 
     vllm_or_skip()
@@ -177,14 +178,17 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
     job = {"model": str(served_target_dir(target)), "dtype": "float32", "max_model_len": 128, "max_new_tokens": 48,
            "prompts": ids, "stop_token_ids": [2], "pythonpath": [str(REPO)],
            "runs": [{"name": "suffix", "speculative_config": {"method": "custom_class", "num_speculative_tokens": 6,
-                                                              "model": "decode.vllm_suffix.SuffixProposer"}}]}
+                                                              "model": "decode.vllm_suffix.SuffixProposer"}},
+                    {"name": "vllm_suffix", "speculative_config": {"method": "suffix", "num_speculative_tokens": 6}}]}
     result = run_vllm(job, log_path=tmp_path / "vllm.log")
-    suffix = result["runs"][0]
+    suffix, theirs = result["runs"]
     assert suffix["loaded"] and not suffix["error"], suffix["error"]
-    for s, prompt in zip(suffix["prompts"], ids):
+    assert theirs["loaded"] and not theirs["error"], theirs["error"]
+    for s, t, prompt in zip(suffix["prompts"], theirs["prompts"], ids):
         with torch.no_grad():
             hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=48, do_sample=False,
                                        eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
-        assert s["tokens"] == hf
+        assert s["tokens"] == t["tokens"] == hf
+    assert theirs["prompts"][-1]["accepted"] > 0
     first, again = suffix["prompts"][0], suffix["prompts"][-1]
     assert again["accepted"] > first["accepted"] and again["accepted"] >= 0.5 * len(again["tokens"])

@@ -267,17 +267,9 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
     return chain, plain, vocab
 
 
-def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,
-                settings: CheckSettings | None = None, progress: bool = True) -> dict:
-    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
-    the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
-    (see :func:`format_report`)."""
-    from heads.export import export_heads
-    from heads.io import heads_dir, read_heads_config
-
-    settings = settings or CheckSettings()
-    heads_path = heads_dir(str(heads_path))
-    meta = read_heads_config(heads_path)
+def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
+    """``formats`` (default: every vLLM format these heads export to), each checked against the heads, and ``k``
+    against what Medusa heads can draft."""
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
     available = formats_for(head_type, layout)
@@ -293,9 +285,25 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
             raise ServingError(f"{head_type} heads (layout={layout}) do not export to {fmt}; they export to "
                                f"{', '.join(available) or 'no vLLM format'}.")
     if head_type == "medusa":
-        num_heads = int((meta.get("head_config") or {}).get("num_heads") or settings.k)
-        if settings.k > num_heads:
-            raise ServingError(f"k={settings.k}: these Medusa heads draft at most {num_heads} tokens a step.")
+        num_heads = int((meta.get("head_config") or {}).get("num_heads") or k)
+        if k > num_heads:
+            raise ServingError(f"k={k}: these Medusa heads draft at most {num_heads} tokens a step.")
+    return formats
+
+
+def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,
+                settings: CheckSettings | None = None, progress: bool = True) -> dict:
+    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
+    the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
+    (see :func:`format_report`)."""
+    from heads.export import export_heads
+    from heads.io import heads_dir, read_heads_config
+
+    settings = settings or CheckSettings()
+    heads_path = heads_dir(str(heads_path))
+    meta = read_heads_config(heads_path)
+    head_type = meta["head_type"]
+    formats = checked_formats(meta, formats, settings.k)
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
     if prompts and isinstance(prompts[0], str):
@@ -369,6 +377,56 @@ def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, wa
     return rows
 
 
+def _mismatch(report: dict, i: int, engine: str, tokens: list[int], hf: list[int]) -> bool:
+    """Record where ``tokens`` leave HF generate's (if they do); True when they equal it."""
+    where = first_difference(tokens, hf)
+    if where is not None:
+        report["mismatches"].append({"prompt": i, "engine": engine, "position": where,
+                                     "got": tokens[where: where + 3], "hf": hf[where: where + 3]})
+    return where is None
+
+
+def _add_counts(total: dict, counts: dict) -> None:
+    for key in ("drafts", "draft_tokens", "accepted"):
+        total[key] += counts[key]
+    total["accepted_per_pos"] = [a + b for a, b in zip(total["accepted_per_pos"], counts["accepted_per_pos"])]
+
+
+def format_entry(run: dict, ours: list[dict], fmt: str, eos: set[int], settings: CheckSettings,
+                 report: dict) -> dict:
+    """One format's figures: per prompt and summed, vLLM's counters beside selfspec's, tokens/s, lossless."""
+    entry: dict[str, Any] = {"loaded": bool(run["loaded"]), "error": run.get("error"), "prompts": [],
+                             "log_errors": run.get("log_errors", [])}
+    if not run["loaded"] or run.get("error"):
+        return entry
+    k, n = settings.k, settings.max_new_tokens
+    totals = {side: {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * k}
+              for side in ("vllm", "selfspec")}
+    seconds = {"vllm": [0, 0.0], "selfspec": [0, 0.0]}  # tokens, seconds
+    for i, (vp, r) in enumerate(zip(run["prompts"], ours)):
+        tokens = cut_at_eos(vp["tokens"], eos)
+        lossless = _mismatch(report, i, f"vLLM {fmt}", tokens, cut_at_eos(r["hf"], eos)[:n])
+        theirs = {**{key: vp[key] for key in ("drafts", "draft_tokens", "accepted")},
+                  "accepted_per_pos": (vp["accepted_per_pos"] + [0] * k)[:k]}
+        mine = {key: r[key] for key in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
+        _add_counts(totals["vllm"], theirs)
+        _add_counts(totals["selfspec"], mine)
+        seconds["vllm"] = [seconds["vllm"][0] + len(tokens), seconds["vllm"][1] + vp["seconds"]]
+        seconds["selfspec"] = [seconds["selfspec"][0] + len(r["chain"]), seconds["selfspec"][1] + r["chain_s"]]
+        entry["prompts"].append({
+            "lossless": lossless, "vllm": {**theirs, "tokens_per_s": len(tokens) / vp["seconds"]},
+            "selfspec": {**mine, "tokens_per_s": len(r["chain"]) / r["chain_s"] if r["chain_s"] else 0.0}})
+    for side in ("vllm", "selfspec"):
+        tokens, secs = seconds[side]
+        entry[side] = {**totals[side], "rates": rates(totals[side]), "tokens_per_s": tokens / secs if secs else 0.0}
+    entry["speedup_in_vllm"] = entry["vllm"]["tokens_per_s"] / report["vllm_plain_tokens_per_s"]
+    entry["lossless"] = all(p["lossless"] for p in entry["prompts"])
+    entry["max_rate_difference"] = max(
+        (abs(a - b) for a, b in zip(entry["vllm"]["rates"], entry["selfspec"]["rates"])), default=0.0)
+    entry["acceptance_equal"] = entry["max_rate_difference"] <= settings.tolerance
+    return entry
+
+
 def compare(vllm: dict, ours: list[dict], formats: list[str], eos: set[int], settings: CheckSettings,
             **info: Any) -> dict:
     """The report: per format and prompt, loaded / tokens equal / acceptance per position in both engines."""
@@ -379,58 +437,18 @@ def compare(vllm: dict, ours: list[dict], formats: list[str], eos: set[int], set
     report = {"vllm_version": vllm.get("vllm_version"), "k": settings.k, "max_new_tokens": settings.max_new_tokens,
               "tolerance": settings.tolerance, **info, "formats": {}, "mismatches": []}
     n = settings.max_new_tokens
-    vllm_plain_tokens = sum(len(p["tokens"]) for p in plain["prompts"])
     vllm_plain_s = sum(p["seconds"] for p in plain["prompts"])
-    report["vllm_plain_tokens_per_s"] = vllm_plain_tokens / vllm_plain_s if vllm_plain_s else 0.0
+    report["vllm_plain_tokens_per_s"] = sum(len(p["tokens"]) for p in plain["prompts"]) / vllm_plain_s
     report["hf_tokens_per_s"] = sum(len(cut_at_eos(r["hf"], eos)[:n]) for r in ours) / sum(r["hf_s"] for r in ours)
     report["ours_plain_tokens_per_s"] = sum(len(r["plain"]) for r in ours) / sum(r["plain_s"] for r in ours)
     for i, (vp, r) in enumerate(zip(plain["prompts"], ours)):
         hf = cut_at_eos(r["hf"], eos)[:n]
         for name, tokens in (("vLLM plain", cut_at_eos(vp["tokens"], eos)), ("selfspec plain", r["plain"]),
                              ("selfspec chain", r["chain"])):
-            where = first_difference(tokens, hf)
-            if where is not None:
-                report["mismatches"].append({"prompt": i, "engine": name, "position": where,
-                                             "got": tokens[where: where + 3], "hf": hf[where: where + 3]})
+            _mismatch(report, i, name, tokens, hf)
     for fmt in formats:
         run = runs.get(fmt, {"loaded": False, "error": "not run", "prompts": []})
-        entry: dict[str, Any] = {"loaded": bool(run["loaded"]), "error": run.get("error"), "prompts": [],
-                                 "log_errors": run.get("log_errors", [])}
-        report["formats"][fmt] = entry
-        if not run["loaded"] or run.get("error"):
-            continue
-        total_v = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * settings.k}
-        total_o = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0] * settings.k}
-        spec_tokens = spec_s = chain_tokens = chain_s = 0.0
-        for i, (vp, r) in enumerate(zip(run["prompts"], ours)):
-            hf = cut_at_eos(r["hf"], eos)[:n]
-            tokens = cut_at_eos(vp["tokens"], eos)
-            where = first_difference(tokens, hf)
-            if where is not None:
-                report["mismatches"].append({"prompt": i, "engine": f"vLLM {fmt}", "position": where,
-                                             "got": tokens[where: where + 3], "hf": hf[where: where + 3]})
-            vpos = (vp["accepted_per_pos"] + [0] * settings.k)[: settings.k]
-            for total, c in ((total_v, {**vp, "accepted_per_pos": vpos}), (total_o, r)):
-                for key in ("drafts", "draft_tokens", "accepted"):
-                    total[key] += c[key]
-                total["accepted_per_pos"] = [a + b for a, b in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
-            entry["prompts"].append({
-                "lossless": where is None, "vllm": {k: vp[k] for k in ("drafts", "draft_tokens", "accepted")}
-                | {"accepted_per_pos": vpos, "tokens_per_s": len(tokens) / vp["seconds"]},
-                "selfspec": {k: r[k] for k in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
-                | {"tokens_per_s": len(r["chain"]) / r["chain_s"] if r["chain_s"] else 0.0},
-            })
-            spec_tokens += len(tokens)
-            spec_s += vp["seconds"]
-            chain_tokens += len(r["chain"])
-            chain_s += r["chain_s"]
-        entry["vllm"] = {**total_v, "rates": rates(total_v), "tokens_per_s": spec_tokens / spec_s}
-        entry["selfspec"] = {**total_o, "rates": rates(total_o), "tokens_per_s": chain_tokens / chain_s}
-        entry["speedup_in_vllm"] = entry["vllm"]["tokens_per_s"] / report["vllm_plain_tokens_per_s"]
-        entry["lossless"] = all(p["lossless"] for p in entry["prompts"])
-        entry["max_rate_difference"] = max(
-            (abs(a - b) for a, b in zip(entry["vllm"]["rates"], entry["selfspec"]["rates"])), default=0.0)
-        entry["acceptance_equal"] = entry["max_rate_difference"] <= settings.tolerance
+        report["formats"][fmt] = format_entry(run, ours, fmt, eos, settings, report)
     report["ok"] = not report["mismatches"] and all(
         f["loaded"] and not f["error"] and f["acceptance_equal"] for f in report["formats"].values())
     return report

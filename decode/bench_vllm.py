@@ -29,9 +29,9 @@ VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vl
 SELFSPEC_SUFFIX = "decode.vllm_suffix.SuffixProposer"
 
 
-def vllm_runs(names: list[str], heads: dict, out: Path, k: int, suffix_k: int = 8) -> list[dict]:
+def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, suffix_k: int = 8) -> list[dict]:
     """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
-    exported under ``out``."""
+    exported under ``out`` for the target vLLM loads from ``served``."""
     from heads.export import export_heads
 
     runs = []
@@ -52,7 +52,7 @@ def vllm_runs(names: list[str], heads: dict, out: Path, k: int, suffix_k: int = 
             if not fmts:
                 continue
             folder, fmt = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-"))
-                                       .resolve(), s.target, fmt=fmts[0], verifier=str(served_target_dir(s.target)),
+                                       .resolve(), s.target, fmt=fmts[0], verifier=str(served),
                                        speculative_tokens=k)
             depth = k if meta.get("head_type") != "medusa" else min(k, int(meta.get("num_heads") or k))
             run = FORMATS[fmt].run(folder, depth)
@@ -68,7 +68,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
 
     k = int(cfg_get(cfg, "vllm_speculative_tokens", 3))
     suffix_k = int(cfg_get(cfg, "vllm_suffix_tokens", 8))
-    runs = vllm_runs(names, heads, out, k, suffix_k)
+    served = served_target_dir(base.target)
+    runs = vllm_runs(names, heads, out, served, k, suffix_k)
     if not runs:
         raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, or EAGLE-3 with "
                                "heads.layout=midlayer).")
@@ -76,7 +77,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     eos = sorted(base.decoder.eos_token_ids)
     model = base.target.model
     limit = int(getattr(model.config, "max_position_embeddings", 2048))
-    job = {"model": str(served_target_dir(base.target)), "dtype": str(model.dtype).removeprefix("torch."),
+    job = {"model": str(served), "dtype": str(model.dtype).removeprefix("torch."),
            "max_model_len": min(limit, max(map(len, prompts)) + s["max_new_tokens"] + k + 8),
            "max_new_tokens": s["max_new_tokens"], "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}

@@ -215,6 +215,18 @@ class Candidates:
             out.append(1 if parent < 0 else out[parent] + 1)
         return out
 
+    def best_branch(self, limit: int, scores: Sequence[float] | None = None) -> list[int]:
+        """One branch of up to ``limit`` nodes: from the root, the best-scored child at each level."""
+        scores = self.scores if scores is None else scores
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        branch, parent = [], -1
+        while len(branch) < limit and children.get(parent):
+            parent = max(children[parent], key=lambda n: scores[n])
+            branch.append(parent)
+        return branch
+
     def ranked(self, limit: int, scores: Sequence[float] | None = None) -> list[int]:
         """Up to ``limit`` nodes, best first by ``scores`` (default: the raw scores), every node after its parent (a
         best-first walk from the root)."""
@@ -260,11 +272,14 @@ class SuffixDrafter(DrafterBase):
 
     ``budget``: ``auto`` (adaptive, up to ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
     ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
+    ``chain``: draft one branch (the best child at each level) instead of a tree, for engines that verify chains
+    (vLLM: decode/vllm_suffix.py).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None,
                  budget: int | str = "auto", max_nodes: int = 24, max_depth: int = 16, max_match: int = 24,
-                 max_occurrences: int = 32, cost_curve: CostCurve | None = None, remember: int = 200_000):
+                 max_occurrences: int = 32, cost_curve: CostCurve | None = None, remember: int = 200_000,
+                 chain: bool = False):
         if budget != "auto" and (not isinstance(budget, int) or budget < 0):
             raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
         if min(max_nodes, max_depth, max_match, max_occurrences) < 1:
@@ -282,6 +297,7 @@ class SuffixDrafter(DrafterBase):
         self._answer_from: int | None = None  # where the current answer starts in self.index.tokens
         self.max_nodes, self.max_depth, self.max_match = max_nodes, max_depth, max_match
         self.max_occurrences = max_occurrences
+        self.chain = chain
         self.model, self.cost_curve = model, cost_curve
         self.calibration = Calibration()
         self.index = NgramIndex(max_match)
@@ -341,15 +357,16 @@ class SuffixDrafter(DrafterBase):
         bucket, cands = self._candidates(min(self.max_depth, max_depth))
         limit = self.max_nodes if self.budget == "auto" else self.budget
         depths = cands.depths()
+        rank = cands.best_branch if self.chain else cands.ranked
         if self.budget == "auto":
             probs = self.probabilities(cands, bucket, depths)
-            ranked = cands.ranked(limit, probs)
+            ranked = rank(limit, probs)
             k = best_size([probs[n] for n in ranked], self.curve(), limit, base_nodes, base_expected)
             self._idle = self._idle + 1 if ranked and k == 0 else 0
             if self._idle > self.explore_every:  # a cheap look (the best candidate alone), so estimates that fell
                 k, self._idle = 1, 0  # too low can recover when the text turns predictable
         else:
-            ranked = cands.ranked(limit)
+            ranked = rank(limit)
             k = len(ranked)
         return SuffixPlan(bucket, cands, ranked[:k], depths)
 

@@ -11,10 +11,10 @@ vLLM 0.32 builds the class with its ``VllmConfig`` and calls ``propose(sampled_t
 token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row, of any length up to
 ``num_speculative_tokens`` (empty: no draft). What differs from selfspec's own engine, and how it is bridged:
 
-- **Chains, not trees.** vLLM verifies a chain per row, so the drafter's candidate trie is cut to its best branch
-  (the most probable child at each level), and adaptive depth chooses that chain's length: the k that maximises
-  expected tokens per verify cost, acceptance probabilities calibrated online from what vLLM accepted
-  (``decode.adaptive.Calibration``, as in selfspec's engine).
+- **Chains, not trees.** vLLM verifies a chain per row, so the drafter drafts with ``chain=True``: its candidate trie
+  cut to its best branch (the most probable child at each level), whose length its adaptive budget chooses as in
+  selfspec's engine (the k that maximises expected tokens per verify cost, acceptance probabilities calibrated online
+  from what vLLM accepted).
 - **The verify cost** of a chain in vLLM is not measured inside vLLM: ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON
   object {nodes: cost relative to one}); decode/bench_vllm.py passes selfspec's measured curve for the same model
   (vLLM's kernels differ, so that curve is an approximation). Without it, verifying up to 4 tokens is taken to cost
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from decode.adaptive import CostCurve, best_size
+from decode.adaptive import CostCurve
 from decode.suffix import SuffixDrafter, SuffixPlan
 
 COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
@@ -51,18 +51,6 @@ def curve_from_env(k: int) -> CostCurve:
     if not text:
         return default_curve(k)
     return CostCurve.from_relative({int(n): float(c) for n, c in json.loads(text).items()})
-
-
-def best_chain(plan_cands, probs: list[float], depth: int) -> list[int]:
-    """The candidate trie's best branch: from the root, the most probable child at each level, up to ``depth``."""
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(plan_cands.parents):
-        children.setdefault(parent, []).append(node)
-    chain, parent = [], -1
-    while len(chain) < depth and children.get(parent):
-        parent = max(children[parent], key=lambda n: probs[n])
-        chain.append(parent)
-    return chain
 
 
 @dataclass
@@ -90,7 +78,7 @@ class SuffixProposer:
 
     def _drafter(self) -> SuffixDrafter:
         drafter = SuffixDrafter(budget="auto", max_nodes=self.k, max_depth=self.k, max_match=self.max_match,
-                                cost_curve=self.curve, remember=self.remember)
+                                cost_curve=self.curve, remember=self.remember, chain=True)
         for answer in self.answers:
             drafter.remember_answer(answer)
         return drafter
@@ -139,20 +127,9 @@ class SuffixProposer:
         return drafts
 
     def _draft(self, row: _Row) -> list[int]:
-        state = SimpleNamespace(prompt_length=row.prompt_length, new_tokens=row.history[row.prompt_length:],
-                                next_token=row.history[-1])
-        drafter = row.drafter
-        drafter.index.extend(state.new_tokens[len(drafter.index.tokens) - state.prompt_length:])
-        bucket, cands = drafter._candidates(self.k)
-        depths = cands.depths()
-        probs = drafter.probabilities(cands, bucket, depths)
-        chain = best_chain(cands, probs, self.k)
-        length = best_size([probs[n] for n in chain], self.curve, self.k)
-        if chain and length == 0:  # the same cheap look selfspec's engine takes, so estimates can recover
-            drafter._idle += 1
-            if drafter._idle > drafter.explore_every:
-                length, drafter._idle = 1, 0
-        else:
-            drafter._idle = 0
-        row.plan = SuffixPlan(bucket, cands, chain[:length], depths) if length else None
-        return [cands.tokens[n] for n in chain[:length]]
+        """The drafter's plan as one chain (``SuffixDrafter(chain=True)``): its tokens, the plan kept to learn from
+        what vLLM accepts."""
+        state = SimpleNamespace(prompt_length=row.prompt_length, new_tokens=row.history[row.prompt_length:])
+        plan = row.drafter.plan(state, self.k)
+        row.plan = plan if plan.chosen else None
+        return [plan.cands.tokens[n] for n in plan.chosen]

@@ -119,10 +119,9 @@ def default_layer_ids(num_layers: int) -> list[int]:
     ids = engine_layer_ids(num_layers)
     if ids == sorted(set(ids)) and len(ids) == 3:
         return ids
-    if num_layers <= 3:
-        return list(range(num_layers))[:3] + [num_layers - 1] * max(0, 3 - num_layers)
-    spread = [min(num_layers - 1, max(1, round(num_layers * f))) for f in (0.25, 0.5, 0.75)]
-    return spread if len(set(spread)) == 3 else [1, num_layers // 2, num_layers - 1]
+    if num_layers <= 3:  # too few layers for three different ones past the embeddings
+        return [min(i, num_layers - 1) for i in range(3)]
+    return [round(num_layers * f) for f in (0.25, 0.5, 0.75)]  # 4..6 layers: three different ones
 
 
 # --- the target's parts, reached without owning them ----------------------------------------------------------------

@@ -41,7 +41,8 @@ from heads.eagle import (
 from heads.vocab import rows_through
 from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
 from train.feature_store import FeatureSource
-from train.loop import settings_from_cfg, unwrap
+from train.loop import settings_from_cfg
+from train.method import TrainMethod, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -118,8 +119,8 @@ class EagleTrainModule(nn.Module):
         )
 
 
-class EagleMethod:
-    """The EAGLE family for the shared loop (see train.loop.TrainMethod)."""
+class EagleMethod(TrainMethod):
+    """The EAGLE family for the shared loop (see train.method.TrainMethod)."""
 
     supports_packing = True  # trainer.packing: the drafter's masks and losses read segment_ids
 

@@ -47,7 +47,8 @@ from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exi
 from heads.vocab import rows_through
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
-from train.loop import settings_from_cfg, unwrap
+from train.loop import settings_from_cfg
+from train.method import TrainMethod, unwrap
 
 
 @dataclass
@@ -155,8 +156,8 @@ def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
     return model if param.dtype == wanted else copy.deepcopy(model).to(wanted)
 
 
-class LayerSkipMethod:
-    """Layer-skip exits for the shared loop (see train.loop.TrainMethod)."""
+class LayerSkipMethod(TrainMethod):
+    """Layer-skip exits for the shared loop (see train.method.TrainMethod)."""
 
     name = "layerskip"
 

@@ -1,0 +1,100 @@
+"""What a drafter family supplies to the shared training loop (:func:`train.loop.train`): one :class:`TrainMethod`.
+
+The whole contract is this class. Four methods are required (``build_drafter``, ``compute_loss``, ``evaluate``,
+``save``) plus a ``name``; every optional capability is declared here with its default, so a family overrides only
+what it offers and the loop calls each member directly:
+
+=====================  ==================================================================================
+capability             default
+=====================  ==================================================================================
+``trains_target``      False: the target is frozen, and may run in bfloat16 where that is native
+``supports_packing``   False: ``trainer.packing=true`` is refused
+``prepare_data``       the splits and the collate function unchanged
+``param_groups``       one group: every trainable parameter of the drafter
+``count_items``        None: ``compute_loss`` returns a per-micro-batch mean
+=====================  ==================================================================================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+class TrainMethod:
+    """A drafter family's training: what is trained and how its loss, evaluation and save go.
+
+    ``name`` (e.g. "medusa") names the method in logs and in the saved heads' metadata; a subclass sets it as a class
+    attribute or in ``__init__``.
+    """
+
+    name: str
+
+    #: Whether the method trains weights inside the target (e.g. Medusa-2's LoRA). The target then keeps the model
+    #: config's dtype under ``trainer.target_dtype=auto`` instead of bfloat16 (train.config.training_dtype).
+    trains_target: bool = False
+
+    #: Whether ``compute_loss`` reads packed batches (train.data.collate_packed: ``segment_ids`` and restarting
+    #: ``position_ids``), keeping its masks and look-ahead targets within an example. Evaluation reads padded batches.
+    supports_packing: bool = False
+
+    # --- required -------------------------------------------------------------------------------------------------
+
+    def build_drafter(self, target: Any) -> nn.Module:
+        """The module whose trainable parameters are optimised (it may hold the target, e.g. with LoRA); its forward
+        is what ``compute_loss`` calls, so that DDP syncs its gradients. Called after ``prepare_data``."""
+        raise NotImplementedError
+
+    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) of one micro-batch on the device; metrics map a name to a scalar tensor, logged averaged
+        over the step. ``num_items`` is passed only to a method whose ``count_items`` counts: the global count over
+        the step (all micro-batches, all ranks, summed elementwise), and the loss is then ``loss_sum / num_items``.
+        Otherwise the loss is this micro-batch's mean."""
+        raise NotImplementedError
+
+    def evaluate(self, loader: Any, target: Any, drafter: nn.Module, accelerator: Any) -> dict[str, float]:
+        """Metrics over the whole (sharded) eval loader, reduced over ranks; the keys are logged as they are. Runs
+        under ``torch.no_grad`` and the accelerator's autocast, with the drafter in eval mode."""
+        raise NotImplementedError
+
+    def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
+        """Write the trained drafter to ``path`` (main process only) and return the folder. ``drafter`` is unwrapped,
+        ``state_dict`` its full state gathered from every rank, ``meta`` what the run was (steps, data, trainer)."""
+        raise NotImplementedError
+
+    # --- optional, with their defaults ----------------------------------------------------------------------------
+
+    def prepare_data(self, datasets: dict, target: Any, accelerator: Any, collate_fn: Callable
+                     ) -> tuple[Any, Any, Callable]:
+        """(train split, eval split or None, collate_fn) from ``datasets`` ({"train", "eval"}; eval may be None),
+        before the drafter is built: e.g. a draft vocabulary counted on the train split, or a feature store swapped
+        in. By default the splits and ``collate_fn`` unchanged."""
+        return datasets["train"], datasets.get("eval"), collate_fn
+
+    def param_groups(self, drafter: nn.Module, lr: float) -> list[dict]:
+        """The optimizer's parameter groups (e.g. a learning-rate multiplier for some of them); ``lr`` is
+        ``trainer.learning_rate``. By default one group of every trainable parameter."""
+        return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
+
+    def count_items(self, batch: dict) -> torch.Tensor | None:
+        """The items this micro-batch's loss is a sum over (any shape, e.g. label positions per head), or None.
+
+        A count makes the loss normalised over the whole step: the loop sums the counts over the step's micro-batches
+        and ranks, passes them to ``compute_loss`` as ``num_items``, and undoes accelerate's averaging over
+        micro-batches and ranks, so a step's gradient is that of the mean over every item of the global batch,
+        whatever the split. None (the default, for every batch): the loss is a per-micro-batch mean."""
+        return None
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(module)
+
+
+__all__ = ["TrainMethod", "unwrap"]

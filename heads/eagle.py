@@ -58,7 +58,7 @@ from torch.nn import functional as F
 from heads.errors import SettingError
 from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
-from heads.vocab import rows_through
+from heads.runtime import rows_through
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")

@@ -17,20 +17,6 @@ import torch
 from heads.errors import SettingError
 
 
-ROW_BUCKET = 128  # rows of a gathered matrix product are padded to a multiple of this (see rows_through)
-
-
-def rows_through(fn, rows: torch.Tensor, multiple: int = ROW_BUCKET) -> torch.Tensor:
-    """``fn(rows)`` for a row-wise ``fn`` (an LM head), with the rows [N, ...] zero-padded to a multiple of
-    ``multiple`` and the result cut back to N rows: the same values and gradients. Training gathers the positions it
-    trains on, so N changes every step; bfloat16 matrix products on CPU (oneDNN) keep kernels and buffers for each
-    shape they meet, and a 1,550-step run grew by gigabytes until the kernel killed it. Padded, the shapes repeat."""
-    n, extra = rows.shape[0], -rows.shape[0] % multiple
-    if not extra:
-        return fn(rows)
-    return fn(torch.cat([rows, rows.new_zeros((extra, *rows.shape[1:]))]))[:n]
-
-
 def size_for_coverage(token_counts: torch.Tensor, coverage: float) -> int:
     """The fewest most-frequent tokens whose counts reach ``coverage`` (0 < coverage <= 1) of the total."""
     if not 0.0 < float(coverage) <= 1.0:

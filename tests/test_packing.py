@@ -8,7 +8,7 @@
   method that cannot read packed batches refuses them before any work.
 - trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings; free pages
   go back every few steps and after evaluations.
-- heads.vocab.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
+- heads.runtime.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
 def test_rows_through_pads_to_repeating_shapes_with_the_same_values_and_gradients():
     """Gathered rows go through an LM head padded to a multiple of ROW_BUCKET rows (bfloat16 CPU matmuls keep
     buffers per shape): the head sees only such shapes, and values and gradients equal the unpadded call."""
-    from heads.vocab import ROW_BUCKET, rows_through
+    from heads.runtime import ROW_BUCKET, rows_through
 
     head = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 11))
     seen = []

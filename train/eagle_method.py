@@ -38,7 +38,7 @@ from heads.eagle import (
     EagleLossWeights,
     drafter_loss,
 )
-from heads.vocab import rows_through
+from heads.runtime import rows_through
 from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg

@@ -44,7 +44,7 @@ from torch.nn import functional as F
 
 from heads.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
-from heads.vocab import rows_through
+from heads.runtime import rows_through
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.loop import settings_from_cfg

@@ -37,17 +37,22 @@ def random_draft(rng: random.Random, root: int, nodes: int, vocab: int) -> Draft
     return Draft(tokens=torch.tensor(tokens), tree=Tree.from_parents(parents))
 
 
-def branches(draft: Draft) -> set[tuple[int, ...]]:
-    """Every node's token path from the root (root excluded)."""
+def node_paths(draft: Draft) -> list[tuple[int, ...]]:
+    """Each non-root node's token path from the root (root excluded), in node order."""
     parents, tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
-    out = set()
+    out = []
     for node in range(1, len(tokens)):
         path, n = [], node
         while n > 0:
             path.append(tokens[n])
             n = parents[n]
-        out.add(tuple(reversed(path)))
+        out.append(tuple(reversed(path)))
     return out
+
+
+def branches(draft: Draft) -> set[tuple[int, ...]]:
+    """Every node's token path from the root (root excluded)."""
+    return set(node_paths(draft))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -57,7 +62,10 @@ def test_merge_keeps_every_branch_once_within_the_budget(seed):
     merged, (mine_a, mine_b) = merge_drafts([a, b], max_nodes=64)
     assert branches(merged) == branches(a) | branches(b)  # nothing lost, shared prefixes once
     assert merged.tree.num_nodes - 1 == len(branches(a) | branches(b))
-    assert {len(p) for p in branches(merged)} and int(merged.tokens[0]) == 7
+    assert int(merged.tokens[0]) == 7
+    # each node sits at its path's length (its position id) and the merged tree is as deep as the deeper draft
+    assert [len(path) for path in node_paths(merged)] == merged.tree.depth[1:].tolist()
+    assert merged.tree.max_depth == max(a.tree.max_depth, b.tree.max_depth)
     by_node = {}
     parents, tokens = merged.tree.parents.tolist(), merged.tokens.tolist()
     for node in range(1, len(tokens)):  # sibling tokens are distinct (point-mass verification relies on it)

@@ -12,7 +12,7 @@ forms (``form``):
   a small KV cache of its own (decode/layerskip.py).
 
 A reduced exit vocabulary (``draft_vocab_size``) keeps the LM head rows of the ``token_map`` target ids only, chosen
-by coverage of the training data (train/data.py:choose_draft_vocab): on a small target the LM head costs as much as
+by coverage of the training data (train.data.choose_draft_vocab): on a small target the LM head costs as much as
 several layers, so a full-vocabulary exit would eat the gain of skipping them.
 
 Training (train/layerskip_method.py) fits an exit to the target's final distribution; ``exit_layer=auto`` trains one

@@ -75,7 +75,7 @@ class MedusaHeads(nn.Module):
             self.token_map = None
 
     def set_token_map(self, token_map: torch.Tensor) -> None:
-        """The target ids the heads draft from (ascending, ``draft_vocab_size`` of them; train/data.py:DraftVocab.token_map)."""
+        """The target ids the heads draft from (ascending, ``draft_vocab_size`` of them; train.data.DraftVocab.token_map)."""
         token_map = torch.as_tensor(token_map, dtype=torch.long).reshape(-1)
         if self.token_map is None or token_map.shape != self.token_map.shape:
             raise ValueError(f"token_map has {token_map.numel()} ids; these heads take draft_vocab_size="

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import train.data as data
+import train.data.dataset
+import train.data.records
 from train.data import (
     IGNORE_INDEX, ChatTemplateError, DataError, build_dataset, collate, load_conversations, read_records, to_messages,
     tokenize_conversation,
@@ -77,7 +79,7 @@ def llama3_tokenizer():
 
 
 def test_truncated_json_array_gives_exactly_the_whole_records_at_every_cut(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
+    monkeypatch.setattr(train.data.records, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
     records = [sharegpt(i, turns=1 + i % 3) for i in range(6)]
     text = json.dumps(records, indent=2, ensure_ascii=False).encode()
     ends = []  # byte offset just after each record's closing brace
@@ -337,7 +339,7 @@ def test_build_dataset_splits_caches_and_rebuilds_on_config_change(tmp_path, tin
     path = write_jsonl(tmp_path / "d.jsonl", [sharegpt(i, turns=4) for i in range(8)])
     calls = []
     real = data.tokenize_conversation
-    monkeypatch.setattr(data, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(train.data.dataset, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "cache"
 
     ds = build_dataset(data_cfg(path), tiny_tokenizer, cache_dir=cache, verbose=False)

@@ -4,7 +4,7 @@ Config (conf/layerskip.yaml): ``exit_layer`` (a layer 1..L-1, or ``auto``) and `
 
 - ``form``: ``head`` (a final norm and an LM head) or ``adapter`` (one decoder block of the target's class before
   them, as in Kangaroo); ``tune_lm_head``: train the LM head rows too (else frozen);
-- ``draft_vocab_size`` / ``draft_vocab_coverage``: the exit's reduced vocabulary (train/data.py:choose_draft_vocab);
+- ``draft_vocab_size`` / ``draft_vocab_coverage``: the exit's reduced vocabulary (train.data.choose_draft_vocab);
 - ``candidates``: the layers ``exit_layer=auto`` trains (null: five from shallow to half way, :func:`default_candidates`);
 - ``thresholds``, ``max_depth``: what the end-of-run estimate searches for the confidence threshold and the chain
   length that decoding will use (saved with the exit).
@@ -47,7 +47,7 @@ from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exi
 from heads.runtime import rows_through
 from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
-from train.loop import settings_from_cfg
+from train.config import settings_from_cfg
 from train.method import TrainMethod, unwrap
 
 

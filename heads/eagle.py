@@ -523,14 +523,15 @@ def _loss_at(
     target_features: torch.Tensor | None,
     teacher: torch.Tensor | None,
     segment_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The unrolled loss over the positions it trains on, given as teacher rows (b, p) [N] (sample, position of the
     feature / teacher row a draft step predicts; its drafted token is labels[b, p + 1]) with ``teacher`` [N, V'] the
     target's logits there. Step j reads index t = p - j - 1 of its features (where t >= 0), so each step's logits
     are computed only at the positions it is scored on. With ``segment_ids`` (a packed batch) step j is scored only
-    where index t and the drafted token p + 1 lie in the same example."""
+    where index t and the drafted token p + 1 lie in the same example. The metrics stay on the device (scalar
+    tensors; ``count_j``, a shape, is a float), so a training step does not wait for them."""
     total = step_features[0].new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor | float] = {}
     for j, feat in enumerate(step_features):
         keep = p >= j + 1
         if segment_ids is not None:
@@ -549,23 +550,23 @@ def _loss_at(
         if weights.regression > 0:
             reg = feature_regression_loss(feat[bj, tj], target_features[bj, pj], ones)
             step_loss = step_loss + weights.regression * reg
-            metrics[f"regression_{j}"] = float(reg.detach())
+            metrics[f"regression_{j}"] = reg.detach()
         if weights.token > 0:
             if weights.token_loss == "kl":
                 tok = token_kl_loss(logits, teacher_j, ones)
             else:
                 tok = token_ce_loss(logits.unsqueeze(0), label_j.unsqueeze(0), ones.unsqueeze(0))
             step_loss = step_loss + weights.token * tok
-            metrics[f"token_{j}"] = float(tok.detach())
+            metrics[f"token_{j}"] = tok.detach()
         reference = teacher_j.argmax(-1) if teacher_j is not None else label_j
-        metrics[f"acc_{j}"] = float((logits.argmax(-1) == reference).sum()) / max(count, 1)
+        metrics[f"acc_{j}"] = (logits.argmax(-1) == reference).sum().double() / max(count, 1)
         metrics[f"count_{j}"] = float(count)
         if count == 0:  # nothing to learn in this batch: keep every parameter in the graph (DDP expects it)
             first = feat[:, :1]
             extra = step_logits(first).sum() if callable(step_logits) else step_logits[j].sum()
             step_loss = step_loss + (extra + first.sum()) * 0.0
         total = total + (weights.step_decay**j) * step_loss
-    metrics["loss"] = float(total.detach())
+    metrics["loss"] = total.detach()
     return total, metrics
 
 
@@ -577,7 +578,7 @@ def eagle_loss(
     target_features: torch.Tensor | None = None,
     teacher_logits: torch.Tensor | None = None,
     teacher_valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Loss of an unrolled draft forward; returns (loss, metrics).
 
     step_features / step_logits: per step j, [B, T, H] / [B, T, V'] where index t predicts feature t+j+1 and token
@@ -618,7 +619,7 @@ def drafter_loss(
     generator: torch.Generator | None = None,
     segment_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The training loss of one batch, given the frozen target's forward over it (the same as :func:`eagle_loss`
     over the drafter's full logits, but the draft's and the target's vocabulary projections, the costliest part of a
     step, run only at the positions the loss is trained on: assistant tokens, no padding).

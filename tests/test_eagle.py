@@ -770,7 +770,7 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
         assert module.drafter.variant == option and all(p.requires_grad for p in module.parameters())
     from conftest import CONF
 
-    from train.loop import TrainerConfig
+    from train.config import TrainerConfig
 
     experiments = [p.stem for p in (CONF / "experiment").glob("*.yaml") if not p.stem.startswith(("medusa", "layerskip"))]
     assert "eagle3_llama8b_gpu" in experiments

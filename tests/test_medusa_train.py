@@ -23,7 +23,8 @@ from heads.medusa import (
 )
 from heads.target import Target, build_tiny
 from train.checkpoint import list_checkpoints
-from train.loop import EmptyDatasetError, EpochSampler, NonFiniteLossError, RunExistsError, TrainerConfig, train
+from train.config import TrainerConfig
+from train.loop import EmptyDatasetError, EpochSampler, NonFiniteLossError, RunExistsError, train
 from train.medusa_method import MedusaMethod
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -419,7 +420,7 @@ def test_a_second_run_in_one_process_does_not_inherit_the_first_ones_precision(t
 
 def test_the_frozen_target_trains_in_bf16_only_where_bf16_is_native(monkeypatch):
     from heads.errors import SettingError
-    from train.loop import training_dtype
+    from train.config import training_dtype
 
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
@@ -490,7 +491,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
 
 
 def _native_here(device) -> bool:
-    from train.loop import native_bf16
+    from heads.runtime import native_bf16
 
     return native_bf16(device)
 
@@ -507,7 +508,7 @@ def _options(group: str, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
 def test_every_trainer_and_experiment_option_composes_and_instantiates(tmp_path, trainer, experiment):
     from conftest import compose
 
-    from train.loop import make_logger
+    from train.loggers import make_logger
 
     overrides = [f"trainer={trainer}", f"run_dir={tmp_path}"] + ([f"experiment={experiment}"] if experiment else [])
     cfg = compose("medusa", overrides)

@@ -219,7 +219,8 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
 
     from heads.errors import SettingError
     from train.layerskip_method import LayerSkipMethod
-    from train.loop import TrainerConfig, train
+    from train.config import TrainerConfig
+    from train.loop import train
     from train.medusa_method import MedusaMethod
 
     cfg = layerskip_cfg(tmp_path / "ls", "trainer.packing=true")
@@ -236,7 +237,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
 _MMAPPED_AFTER_A_BIG_TENSOR = """
 import ctypes, sys, torch
 sys.path.insert(0, {root!r})
-from train.loop import hold_freed_memory
+from heads.runtime import hold_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]
@@ -274,7 +275,7 @@ def test_held_memory_serves_big_tensors_from_the_heap():
 _RESIDENT_AFTER_FREE = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from train.loop import hold_freed_memory, release_held_memory
+from heads.runtime import hold_freed_memory, release_held_memory
 
 def anon_mib():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) / 1024

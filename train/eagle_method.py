@@ -41,7 +41,7 @@ from heads.eagle import (
 from heads.runtime import rows_through
 from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
 from train.feature_store import FeatureSource
-from train.loop import settings_from_cfg
+from train.config import settings_from_cfg
 from train.method import TrainMethod, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
@@ -203,7 +203,7 @@ class EagleMethod(TrainMethod):
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
                                 batch.get("segment_ids"), batch.get("position_ids"))
-        return loss, {k: torch.tensor(v) for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
+        return loss, {k: v for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
 
     # --- evaluation ---------------------------------------------------------------------------------------------
 
@@ -220,8 +220,9 @@ class EagleMethod(TrainMethod):
                                     batch["attention_mask"], batch.get("segment_ids"), batch.get("position_ids"))
             for j in range(steps):
                 n = metrics[f"count_{j}"]
-                token = metrics.get(f"token_{j}", 0.0) + self.weights.regression * metrics.get(f"regression_{j}", 0.0)
-                totals[:, j] += torch.tensor([metrics[f"acc_{j}"] * n, n, token * n], dtype=torch.float64,
+                token = float(metrics.get(f"token_{j}", 0.0)) \
+                    + self.weights.regression * float(metrics.get(f"regression_{j}", 0.0))
+                totals[:, j] += torch.tensor([float(metrics[f"acc_{j}"]) * n, n, token * n], dtype=torch.float64,
                                              device=accelerator.device)
         totals = accelerator.reduce(totals, reduction="sum")
         acc = (totals[0] / totals[1].clamp(min=1)).tolist()

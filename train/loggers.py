@@ -70,6 +70,20 @@ class WandbLogger(NoLogger):
         self.run.finish()
 
 
+def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
+    """The ``logger`` group's class with the run folder and the run's config (hydra's ``instantiate`` reserves the
+    keyword ``config``, so the class is looked up and called directly)."""
+    from hydra.utils import get_object
+
+    from heads.config import to_dict
+
+    kwargs = to_dict(logger_cfg)
+    target = kwargs.pop("_target_", None)
+    if not target:
+        raise ValueError("logger config has no _target_: use logger=none or logger=wandb.")
+    return get_object(target)(run_dir=str(run_dir), config=config, **kwargs)
+
+
 def _has_wandb_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True

@@ -1,8 +1,8 @@
-"""The training loop every drafter family shares (Medusa and EAGLE; layer-skip exits are planned), on accelerate.
+"""The training loop every drafter family shares (Medusa, EAGLE and layer-skip exits), on accelerate.
 
     result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 
-``method`` says what is trained and how (see :class:`TrainMethod`); the loop owns everything else, in this order
+``method`` says what is trained and how (a :class:`train.method.TrainMethod`); the loop owns everything else, in this order
 (one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with a
 warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
 checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
@@ -18,10 +18,17 @@ resumed from it (``trainer.resume=true``, or a path) skips the consumed batches 
 same parameters as a run that was never stopped. Resuming with a larger ``trainer.max_steps`` trains on: the
 learning-rate schedule is rebuilt for the new length and goes on from the checkpoint's step.
 
-Loss normalisation. A method that defines ``count_items(batch)`` (e.g. label tokens per head) gets the global count
+Loss normalisation. A method whose ``count_items(batch)`` counts (e.g. label tokens per head) gets the global count
 over the whole step (all micro-batches, all ranks) as ``num_items`` and returns ``loss_sum / num_items``; the loop
 undoes the averaging over micro-batches and ranks, so a step's gradient is that of the mean over every item of the
-global batch, whatever the split into ranks and micro-batches. Methods without it return a per-micro-batch mean.
+global batch, whatever the split into ranks and micro-batches. Methods that count nothing (None, the default) return
+a per-micro-batch mean.
+
+Device syncs. Losses and metrics stay on the device; the loop reads them once per optimizer step (the check that the
+step's losses are finite, before the backward that may update) and once per log line.
+
+Runtime pieces live beside the loop: settings in train/config.py, the accelerator in train/accelerator.py, allocator
+tuning, bf16 detection and peak memory in heads/runtime.py.
 
 Outputs in ``run_dir``: ``config.yaml`` (the resolved config), ``checkpoints/step-*``, ``heads/`` (``method.save``),
 the logger's files (``metrics.jsonl``, ``wandb/``).
@@ -31,14 +38,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import resource
 import shutil
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +51,8 @@ from torch.utils.data import DataLoader, Sampler
 
 from heads.config import cfg_get, to_dict
 from heads.errors import SelfspecError, SettingError
+from heads.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
+from train.accelerator import check_accumulation, make_accelerator
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -55,7 +62,19 @@ from train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
+from train.config import SCHEDULERS, TrainerConfig, training_dtype, write_resolved_config
+from train.loggers import make_logger
+from train.method import TrainMethod
 
+# train/medusa_method.py still imports these two from here; their homes are train.config and train.method.
+from train.config import settings_from_cfg  # noqa: E402,F401
+from train.method import unwrap  # noqa: E402,F401
+
+
+# Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
+# more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
+# memory stayed flat (docs/benchmarks.md).
+RELEASE_HELD_EVERY = 25
 
 
 class EmptyDatasetError(SelfspecError, ValueError):
@@ -68,129 +87,6 @@ class RunExistsError(SelfspecError, ValueError):
 
 class NonFiniteLossError(SelfspecError, RuntimeError):
     """The loss or the gradient norm became NaN or infinite; training stopped before the update."""
-
-
-@runtime_checkable
-class TrainMethod(Protocol):
-    """What a drafter family supplies to :func:`train`.
-
-    Required:
-      ``name``: str, e.g. "medusa".
-      ``build_drafter(target) -> nn.Module``: the module whose trainable parameters are optimised (it may hold the
-        target, e.g. with LoRA); its forward is what ``compute_loss`` calls (needed for DDP gradient sync).
-      ``compute_loss(batch, target, drafter, num_items=None) -> (loss, metrics)``: ``batch`` is on the device;
-        ``num_items`` only when ``count_items`` exists (see the module doc). ``metrics``: name -> scalar tensor.
-      ``evaluate(loader, target, drafter, accelerator) -> dict[str, float]``: metrics over the whole (sharded)
-        eval loader, reduced over ranks; keys are logged as they are.
-      ``save(path, drafter, target, meta, state_dict) -> Path``: write the trained drafter (main process only);
-        ``drafter`` is unwrapped, ``state_dict`` its full state gathered from all ranks.
-    Optional:
-      ``count_items(batch) -> Tensor``: items the loss of this micro-batch is a sum over (any shape).
-      ``prepare_data(datasets, target, accelerator, collate_fn) -> (train, eval | None, collate_fn)``: e.g. swap in
-        a feature store.
-      ``param_groups(drafter, lr) -> list[dict]``: optimizer parameter groups (e.g. a learning-rate multiplier).
-    """
-
-    name: str
-
-    def build_drafter(self, target: Any) -> nn.Module: ...
-
-    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: Any = None): ...
-
-    def evaluate(self, loader: Any, target: Any, drafter: nn.Module, accelerator: Any) -> dict[str, float]: ...
-
-    def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None): ...
-
-
-@dataclass
-class TrainerConfig:
-    """``cfg.trainer``. Its defaults, and what each setting does, are in conf/trainer/default.yaml, the only place
-    they are written: every field is required here. Steps are optimizer steps; batch_size is per device."""
-
-    max_steps: int
-    batch_size: int
-    gradient_accumulation_steps: int
-    learning_rate: float
-    weight_decay: float
-    adam_betas: tuple[float, float]
-    adam_eps: float
-    lr_scheduler: str  # cosine | linear | constant, each after a linear warmup
-    warmup_steps: int
-    max_grad_norm: float | None  # null: no clipping
-    mixed_precision: str | None  # no | bf16 | fp16 | null (from the accelerate config, default no)
-    target_dtype: str  # the frozen target's dtype while training: auto | float32 | bfloat16 | float16
-    seed: int
-    eval_every: int  # 0: evaluate only at the end
-    eval_max_examples: int | None  # cap on eval examples (the first ones of the eval split)
-    save_every: int  # 0: no checkpoints
-    keep_last: int | None  # null: keep every checkpoint
-    log_every: int
-    resume: Any  # false | true (latest of this run) | path of a checkpoint or run folder
-    overwrite: bool  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
-    num_workers: int
-    hold_freed_memory: bool  # glibc: freed blocks stay in the process for reuse (hold_freed_memory())
-    packing: bool  # each batch's examples packed into rows of pack_length tokens (train.data.collate_packed)
-    pack_length: int | None  # null: data.max_length
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> "TrainerConfig":
-        out = settings_from_cfg(cls, cfg, group="trainer")
-        out.adam_betas = tuple(out.adam_betas)  # type: ignore[assignment]
-        problems = []
-        if out.max_steps < 1:
-            problems.append(f"trainer.max_steps={out.max_steps} must be >= 1")
-        if out.batch_size < 1 or out.gradient_accumulation_steps < 1:
-            problems.append("trainer.batch_size and trainer.gradient_accumulation_steps must be >= 1")
-        if out.lr_scheduler not in _SCHEDULERS:
-            problems.append(f"trainer.lr_scheduler={out.lr_scheduler!r}: use one of {sorted(_SCHEDULERS)}")
-        if out.mixed_precision not in (None, "no", "bf16", "fp16"):
-            problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16 or null")
-        if out.pack_length is not None and out.pack_length < 1:
-            problems.append(f"trainer.pack_length={out.pack_length} must be >= 1 (or null: data.max_length)")
-        if out.target_dtype not in TARGET_DTYPES:
-            problems.append(f"trainer.target_dtype={out.target_dtype!r}: use one of {', '.join(TARGET_DTYPES)}")
-        if problems:
-            raise SettingError("; ".join(problems) + ".")
-        return out
-
-
-TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-
-
-def settings_from_cfg(cls: type, cfg: Any, group: str = "heads") -> Any:
-    """A settings dataclass from a config group, refusing keys it does not know (a typo would otherwise be ignored)
-    and naming the fields without a default that the group does not set (its conf/ yaml sets them)."""
-    data = to_dict(cfg)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise SettingError(f"Unknown {group} option(s) {unknown}; known: {sorted(known)}.")
-    missing = sorted(name for name, f in known.items()
-                     if name not in data and f.default is MISSING and f.default_factory is MISSING)
-    if missing:
-        raise SettingError(f"Missing {group} option(s) {missing}: conf/{group}/ holds their defaults; compose the "
-                         "config from conf/, or give every one.")
-    wrong = [f"{group}.{name}={value!r} is not {_TYPE_NAMES[typ]}" for name, value in data.items()
-             for typ in [_SIMPLE_TYPES.get(str(known[name].type))] if typ and not _fits(value, typ)]
-    if wrong:
-        raise SettingError("; ".join(wrong) + ".")
-    return cls(**data)
-
-
-# A field annotated with one of these must hold that type (bool is not taken for a number, an int is for a float).
-_SIMPLE_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "int | None": int, "float | None": float}
-_TYPE_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _fits(value: Any, typ: type) -> bool:
-    if value is None:
-        return True  # optional fields; required ones are checked where they are used
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if typ is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, typ)
 
 
 @dataclass
@@ -270,10 +166,6 @@ class _Run:
     def world(self) -> int:
         return self.accelerator.num_processes
 
-    @property
-    def has_counts(self) -> bool:
-        return callable(getattr(self.method, "count_items", None))
-
 
 @dataclass
 class _Progress:
@@ -297,16 +189,18 @@ class _LogWindow:
     tokens: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
+    counted: bool = False  # the losses are count-normalised (the method's count_items counts)
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def empty(cls, device: torch.device) -> "_LogWindow":
         return cls(loss=torch.zeros((), device=device), tokens=torch.zeros((), device=device))
 
-    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, has_counts: bool, accum: int) -> None:
+    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, counted: bool, accum: int) -> None:
         """One micro-batch of a step of ``accum``: per-micro-batch means are averaged over the step, count-normalised
         losses (already a share of the step's mean) summed."""
-        self.loss += loss.detach().float() * (1 if has_counts else 1 / accum)
+        self.counted = counted
+        self.loss += loss.detach().float() * (1 if counted else 1 / accum)
         for k, v in metrics.items():
             self.metrics[k] = self.metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
         self.tokens += tokens
@@ -315,11 +209,11 @@ class _LogWindow:
         """Evaluating and saving are not training time."""
         self.started = time.perf_counter()
 
-    def reduce(self, accelerator, has_counts: bool) -> tuple[dict[str, float], int]:
+    def reduce(self, accelerator) -> tuple[dict[str, float], int]:
         """(mean over the window, tokens over all ranks); the loss summed over ranks (count-normalised) or averaged
         (per-batch means)."""
         loss = accelerator.reduce(self.loss.clone(), reduction="sum")
-        loss = loss / self.steps if has_counts else loss / (self.steps * accelerator.num_processes)
+        loss = loss / self.steps if self.counted else loss / (self.steps * accelerator.num_processes)
         record = {"loss": loss.item()}
         for k, v in sorted(self.metrics.items()):
             record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / self.steps).item()
@@ -346,7 +240,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
         if (run_dir / "checkpoints").exists():
             prune_checkpoints(run_dir / "checkpoints", None)  # removes temporary folders a killed run left behind
     if target is None:
-        target = _load_target(cfg, accelerator, tc.target_dtype, getattr(method, "trains_target", False))
+        target = _load_target(cfg, accelerator, tc.target_dtype, method.trains_target)
     else:
         target.model.to(accelerator.device)
     packed_collate = _packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
@@ -361,7 +255,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
     if eval_ds is not None:
         eval_loader = accelerator.prepare(DataLoader(eval_ds, batch_size=tc.batch_size, shuffle=False,
                                                      collate_fn=collate_fn, num_workers=tc.num_workers))
-    _check_accumulation(accelerator, tc)
+    check_accumulation(accelerator, tc)
     register_trainable_state_hooks(accelerator)
     logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
     return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
@@ -379,60 +273,13 @@ def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, dataset
     train_ds, eval_ds = _split(datasets, "train"), _split(datasets, "eval")
     _check_not_empty(train_ds, cfg)
     collate_fn = functools.partial(collate, pad_token_id=target.tokenizer.pad_token_id)
-    prepare_data = getattr(method, "prepare_data", None)
-    if prepare_data is not None:
-        train_ds, eval_ds, collate_fn = prepare_data({"train": train_ds, "eval": eval_ds}, target, accelerator,
-                                                     collate_fn)
+    train_ds, eval_ds, collate_fn = method.prepare_data({"train": train_ds, "eval": eval_ds}, target, accelerator,
+                                                        collate_fn)
     if eval_ds is not None and tc.eval_max_examples is not None and len(eval_ds) > tc.eval_max_examples:
         eval_ds = torch.utils.data.Subset(eval_ds, range(tc.eval_max_examples))
     if eval_ds is not None and len(eval_ds) == 0:
         eval_ds = None
     return train_ds, eval_ds, collate_fn
-
-
-# Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
-# more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
-# memory stayed flat (docs/benchmarks.md).
-RELEASE_HELD_EVERY = 25
-
-
-@functools.cache
-def _glibc():
-    """glibc's C library, or None (not Linux, or another C library: musl has no mallopt)."""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def hold_freed_memory() -> bool:
-    """Keep memory the process frees for its own reuse (glibc's allocator; elsewhere nothing changes): no block is
-    served by mmap and the heap is never trimmed. A training step allocates and frees the same large tensors (logits,
-    their softmax and gradients) every step; by default glibc maps each block over 32 MB afresh and returns it on
-    free, so the kernel zeroes those pages again every step. Those tensors change size from step to step (the
-    number of trained positions), so freed blocks do not always fit the next ones and the heap keeps growing: the
-    training loop calls :func:`release_held_memory` every ``RELEASE_HELD_EVERY`` steps. Returns whether the
-    settings took."""
-    libc = _glibc()
-    if libc is None:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1)) \
-        and bool(libc.mallopt(m_top_pad, 2**28))
-
-
-def release_held_memory() -> bool:
-    """Give the pages of every free block back to the kernel (glibc's ``malloc_trim(0)``, which also releases whole
-    free pages inside the heap, not only at its top); the blocks stay reusable. Returns whether any was released."""
-    libc = _glibc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:
@@ -442,7 +289,7 @@ def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: A
     padded batches: its per-example sums (gather_for_metrics) count examples, and the metrics are the same."""
     from train.data import collate_packed
 
-    if not getattr(method, "supports_packing", False):
+    if not method.supports_packing:
         raise SettingError(f"trainer.packing=true is not supported by {method.name} training: set "
                            "trainer.packing=false (medusa, medusa2, eagle and eagle3 support it).")
     capacity = tc.pack_length
@@ -458,95 +305,13 @@ def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
     from transformers import get_scheduler
 
     drafter = method.build_drafter(target)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    if not trainable:
+    if not any(p.requires_grad for p in drafter.parameters()):
         raise ValueError(f"The {method.name} drafter has no trainable parameter.")
-    param_groups = getattr(method, "param_groups", None)
-    groups = param_groups(drafter, tc.learning_rate) if param_groups else [{"params": trainable}]
-    optimizer = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=tc.adam_betas, eps=tc.adam_eps,
-                                  weight_decay=tc.weight_decay)
-    scheduler = get_scheduler(_SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
+    optimizer = torch.optim.AdamW(method.param_groups(drafter, tc.learning_rate), lr=tc.learning_rate,
+                                  betas=tc.adam_betas, eps=tc.adam_eps, weight_decay=tc.weight_decay)
+    scheduler = get_scheduler(SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
                               num_training_steps=tc.max_steps)
     return drafter, optimizer, scheduler
-
-
-def _check_accumulation(accelerator, tc: TrainerConfig) -> None:
-    if accelerator.gradient_accumulation_steps != tc.gradient_accumulation_steps:
-        raise ValueError(
-            "The accelerate/DeepSpeed config sets gradient_accumulation_steps="
-            f"{accelerator.gradient_accumulation_steps} but trainer.gradient_accumulation_steps="
-            f"{tc.gradient_accumulation_steps}: set it in one place only (leave it out of the DeepSpeed config; "
-            "it is filled from the trainer)."
-        )
-
-
-def make_accelerator(tc: TrainerConfig, run_dir: Path):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import GradientAccumulationPlugin
-
-    from accelerate.utils import InitProcessGroupKwargs
-
-    # Several processes without a GPU: accelerate sees torchrun on CPU as distributed (gloo) only with cpu=True, and
-    # DeepSpeed on CPU (cpu=False) counts its processes only when the gloo backend is named.
-    multi_cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if multi_cpu and deepspeed else []
-    if multi_cpu and deepspeed:
-        _skip_deepspeed_shm_op()
-    # accelerate keeps its settings in process-wide singletons: a second run in the same process (tests, benchmarks)
-    # would silently inherit the first one's mixed precision and accumulation. The process group itself is kept.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    return Accelerator(
-        cpu=multi_cpu and not deepspeed,
-        kwargs_handlers=handlers,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=tc.gradient_accumulation_steps, sync_with_dataloader=False
-        ),
-        mixed_precision=tc.mixed_precision,
-        # The schedule counts optimizer steps, whatever the number of processes.
-        step_scheduler_with_optimizer=False,
-        project_dir=str(run_dir),
-    )
-
-
-def _skip_deepspeed_shm_op() -> None:
-    """Keep DeepSpeed on CPU from building its shared-memory all-reduce op when it starts its process group.
-
-    The op serves only tensor-parallel inference (``inference_all_reduce``), which training never calls; DeepSpeed
-    nonetheless compiles it with the C++ toolchain when the process group starts (a compiler needed, seconds to
-    minutes), maps 66 MB of /dev/shm per rank, and spins until every rank's segment exists, so a rank that cannot
-    make one holds the others forever. Training all-reduces through gloo either way. DeepSpeed keeps its op table
-    in a module-level dict once probed, so marking the op as not compatible there is enough.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def write_resolved_config(cfg: Any, run_dir: Path) -> Path:
-    from omegaconf import OmegaConf
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    text = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else OmegaConf.to_yaml(to_dict(cfg))
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
-
-
-def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
-    """The ``logger`` group's class with the run folder and the run's config (hydra's ``instantiate`` reserves the
-    keyword ``config``, so the class is looked up and called directly)."""
-    from hydra.utils import get_object
-
-    kwargs = to_dict(logger_cfg)
-    target = kwargs.pop("_target_", None)
-    if not target:
-        raise ValueError("logger config has no _target_: use logger=none or logger=wandb.")
-    return get_object(target)(run_dir=str(run_dir), config=config, **kwargs)
 
 
 def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
@@ -558,29 +323,6 @@ def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_targe
     model_cfg["dtype"] = training_dtype(target_dtype, accelerator.device, model_cfg.get("dtype", "auto"),
                                         trains_target)
     return load_target(model_cfg)
-
-
-def native_bf16(device: torch.device | str) -> bool:
-    """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX (where a bf16 GEMM
-    runs ~2.6x faster than a float32 one; without them PyTorch emulates bf16 and it is slower)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return True
-    if device.type != "cpu":
-        return False
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
-
-
-def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: str = "auto",
-                   trains_target: bool = False) -> str:
-    """The dtype the frozen target runs in while a drafter trains (``trainer.target_dtype``): ``auto`` is bfloat16
-    where it is native (:func:`native_bf16`), else the model config's own dtype, which a method training weights
-    inside the target (``trains_target``: Medusa-2's LoRA) also keeps. Only the teacher's hidden states and logits
-    are computed in it: the drafter's weights stay float32 (trainer.mixed_precision sets its autocast)."""
-    if target_dtype != "auto":
-        return target_dtype
-    return "bfloat16" if native_bf16(device) and not trains_target else model_dtype
 
 
 def _load_datasets(cfg: Any, tokenizer, accelerator):
@@ -715,21 +457,35 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
 
 def _optimizer_step(run: _Run, micro: list[dict], window: _LogWindow, step: int) -> None:
     """Optimizer step number ``step`` over this rank's micro-batches ``micro``: forward and backward each; clip,
-    check and update once the gradients are synced. Their losses and metrics go into ``window``."""
-    accelerator, has_counts, accum = run.accelerator, run.has_counts, len(micro)
-    kwargs = {}
-    if has_counts:
-        local = sum(run.method.count_items(b).to(accelerator.device, torch.float64) for b in micro)
-        kwargs["num_items"] = accelerator.reduce(local, reduction="sum").clamp(min=1)
-    for batch in micro:
+    check and update once the gradients are synced. Their losses and metrics go into ``window``.
+
+    The step's losses are checked once, before the last micro-batch's backward (DeepSpeed updates inside it), so a
+    non-finite loss stops training before any update and costs one device sync per step."""
+    accelerator, accum = run.accelerator, len(micro)
+    num_items = _step_items(run, micro)
+    kwargs = {} if num_items is None else {"num_items": num_items}
+    losses = []
+    for i, batch in enumerate(micro):
         with accelerator.accumulate(run.drafter), accelerator.autocast():
             loss, metrics = run.method.compute_loss(batch, run.target, run.drafter, **kwargs)
-            _stop_if_not_finite(accelerator, loss.detach(), "loss", step, run.ckpt_dir)
+            losses.append(loss.detach())
+            if i == accum - 1:
+                _stop_if_not_finite(accelerator, torch.stack(losses), "loss", step, run.ckpt_dir)
             # num_items already normalises over the step: undo the mean over micro-batches and ranks.
-            accelerator.backward(loss * (accum * run.world) if has_counts else loss)
+            accelerator.backward(loss * (accum * run.world) if num_items is not None else loss)
             if accelerator.sync_gradients:
                 _update(run, step)
-        window.add(loss, metrics, batch["attention_mask"].sum(), has_counts, accum)
+        window.add(loss, metrics, batch["attention_mask"].sum(), num_items is not None, accum)
+
+
+def _step_items(run: _Run, micro: list[dict]) -> torch.Tensor | None:
+    """The method's item counts summed over the step's micro-batches and every rank (at least 1 each), or None when
+    its losses are per-micro-batch means (``count_items`` returns None)."""
+    counts = [run.method.count_items(batch) for batch in micro]
+    if counts[0] is None:
+        return None
+    local = sum(c.to(run.accelerator.device, torch.float64) for c in counts)
+    return run.accelerator.reduce(local, reduction="sum").clamp(min=1)
 
 
 def _update(run: _Run, step: int) -> None:
@@ -746,7 +502,7 @@ def _update(run: _Run, step: int) -> None:
 
 
 def _log_window(run: _Run, progress: _Progress, window: _LogWindow, bar) -> None:
-    record, n_tok = window.reduce(run.accelerator, run.has_counts)
+    record, n_tok = window.reduce(run.accelerator)
     elapsed = time.perf_counter() - window.started
     progress.train_time += elapsed
     progress.trained_tokens += n_tok
@@ -800,7 +556,7 @@ def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
         run_dir=run.run_dir, heads_dir=heads_dir, steps=progress.step, eval_metrics=progress.eval_metrics,
         history=progress.history, train_tokens=progress.trained_tokens,
         train_tokens_per_s=progress.trained_tokens / progress.train_time if progress.train_time > 0 else 0.0,
-        wall_s=time.perf_counter() - progress.started, peak_memory_bytes=_peak_memory(run.accelerator.device),
+        wall_s=time.perf_counter() - progress.started, peak_memory_bytes=peak_memory_bytes(run.accelerator.device),
         last_checkpoint=progress.last_checkpoint,
     )
     if run.is_main:
@@ -810,20 +566,6 @@ def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------------
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(module)
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux, bytes on macOS
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
 
 
 def _micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
@@ -840,12 +582,16 @@ def _micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
 
 
 def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, ckpt_dir: Path) -> None:
-    bad = torch.as_tensor(0.0 if torch.isfinite(value).all() else 1.0, device=accelerator.device)
+    """Stop with :class:`NonFiniteLossError` if any element of ``value`` (on any rank) is NaN or infinite: one
+    all-reduce and one device sync."""
+    bad = (~torch.isfinite(value)).any().to(accelerator.device, torch.float32)
     if accelerator.reduce(bad, reduction="sum").item() > 0:
         last = latest_checkpoint(ckpt_dir)
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        finite = torch.isfinite(value)
+        shown = value[~finite][0] if not finite.all() else value.float().mean()  # this rank's first culprit
         raise NonFiniteLossError(
-            f"The {what} is {value.float().mean().item()} (not finite) at step {step}: training stopped before that "
+            f"The {what} is {shown.item()} (not finite) at step {step}: training stopped before that "
             f"update, and {where}. Lower trainer.learning_rate, keep trainer.max_grad_norm set, or train in fp32 "
             "(trainer.mixed_precision=no); resume with trainer.resume=true."
         )
@@ -909,11 +655,8 @@ __all__ = [
     "EmptyDatasetError",
     "EpochSampler",
     "NonFiniteLossError",
+    "RELEASE_HELD_EVERY",
     "RunExistsError",
-    "TrainMethod",
     "TrainResult",
-    "TrainerConfig",
-    "settings_from_cfg",
     "train",
-    "unwrap",
 ]

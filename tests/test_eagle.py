@@ -235,7 +235,7 @@ def test_eagle_loss_alignment_and_decay():
     # Off by one step: nonzero loss, and later steps weigh step_decay**j as much.
     wrong = [shift_left(target_feats, j, 0.0) for j in range(3)]
     loss_wrong, m = eagle_loss(wrong, perfect_l, labels, weights, target_feats, teacher)
-    expected = sum(0.5**j * m[f"regression_{j}"] for j in range(3))
+    expected = sum(0.5**j * float(m[f"regression_{j}"]) for j in range(3))
     assert float(loss_wrong) == pytest.approx(expected, rel=1e-5) and expected > 0
     # Positions whose drafted token is not trained on (label -100) do not count.
     labels_masked = labels.clone()

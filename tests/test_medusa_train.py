@@ -24,7 +24,8 @@ from heads.medusa import (
 from heads.target import Target, build_tiny
 from train.checkpoint import list_checkpoints
 from train.config import TrainerConfig
-from train.loop import EmptyDatasetError, EpochSampler, NonFiniteLossError, RunExistsError, train
+from train.loaders import EmptyDatasetError, EpochSampler
+from train.loop import NonFiniteLossError, RunExistsError, train
 from train.medusa_method import MedusaMethod
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -2,9 +2,9 @@
 
     result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 
-``method`` says what is trained and how (a :class:`train.method.TrainMethod`); the loop owns everything else, in this order
-(one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with a
-warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
+``method`` says what is trained and how (a :class:`train.method.TrainMethod`); the loop owns everything else, in this
+order (one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with
+a warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
 checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
 clipping, logging and a progress bar on the main process, evaluation every ``trainer.eval_every`` steps, atomic
 checkpoints every ``trainer.save_every`` steps with the last ``trainer.keep_last`` kept), the final **evaluation** and
@@ -27,8 +27,9 @@ a per-micro-batch mean.
 Device syncs. Losses and metrics stay on the device; the loop reads them once per optimizer step (the check that the
 step's losses are finite, before the backward that may update) and once per log line.
 
-Runtime pieces live beside the loop: settings in train/config.py, the accelerator in train/accelerator.py, allocator
-tuning, bf16 detection and peak memory in heads/runtime.py.
+Beside the loop: the settings (train/config.py), the accelerator (train/accelerator.py), the data and loaders
+(train/loaders.py), checkpoints (train/checkpoint.py), and allocator tuning, bf16 detection and peak memory
+(heads/runtime.py).
 
 Outputs in ``run_dir``: ``config.yaml`` (the resolved config), ``checkpoints/step-*``, ``heads/`` (``method.save``),
 the logger's files (``metrics.jsonl``, ``wandb/``).
@@ -36,21 +37,20 @@ the logger's files (``metrics.jsonl``, ``wandb/``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from heads.config import cfg_get, to_dict
-from heads.errors import SelfspecError, SettingError
+from heads.errors import SelfspecError
 from heads.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
 from train.accelerator import check_accumulation, make_accelerator
 from train.checkpoint import (
@@ -63,6 +63,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import SCHEDULERS, TrainerConfig, training_dtype, write_resolved_config
+from train.loaders import eval_loader, micro_batches, packing_collate, prepare_splits, train_loader
 from train.loggers import make_logger
 from train.method import TrainMethod
 
@@ -75,10 +76,6 @@ from train.method import unwrap  # noqa: E402,F401
 # more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
 # memory stayed flat (docs/benchmarks.md).
 RELEASE_HELD_EVERY = 25
-
-
-class EmptyDatasetError(SelfspecError, ValueError):
-    """The training split has no example."""
 
 
 class RunExistsError(SelfspecError, ValueError):
@@ -101,25 +98,6 @@ class TrainResult:
     wall_s: float = 0.0
     peak_memory_bytes: int = 0  # CUDA peak allocated on GPU, else the process's peak resident set
     last_checkpoint: Path | None = None
-
-
-class EpochSampler(Sampler[int]):
-    """Indices of one epoch: a permutation seeded by (seed, epoch), or in order. Touches no global RNG."""
-
-    def __init__(self, num_samples: int, seed: int, shuffle: bool = True):
-        self.num_samples, self.seed, self.shuffle, self.epoch = num_samples, seed, shuffle, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.num_samples))
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=gen).tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------------
@@ -243,61 +221,18 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
         target = _load_target(cfg, accelerator, tc.target_dtype, method.trains_target)
     else:
         target.model.to(accelerator.device)
-    packed_collate = _packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
-    train_ds, eval_ds, collate_fn = _data(cfg, tc, method, target, datasets, accelerator)
-    train_collate = packed_collate or collate_fn
+    packed_collate = packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
+    train_ds, eval_ds, collate_fn = prepare_splits(cfg, tc, method, target, datasets, accelerator)
     drafter, optimizer, scheduler = _optimization(tc, method, target)
-    loader_gen = torch.Generator().manual_seed(tc.seed)  # DataLoader seeds from this, not the global RNG
-    train_loader = DataLoader(train_ds, batch_size=tc.batch_size, sampler=EpochSampler(len(train_ds), tc.seed),
-                              collate_fn=train_collate, num_workers=tc.num_workers, generator=loader_gen)
-    drafter, optimizer, train_loader, scheduler = accelerator.prepare(drafter, optimizer, train_loader, scheduler)
-    eval_loader = None
-    if eval_ds is not None:
-        eval_loader = accelerator.prepare(DataLoader(eval_ds, batch_size=tc.batch_size, shuffle=False,
-                                                     collate_fn=collate_fn, num_workers=tc.num_workers))
+    drafter, optimizer, train_batches, scheduler = accelerator.prepare(
+        drafter, optimizer, train_loader(train_ds, tc, packed_collate or collate_fn), scheduler)
+    eval_batches = None if eval_ds is None else accelerator.prepare(eval_loader(eval_ds, tc, collate_fn))
     check_accumulation(accelerator, tc)
     register_trainable_state_hooks(accelerator)
     logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
     return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
-                drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
-                eval_loader=eval_loader, logger=logger, held_memory=held)
-
-
-def _data(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, datasets: Any, accelerator):
-    """(train split, eval split or None, collate_fn): ``cfg.data`` tokenized unless ``datasets`` is given, then what
-    the method makes of it (``prepare_data``, e.g. a feature store), the eval split capped at eval_max_examples."""
-    from train.data import collate
-
-    if datasets is None:
-        datasets = _load_datasets(cfg, target.tokenizer, accelerator)
-    train_ds, eval_ds = _split(datasets, "train"), _split(datasets, "eval")
-    _check_not_empty(train_ds, cfg)
-    collate_fn = functools.partial(collate, pad_token_id=target.tokenizer.pad_token_id)
-    train_ds, eval_ds, collate_fn = method.prepare_data({"train": train_ds, "eval": eval_ds}, target, accelerator,
-                                                        collate_fn)
-    if eval_ds is not None and tc.eval_max_examples is not None and len(eval_ds) > tc.eval_max_examples:
-        eval_ds = torch.utils.data.Subset(eval_ds, range(tc.eval_max_examples))
-    if eval_ds is not None and len(eval_ds) == 0:
-        eval_ds = None
-    return train_ds, eval_ds, collate_fn
-
-
-def _packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:
-    """trainer.packing: batches of the same examples, packed (train.data.collate_packed) into rows of
-    trainer.pack_length tokens (default data.max_length), whether the examples are tokenized data or feature-store
-    items. Only for methods whose losses and masks read the packed layout (``supports_packing``). Evaluation keeps
-    padded batches: its per-example sums (gather_for_metrics) count examples, and the metrics are the same."""
-    from train.data import collate_packed
-
-    if not method.supports_packing:
-        raise SettingError(f"trainer.packing=true is not supported by {method.name} training: set "
-                           "trainer.packing=false (medusa, medusa2, eagle and eagle3 support it).")
-    capacity = tc.pack_length
-    if capacity is None:
-        capacity = cfg_get(cfg_get(cfg, "data"), "max_length")
-    if capacity is None:
-        raise SettingError("trainer.packing=true needs trainer.pack_length (or data.max_length) to size its rows.")
-    return functools.partial(collate_packed, pad_token_id=target.tokenizer.pad_token_id, capacity=int(capacity))
+                drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_batches,
+                eval_loader=eval_batches, logger=logger, held_memory=held)
 
 
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
@@ -323,32 +258,6 @@ def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_targe
     model_cfg["dtype"] = training_dtype(target_dtype, accelerator.device, model_cfg.get("dtype", "auto"),
                                         trains_target)
     return load_target(model_cfg)
-
-
-def _load_datasets(cfg: Any, tokenizer, accelerator):
-    from train.data import build_dataset
-
-    with accelerator.main_process_first():  # the main process tokenizes and caches; the others load the cache
-        return build_dataset(cfg.data, tokenizer, verbose=accelerator.is_main_process)
-
-
-def _split(datasets: Any, name: str):
-    try:
-        return datasets[name]
-    except (KeyError, IndexError):
-        return None
-
-
-def _check_not_empty(train_ds: Any, cfg: Any) -> None:
-    if train_ds is None or len(train_ds) == 0:
-        data = to_dict(cfg_get(cfg, "data", {}))
-        hint = ", ".join(f"{k}={data[k]}" for k in ("source", "path", "max_records", "max_length", "overflow")
-                         if k in data)
-        raise EmptyDatasetError(
-            f"The training split is empty ({hint or 'no data config'}): nothing to train on. Point data.path at "
-            "conversations with assistant turns, raise data.max_records / data.max_length, or use "
-            "data.overflow=truncate."
-        )
 
 
 # --- resume -----------------------------------------------------------------------------------------------------------
@@ -424,7 +333,7 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
     from tqdm.auto import tqdm
 
     tc, accum = run.tc, run.tc.gradient_accumulation_steps
-    stream = _micro_batches(run.accelerator, run.train_loader, start=progress.step * accum)
+    stream = micro_batches(run.accelerator, run.train_loader, start=progress.step * accum)
     window = _LogWindow.empty(run.accelerator.device)
     bar = tqdm(total=tc.max_steps, initial=progress.step, desc=f"train {run.method.name}", unit="step",
                disable=not run.is_main, dynamic_ncols=True)
@@ -568,19 +477,6 @@ def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
 # --- helpers ----------------------------------------------------------------------------------------------------------
 
 
-def _micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
-    """Endless micro-batches over epochs, beginning after the first ``start`` (skipped without loading them)."""
-    per_epoch = len(loader)
-    if per_epoch == 0:
-        raise EmptyDatasetError("The training loader yields no batch on this process (fewer examples than processes?).")
-    epoch, skip = divmod(start, per_epoch)
-    while True:
-        loader.set_epoch(epoch)
-        source = accelerator.skip_first_batches(loader, skip) if skip else loader
-        yield from source
-        epoch, skip = epoch + 1, 0
-
-
 def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, ckpt_dir: Path) -> None:
     """Stop with :class:`NonFiniteLossError` if any element of ``value`` (on any rank) is NaN or infinite: one
     all-reduce and one device sync."""
@@ -652,8 +548,6 @@ def summary(result: TrainResult, name: str) -> str:
 
 
 __all__ = [
-    "EmptyDatasetError",
-    "EpochSampler",
     "NonFiniteLossError",
     "RELEASE_HELD_EVERY",
     "RunExistsError",

@@ -57,6 +57,10 @@ class MedusaDrafter(DrafterBase):
     def modules(self) -> Sequence[torch.nn.Module]:
         return (self.heads, *self.draft_heads)
 
+    @property
+    def max_draft_depth(self) -> int:
+        return int(self.tree.max_depth)
+
     def _logits(self, depth: int, features: list[torch.Tensor]) -> torch.Tensor:
         """Logits [depth, V'] of heads 0..depth-1 over the draft vocabulary; a shared LM head takes them as one
         batch of rows (one pass over its weight)."""

@@ -38,7 +38,7 @@ class EagleTreeDrafter(DrafterBase):
     """EAGLE-2 dynamic trees: ``depth`` levels, ``top_k`` children per expanded node and ``top_k`` nodes expanded
     per level, the ``total_tokens`` best drafted nodes verified (plus the root)."""
 
-    draft_forward_per_level = True  # one draft forward per tree level (decode/bench.py's draft step cost)
+    draft_forward_per_level = True  # one draft forward per tree level
 
     def __init__(self, heads: EagleDrafter, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
         if depth < 0 or top_k < 1 or total_tokens < 0:
@@ -56,6 +56,10 @@ class EagleTreeDrafter(DrafterBase):
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
         return (self.drafter,)
+
+    @property
+    def max_draft_depth(self) -> int:
+        return int(self.depth)
 
     def _features(self, hidden_states, rows=None) -> torch.Tensor:
         """Target hidden states (L + 1 tensors [N, H]) -> step-0 draft features [1, n, H] (rows picked)."""

@@ -272,9 +272,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _clock(device: torch.device) -> float:
-    synchronize(device)  # an honest split between drafting and verifying
-    return time.perf_counter()
+@dataclass(frozen=True)
+class StepClock:
+    """Wall-clock readings within a step; ``sync``: each after the device's queued work, for an honest split between
+    drafting and verifying (a GPU waits at each, so only when timings are asked for or a depth policy reads them)."""
+
+    device: torch.device
+    sync: bool
+
+    def __call__(self) -> float:
+        if self.sync:
+            synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class DepthControl:
+    """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
+    that depth, and the policy hears how the draft did. The engine runs one over its drafter; a hybrid
+    (decode/hybrid.py) runs one over its trained part. ``policy`` None: every draft as deep as the budget allows."""
+
+    policy: DepthPolicy | None
+
+    def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device) -> tuple[int, Draft]:
+        """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own.
+        At depth 0 the drafter is not called: the root alone, a plain step."""
+        depth = room if self.policy is None else min(room, self.policy.choose(room))
+        draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
+        return depth, on_device(truncate_draft(draft, depth), device)
+
+    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
+        if self.policy is not None:
+            self.policy.observe(asked, draft, accepted, draft_seconds)
 
 
 def default_eos_ids(model: torch.nn.Module) -> frozenset[int]:
@@ -345,23 +374,23 @@ class SpeculativeDecoder:
         stop: Sequence[str] = (),
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
+        timings: bool = False,
     ) -> DecodeResult:
-        """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted."""
+        """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted.
+        ``timings``: the stats' split between prefill, drafting and verifying is measured after the device's queued
+        work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
+        exact)."""
+        clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan):
-            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
+            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock)
 
     @property
-    def _verify_forward(self):
+    def _verify_forward(self) -> Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput]:
         """The verify forward: the drafter's own when it has one (a layer-skip drafter runs only the layers its draft
         did not), else one target forward over the tree."""
-        return getattr(self.drafter, "verify_forward", None) or tree_forward
+        return self.drafter.verify_forward or tree_forward
 
-    def _depth(self, room: int) -> int:
-        """How deep this step's draft may go: the tokens left after the target's own (``room``), or less if the
-        depth policy says so."""
-        return room if self.depth_policy is None else min(room, self.depth_policy.choose(room))
-
-    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) -> DecodeResult:
+    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock) -> DecodeResult:
         if max_new_tokens < 1:
             raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if stop and self.decode is None:
@@ -371,39 +400,39 @@ class SpeculativeDecoder:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         stats = DecodeStats(prompt_tokens=len(ids))
 
-        t_start = _clock(self.device)
+        synchronize(self.device)
+        t_start = time.perf_counter()
         state, out = prefill(self.model, ids, sampling, generator)
         first = state.new_tokens
         state, kept = settle(replace(state, new_tokens=[]), first, rule)
-        t_prefill = _clock(self.device)
+        t_prefill = clock()
         self.drafter.start(state, out)
         stats.prefill_s = t_prefill - t_start
-        stats.draft_s += _clock(self.device) - t_prefill
+        stats.draft_s += clock() - t_prefill
         if on_tokens and kept:
             on_tokens(kept)
 
+        control = DepthControl(self.depth_policy)
+        verify_forward = self._verify_forward
         while not state.done:
-            t0 = _clock(self.device)
-            depth = self._depth(rule.budget(state) - 1)
-            draft = self.drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, self.device)
-            draft = on_device(truncate_draft(draft, depth), self.device)
+            t0 = clock()
+            depth, draft = control.draft(self.drafter, state, rule.budget(state) - 1, self.device)
             if int(draft.tokens[0]) != state.next_token:
                 raise RuntimeError(
                     f"{type(self.drafter).__name__}.propose returned a tree whose root is token {int(draft.tokens[0])}"
                     f"; the root must be state.next_token ({state.next_token})."
                 )
-            t1 = _clock(self.device)
-            out = self._verify_forward(self.model, state, draft)
+            t1 = clock()
+            out = verify_forward(self.model, state, draft)
             verdict = verify(out.logits, draft.tokens, draft.tree, sampling, draft.probs, generator)
             state = commit(state, draft, verdict, out)
-            t2 = _clock(self.device)
+            t2 = clock()
             self.drafter.on_commit(state, draft, verdict, out)
-            t3 = _clock(self.device)
+            t3 = clock()
 
             emitted = draft.tokens[verdict.path[1:]].tolist() + [verdict.next_token]
             state, kept = settle(state, emitted, rule)
-            if self.depth_policy is not None:
-                self.depth_policy.observe(depth, draft, len(verdict.path) - 1, (t1 - t0) + (t3 - t2))
+            control.observe(depth, draft, len(verdict.path) - 1, (t1 - t0) + (t3 - t2))
             stats.draft_s += (t1 - t0) + (t3 - t2)
             stats.verify_s += t2 - t1
             stats.drafted += draft.tree.num_nodes - 1
@@ -414,7 +443,8 @@ class SpeculativeDecoder:
             if on_tokens and kept:
                 on_tokens(kept)
 
-        stats.total_s = _clock(self.device) - t_start
+        synchronize(self.device)
+        stats.total_s = time.perf_counter() - t_start
         stats.steps = state.steps
         stats.new_tokens = len(state.new_tokens)
         return DecodeResult(tokens=state.new_tokens, finish_reason=state.finish_reason or "length", stats=stats)

@@ -31,8 +31,9 @@ from typing import Sequence
 
 import torch
 
+from decode import registry
 from decode.adaptive import AdaptiveDepth
-from decode.engine import on_device, tree_forward, truncate_draft
+from decode.engine import DepthControl
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
@@ -100,6 +101,20 @@ class HybridDrafter(DrafterBase):
     def modules(self) -> Sequence[torch.nn.Module]:
         return self.inner.modules()
 
+    @property
+    def alone(self) -> Drafter:
+        return self.inner
+
+    @property
+    def max_draft_depth(self) -> int | None:
+        return self.inner.max_draft_depth
+
+    @property
+    def verify_forward(self):
+        """The inner drafter's own verify forward when it has one (a layer-skip drafter: the merged tree starts with
+        its chain); None otherwise: the engine's one target forward over the tree."""
+        return self.inner.verify_forward
+
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.inner.start(state, prefill)
         self.suffix.start(state, prefill)
@@ -110,10 +125,10 @@ class HybridDrafter(DrafterBase):
         device = self.suffix.device
         plan = self.suffix.plan(state, max_depth) if self.exclusive else None
         t0 = time.perf_counter()
-        asked = 0 if plan is not None and plan.chosen else (  # exclusive: the suffix has this step
-            max_depth if self.policy is None else min(max_depth, self.policy.choose(max_depth)))
-        inner = self.inner.propose(state, asked) if asked > 0 else root_only(state, device)
-        inner = truncate_draft(on_device(inner, device), asked)  # as the engine would cut it
+        if plan is not None and plan.chosen:  # exclusive: the suffix has this step
+            asked, inner = 0, root_only(state, device)
+        else:
+            asked, inner = DepthControl(self.policy).draft(self.inner, state, max_depth, device)
         inner_seconds = time.perf_counter() - t0
         expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
         if plan is None:
@@ -128,12 +143,7 @@ class HybridDrafter(DrafterBase):
 
     @property
     def _own_verify(self) -> bool:
-        return hasattr(self.inner, "verify_forward")
-
-    def verify_forward(self, model: torch.nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
-        """The inner drafter's own verify forward when it has one (a layer-skip drafter: the merged tree starts with
-        its chain), else one target forward over the tree."""
-        return self.inner.verify_forward(model, state, draft) if self._own_verify else tree_forward(model, state, draft)
+        return self.inner.verify_forward is not None
 
     @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
@@ -145,5 +155,15 @@ class HybridDrafter(DrafterBase):
         asked, inner, plan, (suffix_nodes, inner_nodes), propose_seconds = self._step
         self._step = None
         self.suffix.record(plan, accepted_from(verdict.path, suffix_nodes))
-        if self.policy is not None:
-            self.policy.observe(asked, inner, accepted_from(verdict.path, inner_nodes), propose_seconds + inner_seconds)
+        DepthControl(self.policy).observe(asked, inner, accepted_from(verdict.path, inner_nodes),
+                                          propose_seconds + inner_seconds)
+
+
+def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth | None = None) -> HybridDrafter:
+    """``inner`` (built under ``settings``, a registry entry's with ``hybrid`` on) merged with a suffix drafter: the
+    suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
+    them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``heads.target.Target`` decoded with."""
+    suffix_entry = registry.entry("suffix")
+    passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k != "suffix"}
+    suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
+    return HybridDrafter(inner, suffix, policy)

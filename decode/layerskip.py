@@ -96,7 +96,7 @@ class LayerSkipDrafter(DrafterBase):
     ``threshold`` or at ``max_depth`` tokens. ``exit``: a trained exit (heads/layerskip.py: a head, or an adapter
     block and a head, possibly over a reduced vocabulary); None reads the target's own final norm and LM head."""
 
-    draft_forward_per_level = True  # one pass over the first layers per drafted token (decode/bench.py's draft cost)
+    draft_forward_per_level = True  # one pass over the first layers per drafted token
 
     def __init__(self, model: nn.Module, exit_layer: int | None = None, threshold: float = 0.5, max_depth: int = 6,
                  exit: nn.Module | None = None):
@@ -127,6 +127,10 @@ class LayerSkipDrafter(DrafterBase):
 
     def modules(self) -> Sequence[nn.Module]:
         return (self.exit,) if self.exit is not None else (self.stack.decoder.norm, self.stack.lm_head)
+
+    @property
+    def max_draft_depth(self) -> int:
+        return int(self.max_depth)
 
     @property
     def verify_share(self) -> float:

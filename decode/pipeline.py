@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
@@ -25,10 +25,11 @@ from decode.kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
 from decode.types import DecodeSetupError, Drafter
 from decode.verify import Sampling
-from heads.config import cfg_get, to_dict, to_plain
+from heads.config import MISSING, cfg_get, to_dict, to_plain
 from heads.target import SMOLLM2_ID, Target, load_target
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
+DECODE_CONFIG = MODEL_CONFIGS.parent / "decode" / "decode.yaml"
 
 
 # --- setup ----------------------------------------------------------------------------------------------------------
@@ -98,6 +99,12 @@ class Session:
     heads_config: dict | None = None
     settings: dict = field(default_factory=dict)  # max_new_tokens, stop, seed, chat, system_prompt
 
+    def engine_for(self, drafter: Drafter) -> SpeculativeDecoder:
+        """An engine for ``drafter`` on this session's target, with its decoder's EOS ids, text decoding and linear
+        kernels (and no depth policy)."""
+        return SpeculativeDecoder(self.target.model, drafter, eos_token_ids=self.decoder.eos_token_ids,
+                                  decode=self.decoder.decode, linear_kernel=self.decoder.linear_kernel)
+
 
 def choose_drafter(name: str | None, heads: str | None, heads_config: dict | None) -> DrafterEntry:
     """The registry entry for ``drafter=`` and ``heads=``: by default the family the heads were trained as."""
@@ -128,16 +135,6 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
-def max_draft_depth(drafter: Any) -> int | None:
-    """The deepest draft ``drafter`` proposes (its static tree's depth, its dynamic tree's or chain's levels); None
-    when it does not say."""
-    tree = getattr(drafter, "tree", None)
-    if tree is not None:
-        return int(tree.max_depth)
-    depth = getattr(drafter, "depth", getattr(drafter, "max_depth", None))
-    return None if depth is None else int(depth)
-
-
 def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | None = None,
                  verify_share: float = 1.0) -> AdaptiveDepth:
     """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run;
@@ -150,50 +147,62 @@ def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | N
 
 def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
                   eos_token_ids: list[int] | None = None) -> SpeculativeDecoder:
-    """The engine for ``drafter`` under its settings: adaptive depth if ``adaptive``; with ``suffix``, the drafter
-    and the suffix drafter merged into one tree per step (decode/hybrid.py; it then owns the depth policy)."""
-    policy = (depth_policy(target.model, kernel, max_draft_depth(drafter), getattr(drafter, "verify_share", 1.0))
+    """The engine for ``drafter`` under its settings (a family without a setting has it off): adaptive depth if
+    ``adaptive``; with ``suffix``, the drafter and the suffix drafter merged into one tree per step
+    (decode/hybrid.py:build_hybrid; the hybrid then applies the depth policy to the drafter's part)."""
+    policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share)
               if settings.get("adaptive") else None)
     if settings.get("suffix"):
-        from decode.hybrid import HybridDrafter
+        from decode.hybrid import build_hybrid
 
-        suffix_entry = registry.entry("suffix")
-        passed = {k: settings.get(k) for k in registry.HYBRID if k != "suffix"}  # the suffix drafter's own settings
-        suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
-        drafter, policy = HybridDrafter(drafter, suffix, policy), None
+        drafter, policy = build_hybrid(target, drafter, settings, policy), None
     return SpeculativeDecoder(target.model, drafter, eos_token_ids=eos_token_ids, decode=target.tokenizer.decode,
                               linear_kernel=kernel, depth_policy=policy)
 
 
+def decode_config(overrides: dict | None = None) -> Any:
+    """conf/decode/decode.yaml with ``overrides`` merged in: a whole decode config for code that sets a few keys."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.load(DECODE_CONFIG), overrides or {})
+
+
+SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", "dtype", "acceptance", "temperature",
+                "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt")
+
+
+def required(cfg: Any, keys: Sequence[str]) -> dict:
+    """``cfg``'s values of ``keys``. Decode defaults live in conf/decode/decode.yaml only, so a key it lacks is an
+    error that names it, never a default written here."""
+    missing = [k for k in keys if cfg is None or k not in cfg or cfg_get(cfg, k, MISSING) == MISSING]
+    if missing:
+        raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose conf/decode/decode.yaml (or start from "
+                               "decode.pipeline.decode_config()) rather than a config of its own.")
+    return {k: to_plain(cfg_get(cfg, k)) for k in keys}
+
+
 def load_session(cfg: Any) -> Session:
     """Everything decode/run.py needs, from a composed ``conf/decode/decode.yaml``."""
-    heads = cfg_get(cfg, "heads", "random")
-    heads = None if heads in (None, "none", "null") else str(heads)
+    c = required(cfg, SESSION_KEYS)
+    heads = None if c["heads"] in (None, "none", "null") else str(c["heads"])
     heads_config = None
     if heads not in (None, "random"):
         from heads.io import read_heads_config
 
         heads_config = read_heads_config(heads)
-    chosen = choose_drafter(cfg_get(cfg, "drafter"), heads, heads_config)
-    draft_settings = chosen.settings(heads_config, to_dict(cfg_get(cfg, "draft")))
+    chosen = choose_drafter(c["drafter"], heads, heads_config)
+    draft_settings = chosen.settings(heads_config, to_dict(c["draft"]))
     target = load_target(resolve_target_config(cfg, heads_config))
-    target, module = load_drafter_heads(chosen, heads, heads_config, target, to_dict(cfg_get(cfg, "random_heads")))
+    target, module = load_drafter_heads(chosen, heads, heads_config, target, to_dict(c["random_heads"]))
     drafter = chosen.build(module, target, draft_settings)
-    sampling = Sampling(
-        acceptance=str(cfg_get(cfg, "acceptance", "greedy")), temperature=float(cfg_get(cfg, "temperature", 1.0)),
-        top_k=int(cfg_get(cfg, "top_k", 0)), top_p=float(cfg_get(cfg, "top_p", 1.0)),
-    )
-    kernel = str(cfg_get(cfg, "linear_kernel", "auto"))
+    sampling = Sampling(acceptance=str(c["acceptance"]), temperature=float(c["temperature"]), top_k=int(c["top_k"]),
+                        top_p=float(c["top_p"]))
+    kernel = str(c["linear_kernel"])
     if kernel not in KERNELS:
         raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
     decoder = build_decoder(target, drafter, draft_settings, kernel)
-    settings = {
-        "max_new_tokens": int(cfg_get(cfg, "max_new_tokens", 256)),
-        "stop": [str(s) for s in (to_plain(cfg_get(cfg, "stop")) or [])],
-        "seed": int(cfg_get(cfg, "seed", 0)),
-        "chat": bool(cfg_get(cfg, "chat", True)),
-        "system_prompt": cfg_get(cfg, "system_prompt"),
-    }
+    settings = {"max_new_tokens": int(c["max_new_tokens"]), "stop": [str(s) for s in (c["stop"] or [])],
+                "seed": int(c["seed"]), "chat": bool(c["chat"]), "system_prompt": c["system_prompt"]}
     return Session(target=target, decoder=decoder, sampling=sampling, drafter=chosen.name,
                    draft_settings=draft_settings, heads=module, heads_config=heads_config, settings=settings)
 
@@ -265,7 +274,7 @@ def decode_prompt(
 ) -> DecodeResult:
     s = session.settings
     return session.decoder.generate(ids, max_new_tokens=s["max_new_tokens"], sampling=session.sampling, stop=s["stop"],
-                                    seed=s["seed"], on_tokens=on_tokens)
+                                    seed=s["seed"], on_tokens=on_tokens, timings=True)
 
 
 def hf_generate(session: Session, ids: list[int]) -> tuple[list[int], float]:
@@ -381,12 +390,13 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     if baseline not in (None, "hf"):
         raise DecodeSetupError(f"baseline={baseline!r}: use baseline=hf (or leave it unset).")
     session = load_session(cfg)
+    stream = bool(required(cfg, ["stream"])["stream"])
     if prompt is not None:
         if baseline:
             warm_up(session, baseline=True)
         record = answer_question(session, {"question_id": None, "turns": [str(prompt)]}, baseline == "hf",
-                                 out if cfg_get(cfg, "stream", True) else None)
-        if not cfg_get(cfg, "stream", True):
+                                 out if stream else None)
+        if not stream:
             out.write(record["answers"][0] + "\n")
         summary = summarize(record["turns"])
         out.write(format_summary(summary) + "\n")
@@ -404,7 +414,7 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     with open(answers_path, "w") as f:
         for q in questions:
             out.write(f"\n=== question {q.get('question_id')} ({q.get('category')}) ===\n")
-            record = answer_question(session, q, baseline == "hf", out if cfg_get(cfg, "stream", True) else None)
+            record = answer_question(session, q, baseline == "hf", out if stream else None)
             record["summary"] = summarize(record["turns"])
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -423,7 +433,6 @@ SPEED_CHECK_PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome, with a few tests.",
     "What are the main differences between a list and a tuple in Python?",
 )
-DECODE_CONFIG = Path(__file__).resolve().parents[1] / "conf" / "decode" / "decode.yaml"
 
 
 def after_training(cfg: Any, heads_dir: str | Path) -> None:
@@ -446,9 +455,7 @@ def speed_check(heads_dir: str | Path, prompts: int = 3, max_new_tokens: int = 6
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)
     if prompts <= 0:
         return {}
-    cfg = OmegaConf.load(DECODE_CONFIG)
-    cfg.heads, cfg.max_new_tokens = str(heads_dir), int(max_new_tokens)
-    session = load_session(cfg)
+    session = load_session(decode_config({"heads": str(heads_dir), "max_new_tokens": int(max_new_tokens)}))
     plain = build_decoder(session.target, registry.entry("vanilla").build(None, session.target, {}), {},
                           session.decoder.linear_kernel, sorted(session.decoder.eos_token_ids))
     tokenizer = session.target.tokenizer

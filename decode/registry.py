@@ -7,28 +7,50 @@ Each entry says:
 
 - ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
   training-free family), the target (``heads.target.Target``: model and tokenizer) and its decode settings;
-- ``defaults``: the decode settings it takes and their defaults (the ``draft.*`` keys of conf/decode/decode.yaml);
-  ``adaptive: true`` lets the engine choose each step how deep the draft goes (decode/adaptive.py:AdaptiveDepth);
+- ``needs_heads``: it drafts with trained heads (a heads folder, or ``heads=random``); ``optional_heads``: it runs
+  without heads or with a folder of its type;
+- ``hybrid``: it also takes the ``hybrid`` settings (merge the suffix drafter's proposals into its drafts:
+  decode/hybrid.py);
 - ``saved_key``: where a heads folder's config.json keeps the settings training chose for it (e.g. EAGLE's ``tree``),
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
-- ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs (None: no heads needed).
+- ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs.
 
-Every trained family and layer-skip (trained exit or not) also take ``suffix`` (merge the suffix drafter's proposals
-into the draft: decode/hybrid.py, built by decode/pipeline.py:build_decoder; on by default) and that drafter's
-``corpus`` and ``remember``.
+The settings a family takes and their defaults are its block of conf/decode/drafters.yaml (:attr:`DrafterEntry.defaults`),
+the only place they are written; ``adaptive: true`` lets the engine choose each step how deep the draft goes
+(decode/adaptive.py:AdaptiveDepth).
 
-A new family adds one :class:`DrafterEntry` with :func:`register` (see docs/architecture.md).
+A new family adds one :class:`DrafterEntry` with :func:`register` and its block of conf/decode/drafters.yaml (see
+docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from decode.types import DecodeSetupError, Drafter
+
+DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode" / "drafters.yaml"
+
+
+@functools.cache
+def _defaults_file() -> dict[str, dict[str, Any]]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(DEFAULTS_FILE))
+
+
+def defaults_of(block: str) -> dict[str, Any]:
+    """A block of conf/decode/drafters.yaml: a family's settings and their defaults, or ``hybrid``'s."""
+    table = _defaults_file()
+    if block not in table:
+        raise DecodeSetupError(f"{DEFAULTS_FILE} has no {block!r} block: add the settings it takes, with their "
+                               "defaults ({} for none).")
+    return dict(table[block] or {})
 
 
 @dataclass(frozen=True)
@@ -36,14 +58,16 @@ class DrafterEntry:
     name: str
     summary: str
     build: Callable[[torch.nn.Module | None, Any, dict], Drafter]
-    defaults: dict[str, Any] = field(default_factory=dict)
+    needs_heads: bool = False  # drafts with trained heads (a heads folder, or heads=random with ``random_heads``)
+    optional_heads: bool = False  # runs without heads, or with a heads folder of its type (layerskip: a trained exit)
+    hybrid: bool = False  # takes the suffix drafter's proposals too (decode/hybrid.py): the ``hybrid`` settings
     saved_key: str | None = None
     random_heads: Callable[..., torch.nn.Module] | None = None
-    optional_heads: bool = False  # runs without heads, or with a heads folder of its type (layerskip: a trained exit)
 
     @property
-    def needs_heads(self) -> bool:
-        return self.random_heads is not None
+    def defaults(self) -> dict[str, Any]:
+        """The decode settings this family takes and their defaults (conf/decode/drafters.yaml)."""
+        return {**defaults_of(self.name), **(defaults_of("hybrid") if self.hybrid else {})}
 
     @property
     def takes_heads(self) -> bool:
@@ -52,13 +76,14 @@ class DrafterEntry:
     def settings(self, heads_config: dict | None = None, overrides: dict | None = None) -> dict:
         """The decode settings: defaults, then those saved with the heads, then the non-null ``overrides``.
         A setting this family does not take is refused, so a typo or a setting of another family is not ignored."""
-        settings = dict(self.defaults)
+        defaults = self.defaults
+        settings = dict(defaults)
         saved = (heads_config or {}).get(self.saved_key) or {} if self.saved_key else {}
         settings.update({k: v for k, v in saved.items() if k in settings and v is not None})
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         unknown = sorted(set(given) - set(settings))
         if unknown:
-            takes = ", ".join(f"draft.{k}" for k in self.defaults) or "no draft.* settings"
+            takes = ", ".join(f"draft.{k}" for k in defaults) or "no draft.* settings"
             raise DecodeSetupError(
                 f"draft.{unknown[0]} is not a setting of the {self.name} drafter (it takes {takes}); remove it or "
                 f"pick the drafter it belongs to."
@@ -156,24 +181,16 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
     return _on_target(heads, model)
 
 
-EAGLE_TREE = {"depth": 5, "top_k": 8, "total_tokens": 48, "adaptive": True}
-HYBRID = {"suffix": True, "corpus": None, "remember": None}  # trained families and layer-skip: merge the suffix
-# drafter's proposals into their drafts (decode/hybrid.py); on by default: in the benchmarks it sped up every family
-
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
-                      "and an optional corpus; adaptive tree size", _suffix,
-                      defaults={"corpus": None, "budget": "auto", "max_nodes": 24, "max_depth": 16, "max_match": 24,
-                                "remember": 200_000}))
+                      "and an optional corpus; adaptive tree size", _suffix))
 register(DrafterEntry("layerskip", "self-speculation: the target's first layers and an exit (a trained one from "
                       "train/layerskip.py, or the target's own final norm and LM head) draft a chain, the remaining "
                       "layers verify it (no layer recomputed)", _layerskip,
-                      defaults={"exit_layer": None, "threshold": 0.5, "max_depth": 6, "adaptive": True, **HYBRID},
-                      saved_key="decode", optional_heads=True))
+                      optional_heads=True, hybrid=True, saved_key="decode"))
 register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
-                      defaults={"tree": "mc_sim_7b_63", "adaptive": True, **HYBRID}, saved_key="decode",
-                      random_heads=random_medusa_heads))
+                      needs_heads=True, hybrid=True, saved_key="decode", random_heads=random_medusa_heads))
 for _variant in ("eagle", "eagle3"):
     register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
-                          _eagle, defaults={**EAGLE_TREE, **HYBRID}, saved_key="tree",
+                          _eagle, needs_heads=True, hybrid=True, saved_key="tree",
                           random_heads=functools.partial(random_eagle_heads, variant=_variant)))

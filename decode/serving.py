@@ -247,12 +247,12 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
     """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
     Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
     from decode import registry
-    from decode.pipeline import build_decoder, load_session
+    from decode.pipeline import build_decoder, decode_config, load_session
     from heads.export import medusa_vocab
 
     base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
             "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
-    chain = load_session(base)
+    chain = load_session(decode_config(base))
     vocab = None
     if head_type == "medusa":
         vocab = medusa_vocab(chain.heads, settings.vocab)

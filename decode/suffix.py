@@ -306,6 +306,10 @@ class SuffixDrafter(DrafterBase):
         self.explore_every = 16  # budget=auto: after this many steps with candidates but none verified, verify one
         self._idle = 0
 
+    @property
+    def max_draft_depth(self) -> int:
+        return int(self.max_depth)
+
     def curve(self) -> CostCurve:
         if self.cost_curve is None:
             kernel = "small_batch" if self.device.type == "cpu" else "torch"

@@ -7,7 +7,7 @@ module and not each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -80,7 +80,17 @@ class DepthPolicy(Protocol):
 
 
 class Drafter(Protocol):
-    """What the engine calls. ``state`` is read-only to a drafter."""
+    """What the engine calls. ``state`` is read-only to a drafter.
+
+    The contract is :meth:`propose` and :meth:`on_commit` (plus :meth:`start` and :meth:`modules`); the attributes
+    after them are optional capabilities, declared with their defaults on :class:`DrafterBase`, which a family
+    overrides when it offers them."""
+
+    verify_forward: "Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None"
+    verify_share: float
+    max_draft_depth: int | None
+    draft_forward_per_level: bool
+    alone: "Drafter"
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         """After the prompt's forward: ``prefill.hidden_states`` are [T, H] for every prompt position (a drafter
@@ -98,13 +108,33 @@ class Drafter(Protocol):
     def modules(self) -> Sequence[torch.nn.Module]:
         """The neural modules the drafter runs (the engine gives their linear layers its small-batch kernels)."""
 
-    # Optional: ``verify_forward(model, state, draft) -> ForwardOutput`` replaces the engine's one target forward over
-    # the tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every cache
-    # layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden states.
-
 
 class DrafterBase:
-    """No-op hooks and no modules; subclasses implement ``propose``."""
+    """No-op hooks, no modules, and every optional capability at its default; subclasses implement ``propose``.
+
+    Optional capabilities (override what the family offers):
+
+    - ``verify_forward(model, state, draft) -> ForwardOutput``: replaces the engine's one target forward over the
+      tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every cache
+      layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden states.
+      None (the default): the engine's ``tree_forward``.
+    - ``verify_share``: the share of a full target forward that verifying a draft runs (adaptive depth scales the
+      verify cost curve by it); 1 unless ``verify_forward`` skips work its draft already did.
+    - ``max_draft_depth``: the deepest draft it proposes (a static tree's depth, a dynamic tree's or chain's
+      levels); None when it does not say (adaptive depth then learns it from the first draft).
+    - ``draft_forward_per_level``: drafting runs one forward per tree level (EAGLE trees, layer-skip chains) rather
+      than one per proposal; the benchmark's draft-step cost divides by the levels then.
+    - ``alone``: the drafter whose own cost the benchmark measures: itself, or a hybrid's trained drafter.
+    """
+
+    verify_forward: "Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None" = None
+    verify_share: float = 1.0
+    max_draft_depth: int | None = None
+    draft_forward_per_level: bool = False
+
+    @property
+    def alone(self) -> "Drafter":
+        return self
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         return None

@@ -16,7 +16,7 @@ token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row,
   selfspec's engine (the k that maximises expected tokens per verify cost, acceptance probabilities calibrated online
   from what vLLM accepted).
 - **The verify cost** of a chain in vLLM is not measured inside vLLM: ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON
-  object {nodes: cost relative to one}); decode/bench_vllm.py passes selfspec's measured curve for the same model
+  object {nodes: cost relative to one}); decode/bench/vllm.py passes selfspec's measured curve for the same model
   (vLLM's kernels differ, so that curve is an approximation). Without it, verifying up to 4 tokens is taken to cost
   what one does, then 10% more per token.
 - **No request ids.** The proposer is not told when a request ends, so a row whose history no longer extends the one

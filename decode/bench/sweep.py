@@ -1,0 +1,59 @@
+"""One target, several drafters (e.g. one set of heads under several trees) on the same prompts: what
+scripts/sweep_trees.py prints to choose a tree."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from decode.engine import SpeculativeDecoder
+from decode.pipeline import Session, prompt_ids
+
+
+def sweep_drafters(session: Session, drafters: dict[str, object], questions: list[dict],
+                   warmup: bool = True, progress: bool = True) -> dict[str, dict]:
+    """First turns of ``questions`` decoded by the session's target with each of ``drafters`` (name -> drafter, e.g.
+    one set of heads under several trees), prompt by prompt: tau, tokens/s, draft/verify seconds per drafter, and on
+    how many prompts its tokens equal the first drafter's (all of them under greedy acceptance: trees change speed,
+    never the output). What scripts/sweep_trees.py prints to choose a tree. A value may also be a whole
+    :class:`SpeculativeDecoder` (e.g. with adaptive depth, from :func:`decode.pipeline.build_decoder`)."""
+    s, tokenizer = session.settings, session.target.tokenizer
+    decoders = {name: drafter if isinstance(drafter, SpeculativeDecoder) else session.engine_for(drafter)
+                for name, drafter in drafters.items()}
+    if not decoders:
+        raise ValueError("Give at least one drafter to sweep.")
+    if warmup:
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"])
+        for decoder in decoders.values():
+            decoder.generate(ids, max_new_tokens=4, sampling=session.sampling)
+    ways = {name: {"new_tokens": 0, "total_s": 0.0, "steps": 0, "step_tokens": 0, "draft_s": 0.0, "verify_s": 0.0,
+                   "same_as_first": 0} for name in decoders}
+    first = next(iter(decoders))
+    for q in tqdm(questions, desc="prompts", unit="prompt", disable=not progress):
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
+        reference = None
+        for name, decoder in decoders.items():
+            res = decoder.generate(ids, max_new_tokens=s["max_new_tokens"], sampling=session.sampling, stop=s["stop"],
+                                   seed=s["seed"], timings=True)
+            w = ways[name]
+            w["new_tokens"] += res.stats.new_tokens
+            w["steps"] += res.stats.steps
+            w["step_tokens"] += sum(res.stats.accept_lengths)
+            w["total_s"] += res.stats.total_s
+            w["draft_s"] += res.stats.draft_s
+            w["verify_s"] += res.stats.verify_s
+            if name == first:
+                reference = res.tokens
+            w["same_as_first"] += res.tokens == reference
+    for w in ways.values():
+        w["tokens_per_s"] = w["new_tokens"] / w["total_s"] if w["total_s"] else 0.0
+        w["tau"] = w["step_tokens"] / w["steps"] if w["steps"] else 0.0
+        w["prompts"] = len(questions)
+    return ways
+
+
+def format_sweep(ways: dict[str, dict]) -> str:
+    lines = [f"{'drafter':<22} {'tau':>6} {'tokens/s':>10} {'draft s':>8} {'verify s':>9} {'same as first':>14}"]
+    for name, w in ways.items():
+        lines.append(f"{name:<22} {w['tau']:>6.2f} {w['tokens_per_s']:>10.1f} {w['draft_s']:>8.2f} "
+                     f"{w['verify_s']:>9.2f} {w['same_as_first']:>10}/{w['prompts']}")
+    return "\n".join(lines)

@@ -2,7 +2,10 @@
 
 Call them from the main process only. ``NoLogger`` writes metrics to ``metrics.jsonl`` in the run folder and nothing
 remote. ``WandbLogger`` logs through wandb; with no API key or no network it runs offline into the run folder and says
-so (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later).
+so (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later). :func:`make_logger` builds the configured one.
+
+:class:`LogWindow` holds what the training loop logs (loss, metrics, tokens) summed on the device over the steps since
+the last log line, and reduces it over the ranks when the line is written.
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 
 class NoLogger:
@@ -82,6 +89,46 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     if not target:
         raise ValueError("logger config has no _target_: use logger=none or logger=wandb.")
     return get_object(target)(run_dir=str(run_dir), config=config, **kwargs)
+
+
+@dataclass
+class LogWindow:
+    """Sums over the optimizer steps since the last log line, kept on the device until they are logged."""
+
+    loss: torch.Tensor
+    tokens: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+    counted: bool = False  # the losses are count-normalised (the method's count_items counts)
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "LogWindow":
+        return cls(loss=torch.zeros((), device=device), tokens=torch.zeros((), device=device))
+
+    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, counted: bool, accum: int) -> None:
+        """One micro-batch of a step of ``accum``: per-micro-batch means are averaged over the step, count-normalised
+        losses (already a share of the step's mean) summed."""
+        self.counted = counted
+        self.loss += loss.detach().float() * (1 if counted else 1 / accum)
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
+        self.tokens += tokens
+
+    def restart_clock(self) -> None:
+        """Evaluating and saving are not training time."""
+        self.started = time.perf_counter()
+
+    def reduce(self, accelerator) -> tuple[dict[str, float], int]:
+        """(mean over the window, tokens over all ranks); the loss summed over ranks (count-normalised) or averaged
+        (per-batch means)."""
+        loss = accelerator.reduce(self.loss.clone(), reduction="sum")
+        loss = loss / self.steps if self.counted else loss / (self.steps * accelerator.num_processes)
+        record = {"loss": loss.item()}
+        for k, v in sorted(self.metrics.items()):
+            record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / self.steps).item()
+        n_tok = int(accelerator.reduce(self.tokens.clone(), reduction="sum").item())
+        return record, n_tok
 
 
 def _has_wandb_key() -> bool:

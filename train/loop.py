@@ -64,12 +64,8 @@ from train.checkpoint import (
 )
 from train.config import SCHEDULERS, TrainerConfig, training_dtype, write_resolved_config
 from train.loaders import eval_loader, micro_batches, packing_collate, prepare_splits, train_loader
-from train.loggers import make_logger
+from train.loggers import LogWindow, make_logger
 from train.method import TrainMethod
-
-# train/medusa_method.py still imports these two from here; their homes are train.config and train.method.
-from train.config import settings_from_cfg  # noqa: E402,F401
-from train.method import unwrap  # noqa: E402,F401
 
 
 # Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
@@ -157,46 +153,6 @@ class _Progress:
     train_time: float = 0.0  # seconds in training steps since this process started (not evaluating or saving)
     trained_tokens: int = 0  # tokens trained on since this process started
     started: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _LogWindow:
-    """Sums over the optimizer steps since the last log line, kept on the device until they are logged."""
-
-    loss: torch.Tensor
-    tokens: torch.Tensor
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    steps: int = 0
-    counted: bool = False  # the losses are count-normalised (the method's count_items counts)
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def empty(cls, device: torch.device) -> "_LogWindow":
-        return cls(loss=torch.zeros((), device=device), tokens=torch.zeros((), device=device))
-
-    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, counted: bool, accum: int) -> None:
-        """One micro-batch of a step of ``accum``: per-micro-batch means are averaged over the step, count-normalised
-        losses (already a share of the step's mean) summed."""
-        self.counted = counted
-        self.loss += loss.detach().float() * (1 if counted else 1 / accum)
-        for k, v in metrics.items():
-            self.metrics[k] = self.metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
-        self.tokens += tokens
-
-    def restart_clock(self) -> None:
-        """Evaluating and saving are not training time."""
-        self.started = time.perf_counter()
-
-    def reduce(self, accelerator) -> tuple[dict[str, float], int]:
-        """(mean over the window, tokens over all ranks); the loss summed over ranks (count-normalised) or averaged
-        (per-batch means)."""
-        loss = accelerator.reduce(self.loss.clone(), reduction="sum")
-        loss = loss / self.steps if self.counted else loss / (self.steps * accelerator.num_processes)
-        record = {"loss": loss.item()}
-        for k, v in sorted(self.metrics.items()):
-            record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / self.steps).item()
-        n_tok = int(accelerator.reduce(self.tokens.clone(), reduction="sum").item())
-        return record, n_tok
 
 
 # --- setup ------------------------------------------------------------------------------------------------------------
@@ -334,7 +290,7 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
 
     tc, accum = run.tc, run.tc.gradient_accumulation_steps
     stream = micro_batches(run.accelerator, run.train_loader, start=progress.step * accum)
-    window = _LogWindow.empty(run.accelerator.device)
+    window = LogWindow.empty(run.accelerator.device)
     bar = tqdm(total=tc.max_steps, initial=progress.step, desc=f"train {run.method.name}", unit="step",
                disable=not run.is_main, dynamic_ncols=True)
     run.drafter.train()
@@ -349,7 +305,7 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
                 release_held_memory()
             if step % max(tc.log_every, 1) == 0 or step == tc.max_steps:
                 _log_window(run, progress, window, bar)
-                window = _LogWindow.empty(run.accelerator.device)
+                window = LogWindow.empty(run.accelerator.device)
             if run.eval_loader is not None and tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
                 _evaluate_and_log(run, progress)
                 if run.is_main:
@@ -364,7 +320,7 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
         bar.close()
 
 
-def _optimizer_step(run: _Run, micro: list[dict], window: _LogWindow, step: int) -> None:
+def _optimizer_step(run: _Run, micro: list[dict], window: LogWindow, step: int) -> None:
     """Optimizer step number ``step`` over this rank's micro-batches ``micro``: forward and backward each; clip,
     check and update once the gradients are synced. Their losses and metrics go into ``window``.
 
@@ -410,7 +366,7 @@ def _update(run: _Run, step: int) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
-def _log_window(run: _Run, progress: _Progress, window: _LogWindow, bar) -> None:
+def _log_window(run: _Run, progress: _Progress, window: LogWindow, bar) -> None:
     record, n_tok = window.reduce(run.accelerator)
     elapsed = time.perf_counter() - window.started
     progress.train_time += elapsed

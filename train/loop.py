@@ -192,7 +192,8 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
 
 
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
-    """(drafter, AdamW over its trainable parameters or the method's groups, the warmup + decay schedule)."""
+    """(drafter, AdamW over the method's parameter groups (by default every trainable parameter), the warmup + decay
+    schedule)."""
     from transformers import get_scheduler
 
     drafter = method.build_drafter(target)

@@ -80,7 +80,7 @@ def measure_training(overrides: list[str], steps: int, skip: int) -> dict:
     from omegaconf import open_dict
 
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     with tempfile.TemporaryDirectory(prefix="bench-medusa-") as tmp:
         cfg = compose(overrides + [f"run_dir={tmp}", f"trainer.max_steps={steps}", "trainer.save_every=0",
@@ -89,7 +89,7 @@ def measure_training(overrides: list[str], steps: int, skip: int) -> dict:
             cfg.trainer.resume = False
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        result = train(cfg, MedusaMethod(cfg))
+        result = train(cfg, medusa_method(cfg))
     history = result.history[skip:] or result.history
     windows = [h["tokens_per_s"] for h in history] or [result.train_tokens_per_s]
     seen = [0] + [h["tokens_seen"] for h in result.history]

@@ -102,11 +102,11 @@ def one_process_run(tmp_path_factory, device):
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     run_dir = tmp_path_factory.mktemp("dist") / "one"
     cfg = medusa_cfg(run_dir, *STEPS, "trainer.batch_size=4")
-    train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
     return run_dir
 
 
@@ -116,12 +116,12 @@ def rounding_noise(one_process_run):
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     run_dir = one_process_run.parent / "one-reordered"
     steps = [s for s in STEPS if not s.startswith("trainer.gradient_accumulation_steps")]
     cfg = medusa_cfg(run_dir, *steps, "trainer.batch_size=2", "trainer.gradient_accumulation_steps=4")
-    train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
     return _rounding_noise(one_process_run, run_dir)
 
 
@@ -194,10 +194,10 @@ def _worker(run_dir: str, *overrides: str) -> None:
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     cfg = medusa_cfg(Path(run_dir), *overrides)
-    train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
     state = PartialState()  # as the training loop's Accelerator set it up
     if state.is_main_process:
         print(f"{state.num_processes} processes, {state.distributed_type}", flush=True)

@@ -26,7 +26,7 @@ from train.checkpoint import list_checkpoints
 from train.config import TrainerConfig
 from train.loaders import EmptyDatasetError, EpochSampler
 from train.loop import NonFiniteLossError, RunExistsError, train
-from train.medusa_method import MedusaMethod
+from train.medusa_method import METHODS, medusa_method
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -89,8 +89,9 @@ class Killed(Exception):
     pass
 
 
-class KilledAt(MedusaMethod):
-    """Medusa whose process 'dies' at the first micro-batch of a given step (nothing after it runs)."""
+class KilledAt:
+    """Mixed into a method (see :func:`killable`): its process 'dies' at the first micro-batch of a given step
+    (nothing after it runs)."""
 
     def __init__(self, cfg, kill_at_step: int, accum: int):
         super().__init__(cfg)
@@ -104,12 +105,22 @@ class KilledAt(MedusaMethod):
 
 
 class NanAt(KilledAt):
+    """Its loss is NaN at the first micro-batch of a given step; ``before`` holds the drafter's parameters as they
+    were then."""
+
     def compute_loss(self, batch, target, drafter, num_items=None):
         if self.calls + 1 == self.kill_call:
             self.calls += 1
-            loss, metrics = MedusaMethod.compute_loss(self, batch, target, drafter, num_items)
+            self.before = {k: v.detach().clone() for k, v in drafter.named_parameters()}
+            self.drafter = drafter
+            loss, metrics = super(KilledAt, self).compute_loss(batch, target, drafter, num_items)
             return loss * float("nan"), metrics
         return super().compute_loss(batch, target, drafter, num_items)
+
+
+def killable(kind: type, cfg, kill_at_step: int, accum: int):
+    """``kind`` (KilledAt or NanAt) mixed into the Medusa method that ``cfg``'s heads.type names."""
+    return type(kind.__name__, (kind, METHODS[cfg.heads.type]), {})(cfg, kill_at_step, accum)
 
 
 # --- pure functions -----------------------------------------------------------------------------------------------
@@ -244,7 +255,7 @@ def test_loss_falls_heads_change_and_target_stays_bit_identical(tmp_path):
     target = tiny_target()
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=40")
-    result = train(cfg, MedusaMethod(cfg), target=target, datasets=tiny_datasets())
+    result = train(cfg, medusa_method(cfg), target=target, datasets=tiny_datasets())
 
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 40 and all(torch.isfinite(torch.tensor(losses)))
@@ -277,15 +288,15 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
     data = tiny_datasets()
 
     full_cfg = medusa_cfg(tmp_path / "full", *opts)
-    train(full_cfg, MedusaMethod(full_cfg), target=tiny_target(), datasets=data)
+    train(full_cfg, medusa_method(full_cfg), target=tiny_target(), datasets=data)
 
     cfg = medusa_cfg(tmp_path / "killed", *opts)
     with pytest.raises(Killed):
-        train(cfg, KilledAt(cfg, kill_at_step=5, accum=2), target=tiny_target(), datasets=data)
+        train(cfg, killable(KilledAt, cfg, kill_at_step=5, accum=2), target=tiny_target(), datasets=data)
     assert [s for s, _ in list_checkpoints(tmp_path / "killed" / "checkpoints")] == [2, 4]
     assert not (tmp_path / "killed" / "heads").exists()
     resumed_cfg = medusa_cfg(tmp_path / "killed", *opts, "trainer.resume=true")
-    result = train(resumed_cfg, MedusaMethod(resumed_cfg), target=tiny_target(), datasets=data)
+    result = train(resumed_cfg, medusa_method(resumed_cfg), target=tiny_target(), datasets=data)
 
     assert result.steps == 8 and len(result.history) == 4  # steps 5..8 only
     assert_same_weights(heads_weights(tmp_path / "full"), heads_weights(tmp_path / "killed"))
@@ -304,16 +315,16 @@ def test_a_finished_run_resumed_with_more_steps_trains_on(tmp_path, capsys):
     opts = ["trainer.save_every=2", "trainer.lr_scheduler=cosine", "trainer.warmup_steps=0"]
     data = tiny_datasets()
     cfg = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=4")
-    train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=data)
+    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=data)
     after_four = heads_weights(tmp_path / "run")
     capsys.readouterr()
 
     with pytest.raises(ValueError, match=r"at step 4, past trainer.max_steps=3: resume with trainer.max_steps >= 4"):
         short = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=3", "trainer.resume=true")
-        train(short, MedusaMethod(short), target=tiny_target(), datasets=data)
+        train(short, medusa_method(short), target=tiny_target(), datasets=data)
 
     longer = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=5", "trainer.resume=true")
-    result = train(longer, MedusaMethod(longer), target=tiny_target(), datasets=data)
+    result = train(longer, medusa_method(longer), target=tiny_target(), datasets=data)
     assert result.steps == 5 and [h["step"] for h in result.history] == [5]
     assert "was to end at step 4, trainer.max_steps=5 now" in capsys.readouterr().err
     after_five = heads_weights(tmp_path / "run")
@@ -326,9 +337,9 @@ def test_feature_store_trains_the_same_heads_as_online_features(tmp_path):
     common = ["trainer.max_steps=6", "heads.loss=kl", "feature_store.dtype=float32", "feature_store.teacher_topk=320",
               "feature_store.examples_per_shard=10"]
     online_cfg = medusa_cfg(tmp_path / "online", *common)
-    online = train(online_cfg, MedusaMethod(online_cfg), target=tiny_target(), datasets=data)
+    online = train(online_cfg, medusa_method(online_cfg), target=tiny_target(), datasets=data)
     store_cfg = medusa_cfg(tmp_path / "store", *common, "features=store")
-    store = train(store_cfg, MedusaMethod(store_cfg), target=tiny_target(), datasets=data)
+    store = train(store_cfg, medusa_method(store_cfg), target=tiny_target(), datasets=data)
 
     meta = (tmp_path / "store" / "features" / "meta.json")
     assert meta.is_file() and len(list((tmp_path / "store" / "features" / "train").glob("shard-*"))) == 3
@@ -340,7 +351,7 @@ def test_feature_store_trains_the_same_heads_as_online_features(tmp_path):
     stamp = meta.stat().st_mtime_ns
     shared_store = f"feature_store.dir={tmp_path / 'store' / 'features'}"
     again_cfg = medusa_cfg(tmp_path / "again", *common, "features=store", shared_store)
-    train(again_cfg, MedusaMethod(again_cfg), target=tiny_target(), datasets=data)
+    train(again_cfg, medusa_method(again_cfg), target=tiny_target(), datasets=data)
     assert meta.stat().st_mtime_ns == stamp
     assert_same_weights(heads_weights(tmp_path / "store"), heads_weights(tmp_path / "again"))
 
@@ -351,7 +362,7 @@ def test_medusa2_adapter_is_saved_loaded_and_applied(tmp_path):
     cfg = medusa_cfg(tmp_path / "run", "heads=medusa2", "trainer.max_steps=4")
     target = tiny_target()
     base_params = {n: p.clone() for n, p in target.model.named_parameters()}
-    result = train(cfg, MedusaMethod(cfg), target=target, datasets=tiny_datasets())
+    result = train(cfg, medusa_method(cfg), target=target, datasets=tiny_datasets())
     folder = result.run_dir / "heads"
     assert (folder / "adapter" / "adapter_config.json").is_file()
     # The base weights under the LoRA did not move.
@@ -378,33 +389,53 @@ def test_empty_training_split_is_refused_before_training(tmp_path):
     data["train"] = data["train"].select([])
     cfg = medusa_cfg(tmp_path / "run")
     with pytest.raises(EmptyDatasetError, match="training split is empty.*data.max_records"):
-        train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=data)
+        train(cfg, medusa_method(cfg), target=tiny_target(), datasets=data)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path):
-    cfg = medusa_cfg(tmp_path / "run", "trainer.save_every=2", "trainer.max_steps=8")
-    with pytest.raises(NonFiniteLossError, match=r"not finite\) at step 5.*step-00000004"):
-        train(cfg, NanAt(cfg, kill_at_step=5, accum=1), target=tiny_target(), datasets=tiny_datasets())
+@pytest.mark.parametrize("accum", [1, 2])
+def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path, accum):
+    """A NaN loss stops the run before its step's update (with accumulation too: the loss is checked once a step,
+    before the last micro-batch's backward), leaving the last checkpoint to resume from."""
+    opts = ["trainer.save_every=2", "trainer.max_steps=8", f"trainer.gradient_accumulation_steps={accum}"]
+    cfg = medusa_cfg(tmp_path / "run", *opts)
+    method = killable(NanAt, cfg, kill_at_step=5, accum=accum)
+    with pytest.raises(NonFiniteLossError, match=r"The loss is nan \(not finite\) at step 5.*step-00000004"):
+        train(cfg, method, target=tiny_target(), datasets=tiny_datasets())
+    for k, v in method.drafter.named_parameters():  # no update from the NaN step
+        assert torch.equal(v.detach(), method.before[k]), k
     checkpoints = list_checkpoints(tmp_path / "run" / "checkpoints")
     assert [s for s, _ in checkpoints] == [2, 4]
     assert not (tmp_path / "run" / "heads").exists()
     # The checkpoint is usable: resuming from it finishes the run with finite weights.
-    resumed = medusa_cfg(tmp_path / "run", "trainer.save_every=2", "trainer.max_steps=8", "trainer.resume=true")
-    result = train(resumed, MedusaMethod(resumed), target=tiny_target(), datasets=tiny_datasets())
+    resumed = medusa_cfg(tmp_path / "run", *opts, "trainer.resume=true")
+    result = train(resumed, medusa_method(resumed), target=tiny_target(), datasets=tiny_datasets())
     assert result.steps == 8 and all(torch.isfinite(v).all() for v in heads_weights(tmp_path / "run").values())
+
+
+def test_the_losses_are_checked_once_per_optimizer_step(tmp_path, monkeypatch):
+    """One device sync per step for the loss check, over all of the step's micro-batch losses."""
+    import train.loop as loop
+
+    checked, check = [], loop._stop_if_not_finite
+    monkeypatch.setattr(loop, "_stop_if_not_finite",
+                        lambda acc, value, what, *rest: checked.append((what, value.numel())) or check(acc, value, what,
+                                                                                                       *rest))
+    cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=3", "trainer.gradient_accumulation_steps=2")
+    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets())
+    assert [c for c in checked if c[0] == "loss"] == [("loss", 2)] * 3
 
 
 def test_a_fresh_run_does_not_mix_with_an_earlier_runs_checkpoints(tmp_path):
     opts = ["trainer.max_steps=2", "trainer.save_every=1"]
     first = medusa_cfg(tmp_path / "run", *opts, "trainer.max_steps=3")
-    train(first, MedusaMethod(first), target=tiny_target(), datasets=tiny_datasets())
+    train(first, medusa_method(first), target=tiny_target(), datasets=tiny_datasets())
     again = medusa_cfg(tmp_path / "run", *opts)
     with pytest.raises(RunExistsError, match="trainer.resume=true.*trainer.overwrite=true"):
-        train(again, MedusaMethod(again), target=tiny_target(), datasets=tiny_datasets())
+        train(again, medusa_method(again), target=tiny_target(), datasets=tiny_datasets())
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [2, 3]
     over = medusa_cfg(tmp_path / "run", *opts, "trainer.overwrite=true")
-    train(over, MedusaMethod(over), target=tiny_target(), datasets=tiny_datasets())
+    train(over, medusa_method(over), target=tiny_target(), datasets=tiny_datasets())
     assert [s for s, _ in list_checkpoints(tmp_path / "run" / "checkpoints")] == [1, 2]  # none left from the first
 
 
@@ -412,10 +443,10 @@ def test_a_second_run_in_one_process_does_not_inherit_the_first_ones_precision(t
     from accelerate.state import AcceleratorState
 
     first = medusa_cfg(tmp_path / "bf16", "trainer.max_steps=1", "trainer.mixed_precision=bf16")
-    train(first, MedusaMethod(first), target=tiny_target(), datasets=tiny_datasets())
+    train(first, medusa_method(first), target=tiny_target(), datasets=tiny_datasets())
     assert AcceleratorState().mixed_precision == "bf16"
     second = medusa_cfg(tmp_path / "fp32", "trainer.max_steps=1")
-    train(second, MedusaMethod(second), target=tiny_target(), datasets=tiny_datasets())
+    train(second, medusa_method(second), target=tiny_target(), datasets=tiny_datasets())
     assert AcceleratorState().mixed_precision == "no"
 
 
@@ -438,7 +469,7 @@ def test_the_frozen_target_trains_in_bf16_only_where_bf16_is_native(monkeypatch)
 def _family(option: str, run_dir: Path, *overrides: str):
     """(config, method class) of a training family on the tiny target, for tests across families."""
     if option.startswith("medusa"):
-        return medusa_cfg(run_dir, f"heads={option}", *overrides), MedusaMethod
+        return medusa_cfg(run_dir, f"heads={option}", *overrides), METHODS[option]
     if option == "eagle3":
         from test_eagle import eagle_cfg
 
@@ -515,7 +546,7 @@ def test_every_trainer_and_experiment_option_composes_and_instantiates(tmp_path,
     cfg = compose("medusa", overrides)
     tc = TrainerConfig.from_cfg(cfg.trainer)
     assert tc.max_steps >= 1 and tc.lr_scheduler in ("cosine", "linear", "constant")
-    method = MedusaMethod(cfg)
+    method = medusa_method(cfg)
     assert method.name == cfg.heads.type
     logger = make_logger(cfg.logger, tmp_path, {"run": 1})
     logger.log({"x": 1.0}, step=1)
@@ -527,7 +558,7 @@ def test_every_heads_option_builds_a_drafter(tmp_path, heads_option):
     from conftest import compose
 
     cfg = compose("medusa", [f"heads={heads_option}", "experiment=debug", f"run_dir={tmp_path}"])
-    method = MedusaMethod(cfg)
+    method = medusa_method(cfg)
     target = tiny_target()
     drafter = method.build_drafter(target)
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
@@ -543,9 +574,9 @@ def test_default_config_is_the_documented_cpu_run():
     assert cfg.model.source == "smollm2" and cfg.data.source == "sharegpt" and cfg.heads.type == "medusa"
     assert cfg.run_dir == "outputs/medusa-smollm2" and cfg.features == "online"
     with pytest.raises(ValueError, match="heads.loss"):
-        MedusaMethod(compose("medusa", ["heads.loss=mse"]))
+        medusa_method(compose("medusa", ["heads.loss=mse"]))
     with pytest.raises(ValueError, match="feature store"):
-        MedusaMethod(compose("medusa", ["heads=medusa2", "features=store"]))
+        medusa_method(compose("medusa", ["heads=medusa2", "features=store"]))
     with pytest.raises(ValueError, match="Unknown trainer option"):
         TrainerConfig.from_cfg(compose("medusa", ["+trainer.max_stepz=3"]).trainer)
 
@@ -575,7 +606,7 @@ def test_settings_defaults_are_written_once_in_conf():
     # heads.shared_lm_head of conf/heads/medusa.yaml is what the trained heads get (MedusaConfig's own default,
     # for heads built by hand, is not used).
     shared = OmegaConf.load(CONF / "heads" / "medusa.yaml").shared_lm_head
-    heads = MedusaMethod(compose("medusa", ["experiment=debug"])).build_drafter(tiny_target())
+    heads = medusa_method(compose("medusa", ["experiment=debug"])).build_drafter(tiny_target())
     assert heads.config.shared_lm_head is shared and (heads.lm_heads is None) is shared
 
 
@@ -601,7 +632,7 @@ def test_draft_vocabulary_is_chosen_by_coverage_and_saved_with_the_heads(tmp_pat
 
     target, data = tiny_target(), tiny_datasets()
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=2", "heads.draft_vocab_coverage=0.9")
-    result = train(cfg, MedusaMethod(cfg), target=target, datasets=data)
+    result = train(cfg, medusa_method(cfg), target=target, datasets=data)
     loaded = heads.load(result.run_dir / "heads", target)
     token_map = loaded.module.token_map.cpu()  # beside the counts, on the CPU
     counts = sum(count_tokens(torch.tensor(ex["input_ids"]), 320, torch.tensor(ex["labels"]) != -100)

@@ -157,11 +157,11 @@ def test_packed_eagle_loss_equals_the_padded_loss(tmp_path, variant):
 def test_packed_medusa_loss_equals_the_padded_loss(tmp_path, heads_option):
     from test_medusa_train import medusa_cfg, tiny_target
 
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     target = tiny_target()
     cfg = medusa_cfg(tmp_path, f"heads={heads_option}")
-    method = MedusaMethod(cfg)
+    method = medusa_method(cfg)
     torch.manual_seed(0)
     module = method.build_drafter(target)
     if heads_option == "medusa2":  # LoRA's B starts at zero: move it so the adapter changes the target's forward
@@ -182,13 +182,13 @@ def test_a_packed_run_ends_with_the_padded_runs_parameters(tmp_path, family):
 
     from train.eagle_method import EagleMethod
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import Medusa1Method
 
     if family == "eagle3":
         make_cfg, method_of, weights = eagle_cfg, EagleMethod, saved_weights
         opts = ["heads=eagle3", "heads.draft_vocab_size=64", "heads.feature_noise=0"]
     else:
-        make_cfg, method_of, weights = medusa_cfg, MedusaMethod, heads_weights
+        make_cfg, method_of, weights = medusa_cfg, Medusa1Method, heads_weights
         opts = []
     opts += ["trainer.max_steps=4", "trainer.batch_size=6", "trainer.pack_length=96"]
     data = tiny_datasets()  # 20-40 tokens: rows of 96 hold two or three
@@ -221,7 +221,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
     from train.layerskip_method import LayerSkipMethod
     from train.config import TrainerConfig
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     cfg = layerskip_cfg(tmp_path / "ls", "trainer.packing=true")
     with pytest.raises(SettingError, match="trainer.packing=false"):
@@ -229,7 +229,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
     assert not (tmp_path / "ls" / "checkpoints").exists()
     with pytest.raises(SettingError, match="pack_length"):
         TrainerConfig.from_cfg(medusa_cfg(tmp_path / "m", "trainer.pack_length=0").trainer)
-    MedusaMethod(medusa_cfg(tmp_path / "m", "trainer.packing=true"))  # composes
+    medusa_method(medusa_cfg(tmp_path / "m", "trainer.packing=true"))  # composes
 
 
 # --- memory held for reuse (trainer.hold_freed_memory) ---------------------------------------------------------------
@@ -317,14 +317,14 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
     import train.loop as loop
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     calls = []
     monkeypatch.setattr(loop, "RELEASE_HELD_EVERY", 2)
     monkeypatch.setattr(loop, "hold_freed_memory", lambda: True)
     monkeypatch.setattr(loop, "release_held_memory", lambda: calls.append(1) or True)
     cfg = medusa_cfg(tmp_path, "trainer.max_steps=5", "trainer.eval_every=3", f"trainer.hold_freed_memory={hold}")
-    loop.train(cfg, MedusaMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
+    loop.train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets())
     assert len(calls) == (2 + 2 if hold else 0)  # steps 2 and 4; the evaluations at step 3 and at the end
 
 

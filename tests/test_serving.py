@@ -81,7 +81,7 @@ def trained_heads(tmp_path_factory):
     from conftest import compose
     from train.eagle_method import EagleMethod
     from train.loop import train
-    from train.medusa_method import MedusaMethod
+    from train.medusa_method import medusa_method
 
     vllm_or_skip()
     target = tiny_target()
@@ -94,7 +94,7 @@ def trained_heads(tmp_path_factory):
     out = {}
     cfg = compose("medusa", common + [f"run_dir={root / 'medusa'}", "trainer.max_steps=60",
                                       "trainer.learning_rate=1e-2", "heads.num_heads=3"])
-    out["medusa"] = train(cfg, MedusaMethod(cfg), target=target, datasets=data).run_dir / "heads"
+    out["medusa"] = train(cfg, medusa_method(cfg), target=target, datasets=data).run_dir / "heads"
     cfg = compose("eagle", common + [f"run_dir={root / 'eagle3'}", "heads=eagle3", "heads.layout=midlayer",
                                      "trainer.max_steps=80", "trainer.learning_rate=3e-3"])
     out["eagle3"] = train(cfg, EagleMethod(cfg), target=target, datasets=data).run_dir / "heads"

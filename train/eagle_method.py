@@ -39,8 +39,8 @@ from heads.eagle import (
     drafter_loss,
 )
 from heads.runtime import rows_through
-from train.data import choose_draft_vocab, draft_vocab_problems, target_inputs
-from train.feature_store import FeatureSource
+from train.data import count_draft_vocab, draft_vocab_problems, target_inputs
+from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from train.config import settings_from_cfg
 from train.method import TrainMethod, unwrap
 
@@ -135,35 +135,22 @@ class EagleMethod(TrainMethod):
     # --- setup --------------------------------------------------------------------------------------------------
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
-        train_ds, eval_ds = datasets["train"], datasets.get("eval")
         if self.settings.type == "eagle3":
-            self._build_draft_vocab(train_ds, target.model, accelerator)
+            model = target.model
+            vocab = count_draft_vocab(datasets["train"], self.settings.eagle_config(model).vocab_size, self.settings,
+                                      "eagle3", accelerator)
+            self.settings.draft_vocab_size = vocab.size
+            self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
         if self.features.online:
-            return train_ds, eval_ds, collate_fn
-        return self._feature_store(datasets, target, accelerator, collate_fn)
-
-    def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
-        config = self.settings.eagle_config(model)
-        vocab = choose_draft_vocab(train_ds, config.vocab_size, self.settings.draft_vocab_size,
-                                   self.settings.draft_vocab_coverage, "eagle3",
-                                   accelerator is None or accelerator.is_main_process)
-        self.settings.draft_vocab_size = vocab.size
-        self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
-
-    def _feature_store(self, datasets, target, accelerator, collate_fn):
-        dtype, model = self.features.dtype, target.model
-        layer_ids = self.settings.eagle_config(model).layer_ids if self.settings.type == "eagle3" else None
-
-        def extract(batch):
-            out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
-                        use_cache=False, logits_to_keep=1)
-            fields = {"hidden": out.hidden_states[-1].to(dtype)}  # [B, T, H] after the final norm
-            if layer_ids is not None:
-                fields["aux"] = torch.stack([out.hidden_states[i] for i in layer_ids], dim=2).to(dtype)  # [B,T,3,H]
-            return fields
-
+            return datasets["train"], datasets.get("eval"), collate_fn
+        layer_ids = self._layer_ids(target.model)
+        extract = hidden_states_extract(target.model, layer_ids, self.features.dtype)
         fields = "eagle-last-hidden" + (f"+layers{list(layer_ids)}" if layer_ids else "")
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract, {"fields": fields})
+
+    def _layer_ids(self, model: nn.Module) -> list[int] | None:
+        """The target layers eagle3 fuses (None for eagle)."""
+        return self.settings.eagle_config(model).layer_ids if self.settings.type == "eagle3" else None
 
     def build_drafter(self, target) -> nn.Module:
         """The EAGLE drafter (fp32, on the target's device) inside its training module. eagle3 without a counted
@@ -183,9 +170,7 @@ class EagleMethod(TrainMethod):
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         with torch.no_grad():
             if "hidden" in batch:  # from the feature store
-                hidden_states = {-1: batch["hidden"]}
-                for j, i in enumerate(layer_ids or []):
-                    hidden_states[i] = batch["aux"][:, :, j]
+                hidden_states = stored_hidden_states(batch, layer_ids)
             else:  # online: the decoder stack only; the LM head runs below on the trained rows alone
                 out = model.get_decoder()(input_ids=batch["input_ids"], **target_inputs(batch),
                                           output_hidden_states=True, use_cache=False)

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from torch.utils.data import Dataset
 
 from heads.config import cfg_get, to_dict
 from heads.errors import SelfspecError
-from train.data import IGNORE_INDEX
+from train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
 META_NAME = "meta.json"
@@ -101,6 +101,32 @@ class FeatureSource:
         )
         pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
         return store["train"], store.get("eval"), pad
+
+
+def hidden_states_extract(model: torch.nn.Module, layers: Sequence[int] | None, dtype: torch.dtype) -> Extract:
+    """The extract function of a store of the target's hidden states: ``hidden`` [B, T, H], the last one (after the
+    final norm, what the LM head reads), and with ``layers`` ``aux`` [B, T, len(layers), H], those layers' (index i:
+    the input of decoder layer i, 0 the embeddings), both in ``dtype``. One forward over the batch, padded or packed,
+    with the LM head on the last position only. :func:`stored_hidden_states` reads them back."""
+
+    def extract(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True, use_cache=False,
+                    logits_to_keep=1)
+        fields = {"hidden": out.hidden_states[-1].to(dtype)}
+        if layers:
+            fields["aux"] = torch.stack([out.hidden_states[i] for i in layers], dim=2).to(dtype)
+        return fields
+
+    return extract
+
+
+def stored_hidden_states(batch: Mapping[str, torch.Tensor], layers: Sequence[int] | None) -> dict[int, torch.Tensor]:
+    """The hidden states a batch of a :func:`hidden_states_extract` store holds, by layer index as in the target's
+    ``out.hidden_states``: {-1: the last [B, T, H], layer: [B, T, H] for each of ``layers``}."""
+    states = {-1: batch["hidden"]}
+    for j, i in enumerate(layers or []):
+        states[i] = batch["aux"][:, :, j]
+    return states
 
 
 def dataset_digest(dataset: Any) -> str:

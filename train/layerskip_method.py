@@ -45,8 +45,8 @@ from torch.nn import functional as F
 from heads.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
 from heads.runtime import rows_through
-from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
-from train.feature_store import FeatureSource
+from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from train.config import settings_from_cfg
 from train.method import TrainMethod, unwrap
 
@@ -185,25 +185,17 @@ class LayerSkipMethod(TrainMethod):
         return self.layers
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
-        train_ds, eval_ds = datasets["train"], datasets.get("eval")
-        self._layers_of(target.model)
+        model = target.model
+        self._layers_of(model)
         if self.settings.draft_vocab_size is not None:
-            vocab = choose_draft_vocab(train_ds, int(target.model.config.get_text_config(decoder=True).vocab_size),
-                                       self.settings.draft_vocab_size, self.settings.draft_vocab_coverage,
-                                       "layer-skip exit", accelerator is None or accelerator.is_main_process)
+            vocab = count_draft_vocab(datasets["train"], int(model.config.get_text_config(decoder=True).vocab_size),
+                                      self.settings, "layer-skip exit", accelerator)
             self.token_map, self.vocab_coverage = vocab.token_map, vocab.coverage
         if self.features.online:
-            return train_ds, eval_ds, collate_fn
-        model, layers, dtype = target.model, self.layers, self.features.dtype
-
-        def extract(batch):
-            out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
-                        use_cache=False, logits_to_keep=1)
-            return {"hidden": out.hidden_states[-1].to(dtype),  # [B, T, H] after the final norm
-                    "aux": torch.stack([out.hidden_states[e] for e in layers], dim=2).to(dtype)}  # [B, T, n, H]
-
+            return datasets["train"], datasets.get("eval"), collate_fn
+        extract = hidden_states_extract(model, self.layers, self.features.dtype)
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
-                                        {"fields": f"layerskip-last-hidden+layers{layers}"})
+                                        {"fields": f"layerskip-last-hidden+layers{self.layers}"})
 
     def exit_config(self, model: nn.Module, layer: int) -> ExitConfig:
         size = self.settings.draft_vocab_size  # counted by prepare_data; before it, a number or the whole vocabulary
@@ -227,8 +219,8 @@ class LayerSkipMethod(TrainMethod):
         model = target.model
         with torch.no_grad():
             if "hidden" in batch:
-                final = batch["hidden"]
-                states = {e: batch["aux"][:, :, j] for j, e in enumerate(self.layers)}
+                states = stored_hidden_states(batch, self.layers)
+                final = states[-1]
             else:
                 out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
                             use_cache=False, logits_to_keep=1)

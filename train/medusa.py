@@ -31,13 +31,13 @@ from omegaconf import DictConfig  # noqa: E402
 
 from heads.errors import reported_errors  # noqa: E402
 from train.loop import train  # noqa: E402
-from train.medusa_method import MedusaMethod  # noqa: E402
+from train.medusa_method import medusa_method  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="medusa", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors():
-        result = train(cfg, MedusaMethod(cfg))
+        result = train(cfg, medusa_method(cfg))  # Medusa-1 or Medusa-2, by heads.type
         from decode.pipeline import after_training
 
         after_training(cfg, result.heads_dir)

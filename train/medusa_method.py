@@ -1,4 +1,5 @@
-"""Medusa training for :func:`train.loop.train`: Medusa-1 (frozen target) and Medusa-2 (LoRA on the target, joint).
+"""Medusa training for :func:`train.loop.train`: Medusa-1 (frozen target) and Medusa-2 (LoRA on the target, joint),
+one method each (:class:`Medusa1Method`, :class:`Medusa2Method`), chosen by ``heads.type`` (:func:`medusa_method`).
 
 Config (``cfg.heads``, conf/heads/medusa.yaml and medusa2.yaml):
 
@@ -15,10 +16,10 @@ Config (``cfg.heads``, conf/heads/medusa.yaml and medusa2.yaml):
   (``target_loss: kl``), weighted ``target_loss_weight``; the heads' loss is weighted ``heads_loss_weight`` and their
   learning rate is ``heads_lr_multiplier`` times the LoRA's. The adapter is saved in the heads folder.
 
-Hidden states come from the target during training (``features: online``) or from an offline feature store
-(``features: store``, see train.feature_store): both train the same thing. The store keeps the last hidden states
-and, for ``loss: kl``, the target's top ``feature_store.teacher_topk`` logits per position (the teacher distribution
-is renormalised over them; with topk = vocabulary size it is exact).
+Hidden states come from the target during training (``features: online``) or, for Medusa-1, from an offline feature
+store (``features: store``, see train.feature_store): both train the same thing. The store keeps the last hidden
+states and, for ``loss: kl``, the target's top ``feature_store.teacher_topk`` logits per position (the teacher
+distribution is renormalised over them; with topk = vocabulary size it is exact).
 
 Losses are sums over label positions divided by the global count per head (``count_items``), so a step's gradient does
 not depend on how the batch is split over processes and micro-batches.
@@ -44,9 +45,10 @@ from heads.medusa import (
     to_draft_ids,
     weighted_head_loss,
 )
-from train.data import IGNORE_INDEX, choose_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from train.config import settings_from_cfg
+from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
-from train.loop import settings_from_cfg, unwrap
+from train.method import TrainMethod, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
@@ -76,7 +78,7 @@ class MedusaSettings:
     def from_cfg(cls, cfg: Any) -> "MedusaSettings":
         out = settings_from_cfg(cls, cfg)
         problems = []
-        if out.type not in ("medusa", "medusa2"):
+        if out.type not in METHODS:
             problems.append(f"heads.type={out.type!r}: use medusa or medusa2")
         if out.loss not in ("ce", "kl"):
             problems.append(f"heads.loss={out.loss!r}: use ce or kl")
@@ -86,39 +88,25 @@ class MedusaSettings:
             problems.append("heads.num_heads and heads.num_layers must be >= 1")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if out.type == "medusa2":
-            if not out.lora:
-                problems.append("heads=medusa2 needs heads.lora (r, alpha, dropout, target_modules)")
-            if out.target_loss not in ("lm", "kl"):
-                problems.append(f"heads.target_loss={out.target_loss!r}: use lm or kl")
-            unset = [k for k in ("target_loss_weight", "heads_loss_weight", "heads_lr_multiplier")
-                     if getattr(out, k) is None]
-            if unset:
-                problems.append(f"heads=medusa2 needs heads.{', heads.'.join(unset)} (conf/heads/medusa2.yaml)")
+            problems += out._medusa2_problems()
         if problems:
             raise ValueError("; ".join(problems) + ".")
         return out
 
+    def _medusa2_problems(self) -> list[str]:
+        problems = []
+        if not self.lora:
+            problems.append("heads=medusa2 needs heads.lora (r, alpha, dropout, target_modules)")
+        if self.target_loss not in ("lm", "kl"):
+            problems.append(f"heads.target_loss={self.target_loss!r}: use lm or kl")
+        unset = [k for k in ("target_loss_weight", "heads_loss_weight", "heads_lr_multiplier")
+                 if getattr(self, k) is None]
+        if unset:
+            problems.append(f"heads=medusa2 needs heads.{', heads.'.join(unset)} (conf/heads/medusa2.yaml)")
+        return problems
 
-class Medusa2Model(nn.Module):
-    """The target with LoRA (a peft model) and the heads, trained together; one forward for DDP."""
 
-    def __init__(self, target: nn.Module, heads: MedusaHeads):
-        super().__init__()
-        self.target = target
-        self.heads = heads
-
-    def base_causal_lm(self) -> nn.Module:
-        return self.target.get_base_model()
-
-    def forward(self, input_ids, attention_mask, head_index, lm_index, draft_vocab: bool = False, position_ids=None):
-        """input_ids, attention_mask [B, T]; head_index [N], lm_index [M] flat positions; position_ids [B, T] of a
-        packed batch (attention_mask None). Returns (head_logits [K, N, V] (V' with ``draft_vocab``),
-        lm_logits [M, V])."""
-        causal_lm = self.base_causal_lm()
-        hidden = last_hidden_state(causal_lm, input_ids, attention_mask, position_ids).flatten(0, 1)  # LoRA active
-        head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)), draft_vocab=draft_vocab)
-        lm_logits = causal_lm.get_output_embeddings()(hidden[lm_index])
-        return head_logits, lm_logits
+# --- shared pieces: hidden states, teachers, the heads' loss ------------------------------------------------------
 
 
 def _dtype(module: nn.Module, default: torch.Tensor) -> torch.dtype:
@@ -152,24 +140,66 @@ def lm_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, nxt[index]
 
 
-class MedusaMethod:
-    """The Medusa family for the shared loop (see train.loop.TrainMethod)."""
+def head_rows(per_position: torch.Tensor, head_index: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [P, ...] of every flat position -> [K, N, ...] for the heads at ``head_index`` [N]: head k at position t
+    reads row t + k + 1, the target's prediction of token t + k + 2 (clamped at the last row: no target there)."""
+    last = per_position.shape[0] - 1
+    return torch.stack([per_position[(head_index + k + 1).clamp(max=last)] for k in range(num_heads)])
 
-    supports_packing = True  # trainer.packing: targets stay within an example (segment_ids), the target reads
-    # packed rows through transformers' packed-sequence masks
+
+def stored_teacher(batch: dict, head_index: torch.Tensor, num_heads: int, vocab_size: int,
+                   token_map: torch.Tensor | None) -> torch.Tensor:
+    """The heads' teacher logits [K, N, V] (V' over ``token_map``) from a feature store's top-k logits: the stored
+    values at their ids, ``TEACHER_FILL`` elsewhere (stored ids outside the draft vocabulary are dropped)."""
+    ids = batch["teacher_topk_ids"].flatten(0, 1).long()  # [B*T, k]
+    vals = batch["teacher_topk_logits"].flatten(0, 1).float()
+    if token_map is not None:  # stored ids outside the draft vocabulary go to one extra column, dropped
+        vocab_size = int(token_map.numel())
+        ids = to_draft_ids(ids, token_map)
+        ids = torch.where(ids < 0, vocab_size, ids)
+    ids, vals = head_rows(ids, head_index, num_heads), head_rows(vals, head_index, num_heads)  # [K, N, k]
+    full = torch.full((*ids.shape[:2], vocab_size + 1), TEACHER_FILL, device=vals.device)
+    return full.scatter_(2, ids, vals)[..., :vocab_size]
+
+
+def heads_step_loss(head_logits: torch.Tensor, head_targets: torch.Tensor, loss_targets: torch.Tensor,
+                    teacher: torch.Tensor | None, num_items: torch.Tensor | None, decay: float
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The heads' loss of a micro-batch and its metrics. head_logits [K, N, V or V']; head_targets [K, N] target ids;
+    loss_targets [K, N] the ids the loss reads (draft-vocabulary columns, -100 outside it); teacher [K, N, V'] or
+    None (cross-entropy); num_items [K] the step's global counts, or None (this micro-batch's own counts).
+    The loss is sum_k decay**k * loss_sum_k / num_items_k."""
+    num_heads = head_logits.shape[0]
+    loss_sum, count = medusa_head_losses(head_logits, loss_targets, teacher)
+    denom = (num_items if num_items is not None else count).clamp(min=1).to(loss_sum.dtype)
+    loss = weighted_head_loss(loss_sum / denom, decay)
+    metrics = {f"loss_head{k}": (loss_sum[k] / count[k].clamp(min=1)).detach() for k in range(num_heads)}
+    labelled = (head_targets != IGNORE_INDEX).sum(-1)  # a token outside the draft vocabulary is a miss
+    correct = ((head_logits.detach().argmax(-1) == loss_targets) & (loss_targets != IGNORE_INDEX)).sum(-1)
+    metrics.update({f"acc1_head{k}": correct[k].float() / labelled[k].clamp(min=1) for k in range(num_heads)})
+    return loss, metrics
+
+
+# --- the methods --------------------------------------------------------------------------------------------------
+
+
+class MedusaMethod(TrainMethod):
+    """What Medusa-1 and Medusa-2 share: the heads, their draft vocabulary, the heads' loss, evaluation and save.
+    A variant builds its drafter and says where the heads' inputs come from (:meth:`head_logits`)."""
+
+    supports_packing = True  # targets stay within an example (segment_ids); the target reads packed rows through
+    # transformers' packed-sequence masks
 
     def __init__(self, cfg: Any):
         self.settings = MedusaSettings.from_cfg(cfg.heads)
+        if not isinstance(self, METHODS[self.settings.type]):
+            raise ValueError(f"{type(self).__name__} does not train heads.type={self.settings.type}: build the method "
+                             "with train.medusa_method.medusa_method(cfg), which picks it by heads.type.")
         self.name = self.settings.type
         self.features = FeatureSource.from_cfg(cfg)
-        if not self.features.online and self.settings.type == "medusa2":
-            raise ValueError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step and "
-                             "cannot come from a feature store: use features=online.")
         if not self.features.online and self.settings.loss == "kl" and not self.features.settings.get("teacher_topk"):
             raise ValueError("heads.loss=kl with features=store needs the target's logits in the store: set "
                              "feature_store.teacher_topk (e.g. 64), or use features=online.")
-        self.is_medusa2 = self.settings.type == "medusa2"
-        self.trains_target = self.is_medusa2  # its LoRA: the target keeps its own dtype (trainer.target_dtype=auto)
         self.token_map: torch.Tensor | None = None  # the draft vocabulary, counted in prepare_data
         self.draft_vocab_coverage: float | None = None
 
@@ -178,56 +208,40 @@ class MedusaMethod:
         """Losses over the draft vocabulary (``loss_vocab: draft`` and a token map)."""
         return self.settings.loss_vocab == "draft" and self.token_map is not None
 
-    def _loss_targets(self, head_targets: torch.Tensor) -> torch.Tensor:
-        """The targets the loss reads: target ids, or their draft-vocabulary columns (-100 outside it)."""
-        return to_draft_ids(head_targets, self.token_map) if self.reduced else head_targets
+    def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
+        """The heads' logits [K, N, V] (V' over the draft vocabulary when :attr:`reduced`) at ``head_index``."""
+        raise NotImplementedError
+
+    def _positions(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(head_index [N], head_targets [K, N] target ids, the ids the loss reads [K, N])."""
+        head_index, head_targets = medusa_positions(batch["labels"], self.settings.num_heads,
+                                                    batch.get("segment_ids"))
+        loss_targets = to_draft_ids(head_targets, self.token_map) if self.reduced else head_targets
+        return head_index, head_targets, loss_targets
+
+    def _heads_forward(self, heads: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> the heads' logits [K, N, V or V']."""
+        return heads(hidden.to(_dtype(heads, hidden)), draft_vocab=self.reduced)
 
     # --- setup --------------------------------------------------------------------------------------------------
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_heads(self, target) -> MedusaHeads:
         s = self.settings
-        model = target.model
-        lm_head = model.get_output_embeddings()
-        config = MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=lm_head.weight.shape[0],
+        lm_head = target.model.get_output_embeddings()
+        config = MedusaConfig(hidden_size=target.model.config.hidden_size, vocab_size=lm_head.weight.shape[0],
                               num_heads=s.num_heads, num_layers=s.num_layers, shared_lm_head=s.shared_lm_head,
                               draft_vocab_size=None if self.token_map is None else int(self.token_map.numel()))
         heads = MedusaHeads(config, lm_head).to(device=lm_head.weight.device, dtype=torch.float32)
         if self.token_map is not None:
             heads.set_token_map(self.token_map)
-        if not self.is_medusa2:
-            return heads
-        from peft import LoraConfig, get_peft_model
-
-        lora = dict(s.lora or {})
-        peft_config = LoraConfig(
-            r=int(lora.get("r", 8)), lora_alpha=float(lora.get("alpha", 16)),
-            lora_dropout=float(lora.get("dropout", 0.0)), target_modules=list(lora.get("target_modules")),
-            bias="none", task_type="CAUSAL_LM",
-        )
-        peft_model = get_peft_model(model, peft_config)
-        peft_model.train()
-        return Medusa2Model(peft_model, heads)
-
-    def param_groups(self, drafter: nn.Module, lr: float) -> list[dict]:
-        if not self.is_medusa2:
-            return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
-        heads = [p for p in drafter.heads.parameters() if p.requires_grad]
-        head_ids = {id(p) for p in heads}
-        lora = [p for p in drafter.target.parameters() if p.requires_grad and id(p) not in head_ids]
-        return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.settings.heads_lr_multiplier}]
-
-    def _build_draft_vocab(self, train_ds, model, accelerator) -> None:
-        """The token map decoding drafts from: the most frequent answer tokens of the training split (none when
-        they would be the whole vocabulary)."""
-        size = model.get_output_embeddings().weight.shape[0]
-        vocab = choose_draft_vocab(train_ds, size, self.settings.draft_vocab_size, self.settings.draft_vocab_coverage,
-                                   "medusa", accelerator is None or accelerator.is_main_process)
-        if vocab.size < size:
-            self.token_map, self.draft_vocab_coverage = vocab.token_map, vocab.coverage
+        return heads
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
         if self.settings.draft_vocab_size is not None:
-            self._build_draft_vocab(datasets["train"], target.model, accelerator)
+            size = target.model.get_output_embeddings().weight.shape[0]
+            vocab = count_draft_vocab(datasets["train"], size, self.settings, "medusa", accelerator)
+            if vocab.size < size:  # none when it would be the whole vocabulary
+                self.token_map, self.draft_vocab_coverage = vocab.token_map, vocab.coverage
         if self.features.online:
             return datasets["train"], datasets.get("eval"), collate_fn
         dtype, topk, model = self.features.dtype, int(self.features.settings.get("teacher_topk") or 0), target.model
@@ -248,40 +262,49 @@ class MedusaMethod:
     # --- loss ---------------------------------------------------------------------------------------------------
 
     def count_items(self, batch: dict) -> torch.Tensor:
-        """Label positions per head [K] (Medusa-2: and for the target's LM loss, [K + 1])."""
-        labels = batch["labels"]
-        _, head_targets = medusa_positions(labels, self.settings.num_heads, batch.get("segment_ids"))
-        counts = (self._loss_targets(head_targets) != IGNORE_INDEX).sum(-1)
-        if self.is_medusa2:
-            counts = torch.cat([counts, ((labels[:, 1:] != IGNORE_INDEX).sum()).reshape(1)])
-        return counts
+        """Label positions per head [K] that the loss reads."""
+        _, _, loss_targets = self._positions(batch)
+        return (loss_targets != IGNORE_INDEX).sum(-1)
+
+    # --- evaluation ---------------------------------------------------------------------------------------------
+
+    def evaluate(self, loader, target, drafter: nn.Module, accelerator) -> dict[str, float]:
+        """Per-head top-1/top-5 accuracy and loss on the eval split, and the expected accepted length they imply."""
+        return medusa_eval_metrics(loader, lambda batch, index: self.head_logits(batch, target, drafter, index),
+                                   self.settings.num_heads, self.settings.decay, gather=accelerator.gather_for_metrics,
+                                   token_map=self.token_map if self.reduced else None)
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def _save_heads(self, path: Path, heads: MedusaHeads, target, meta: dict, heads_state: dict | None,
+                    adapter: nn.Module | None = None, adapter_state: dict | None = None) -> Path:
+        from heads.io import save_heads
+
+        extra = dict(meta)
+        extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
+        extra["heads"] = dict(self.settings.__dict__)
+        extra["features"] = self.features.kind
+        if self.draft_vocab_coverage is not None:
+            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
+        return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra, adapter=adapter,
+                          state_dict=heads_state, adapter_state_dict=adapter_state)
+
+
+class Medusa1Method(MedusaMethod):
+    """Medusa-1: the heads alone, on the frozen target's last hidden state (online, or from a feature store)."""
+
+    def build_drafter(self, target) -> nn.Module:
+        return self.build_heads(target)
+
+    def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
+        return self._heads_forward(drafter, self._hidden(batch, target).flatten(0, 1)[head_index])
 
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
-        s = self.settings
-        segments = batch.get("segment_ids")  # a packed batch's
-        head_index, head_targets = medusa_positions(batch["labels"], s.num_heads, segments)  # [N], [K, N]
-        loss_targets = self._loss_targets(head_targets)
-        if self.is_medusa2:
-            head_logits, lm_logits, teacher, lm_teacher = self._medusa2_forward(batch, drafter, head_index)
-        else:
-            hidden = self._hidden(batch, target)  # [B, T, H]
-            x = hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden))
-            head_logits = drafter(x, draft_vocab=True) if self.reduced else drafter(x)  # [K, N, V or V']
-            teacher = self._teacher(batch, target, hidden, head_index) if s.loss == "kl" else None
-        loss_sum, count = medusa_head_losses(head_logits, loss_targets, teacher)
-        denom = (num_items[: s.num_heads] if num_items is not None else count).clamp(min=1).to(loss_sum.dtype)
-        loss = weighted_head_loss(loss_sum / denom, s.decay)
-        metrics = {f"loss_head{k}": (loss_sum[k] / count[k].clamp(min=1)).detach() for k in range(s.num_heads)}
-        labelled = (head_targets != IGNORE_INDEX).sum(-1)  # a token outside the draft vocabulary is a miss
-        correct = ((head_logits.detach().argmax(-1) == loss_targets) & (loss_targets != IGNORE_INDEX)).sum(-1)
-        metrics.update({f"acc1_head{k}": correct[k].float() / labelled[k].clamp(min=1) for k in range(s.num_heads)})
-        if self.is_medusa2:
-            lm_sum, lm_count = self._target_loss(batch, lm_logits, lm_teacher)
-            lm_denom = (num_items[-1] if num_items is not None else lm_count).clamp(min=1).to(lm_sum.dtype)
-            metrics["loss_target"] = (lm_sum / lm_count.clamp(min=1)).detach()
-            metrics["loss_heads"] = loss.detach()
-            loss = s.target_loss_weight * lm_sum / lm_denom + s.heads_loss_weight * loss
-        return loss, metrics
+        head_index, head_targets, loss_targets = self._positions(batch)
+        hidden = self._hidden(batch, target)  # [B, T, H]
+        head_logits = self._heads_forward(drafter, hidden.flatten(0, 1)[head_index])
+        teacher = self._teacher(batch, target, hidden, head_index) if self.settings.loss == "kl" else None
+        return heads_step_loss(head_logits, head_targets, loss_targets, teacher, num_items, self.settings.decay)
 
     def _hidden(self, batch: dict, target) -> torch.Tensor:
         if "hidden" in batch:  # from the feature store
@@ -292,104 +315,142 @@ class MedusaMethod:
     def _teacher(self, batch: dict, target, hidden: torch.Tensor, head_index: torch.Tensor) -> torch.Tensor:
         """The target's logits for each head's token at each position: [K, N, V] (head k at t: logits at t+k+1);
         over the draft vocabulary, [K, N, V'], when the losses are (a softmax over them renormalises)."""
-        num_positions = hidden.shape[0] * hidden.shape[1]
+        token_map = self.token_map if self.reduced else None
+        lm_head = target.model.get_output_embeddings()
         with torch.no_grad():
             if "teacher_topk_ids" in batch:
-                ids = batch["teacher_topk_ids"].flatten(0, 1).long()  # [B*T, k]
-                vals = batch["teacher_topk_logits"].flatten(0, 1).float()
-                vocab = target.model.get_output_embeddings().weight.shape[0]
-                if self.reduced:  # stored ids outside the draft vocabulary go to one extra column, dropped
-                    vocab = int(self.token_map.numel())
-                    ids = to_draft_ids(ids, self.token_map)
-                    ids = torch.where(ids < 0, vocab, ids)
-                rows = []
-                for k in range(self.settings.num_heads):
-                    at = (head_index + k + 1).clamp(max=num_positions - 1)
-                    full = torch.full((len(at), vocab + 1), TEACHER_FILL, device=vals.device)
-                    rows.append(full.scatter_(1, ids[at], vals[at])[:, :vocab])
-                return torch.stack(rows)
-            lm_head = target.model.get_output_embeddings()
-            flat = hidden.flatten(0, 1).to(_lm_dtype(target.model))
-            if self.reduced:
-                logits = F.linear(flat, lm_head.weight[self.token_map.to(flat.device)])
+                return stored_teacher(batch, head_index, self.settings.num_heads, lm_head.weight.shape[0], token_map)
+            flat = hidden.flatten(0, 1).to(lm_head.weight.dtype)
+            if token_map is not None:
+                logits = F.linear(flat, lm_head.weight[token_map.to(flat.device)])
             else:
                 logits = lm_head(flat)
-            return torch.stack([logits[(head_index + k + 1).clamp(max=num_positions - 1)]
-                                for k in range(self.settings.num_heads)])
-
-    def _medusa2_forward(self, batch: dict, drafter: nn.Module, head_index: torch.Tensor, teachers: bool = True):
-        """(head_logits [K, N, V], lm_logits [M, V], heads' teacher [K, N, V] or None, LM teacher [M, V] or None);
-        the teachers are the adapter-free target's logits, computed only for the KL losses."""
-        s = self.settings
-        lm_index, _ = lm_positions(batch["labels"])
-        inputs = target_inputs(batch)
-        head_logits, lm_logits = drafter(batch["input_ids"], inputs["attention_mask"], head_index, lm_index,
-                                         draft_vocab=self.reduced, position_ids=inputs["position_ids"])
-        head_teacher = lm_teacher = None
-        if teachers and (s.loss == "kl" or s.target_loss == "kl"):
-            base = unwrap(drafter)
-            with torch.no_grad(), base.target.disable_adapter():
-                causal_lm = base.base_causal_lm()
-                hidden = batch_hidden_state(causal_lm, batch).flatten(0, 1)
-                base_logits = causal_lm.get_output_embeddings()(hidden)  # [B*T, V]
-            last = base_logits.shape[0] - 1
-            if s.loss == "kl":
-                head_logits_base = base_logits[:, self.token_map.to(base_logits.device)] if self.reduced \
-                    else base_logits
-                head_teacher = torch.stack([head_logits_base[(head_index + k + 1).clamp(max=last)]
-                                            for k in range(s.num_heads)])
-            if s.target_loss == "kl":
-                lm_teacher = base_logits[lm_index]
-        return head_logits, lm_logits, head_teacher, lm_teacher
-
-    def _target_loss(self, batch: dict, lm_logits: torch.Tensor, lm_teacher: torch.Tensor | None):
-        """(sum over labelled positions of the target's own loss, their count)."""
-        _, lm_targets = lm_positions(batch["labels"])
-        count = torch.as_tensor(lm_targets.numel(), device=lm_logits.device)
-        if self.settings.target_loss == "lm":
-            return F.cross_entropy(lm_logits.float(), lm_targets, reduction="sum"), count
-        kl = F.kl_div(F.log_softmax(lm_logits.float(), -1), F.log_softmax(lm_teacher.float(), -1), log_target=True,
-                      reduction="sum")
-        return kl, count
-
-    # --- evaluation ---------------------------------------------------------------------------------------------
-
-    def evaluate(self, loader, target, drafter: nn.Module, accelerator) -> dict[str, float]:
-        """Per-head top-1/top-5 accuracy and loss on the eval split, and the expected accepted length they imply."""
-
-        def head_logits_of(batch, head_index):
-            if self.is_medusa2:
-                return self._medusa2_forward(batch, drafter, head_index, teachers=False)[0]
-            hidden = self._hidden(batch, target)
-            x = hidden.flatten(0, 1)[head_index].to(_dtype(drafter, hidden))
-            return drafter(x, draft_vocab=True) if self.reduced else drafter(x)
-
-        return medusa_eval_metrics(loader, head_logits_of, self.settings.num_heads, self.settings.decay,
-                                   gather=accelerator.gather_for_metrics,
-                                   token_map=self.token_map if self.reduced else None)
-
-    # --- saving -------------------------------------------------------------------------------------------------
+            return head_rows(logits, head_index, self.settings.num_heads)
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
+        return self._save_heads(path, drafter, target, meta, state_dict)
 
-        heads = drafter.heads if self.is_medusa2 else drafter
+
+class Medusa2Model(nn.Module):
+    """The target with LoRA (a peft model) and the heads, trained together; one forward for DDP."""
+
+    def __init__(self, target: nn.Module, heads: MedusaHeads):
+        super().__init__()
+        self.target = target
+        self.heads = heads
+
+    def base_causal_lm(self) -> nn.Module:
+        return self.target.get_base_model()
+
+    def forward(self, input_ids, attention_mask, head_index, lm_index, draft_vocab: bool = False, position_ids=None):
+        """input_ids, attention_mask [B, T]; head_index [N], lm_index [M] flat positions; position_ids [B, T] of a
+        packed batch (attention_mask None). Returns (head_logits [K, N, V] (V' with ``draft_vocab``),
+        lm_logits [M, V])."""
+        causal_lm = self.base_causal_lm()
+        hidden = last_hidden_state(causal_lm, input_ids, attention_mask, position_ids).flatten(0, 1)  # LoRA active
+        head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)), draft_vocab=draft_vocab)
+        lm_logits = causal_lm.get_output_embeddings()(hidden[lm_index])
+        return head_logits, lm_logits
+
+
+class Medusa2Method(MedusaMethod):
+    """Medusa-2: the heads and a LoRA on the target, trained jointly; the target keeps its own objective."""
+
+    trains_target = True  # its LoRA: the target keeps its own dtype (trainer.target_dtype=auto)
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        if not self.features.online:
+            raise ValueError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step and "
+                             "cannot come from a feature store: use features=online.")
+
+    def build_drafter(self, target) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        heads = self.build_heads(target)
+        lora = dict(self.settings.lora or {})
+        peft_config = LoraConfig(
+            r=int(lora.get("r", 8)), lora_alpha=float(lora.get("alpha", 16)),
+            lora_dropout=float(lora.get("dropout", 0.0)), target_modules=list(lora.get("target_modules")),
+            bias="none", task_type="CAUSAL_LM",
+        )
+        peft_model = get_peft_model(target.model, peft_config)
+        peft_model.train()
+        return Medusa2Model(peft_model, heads)
+
+    def param_groups(self, drafter: nn.Module, lr: float) -> list[dict]:
+        heads = [p for p in drafter.heads.parameters() if p.requires_grad]
+        head_ids = {id(p) for p in heads}
+        lora = [p for p in drafter.target.parameters() if p.requires_grad and id(p) not in head_ids]
+        return [{"params": lora, "lr": lr}, {"params": heads, "lr": lr * self.settings.heads_lr_multiplier}]
+
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """Label positions per head, then those of the target's own loss: [K + 1]."""
+        lm_count = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().reshape(1)
+        return torch.cat([super().count_items(batch), lm_count])
+
+    def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
+        return self._forward(batch, drafter, head_index)[0]
+
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+        s = self.settings
+        head_index, head_targets, loss_targets = self._positions(batch)
+        head_logits, lm_logits = self._forward(batch, drafter, head_index)
+        base = self._adapter_free_logits(batch, drafter) if "kl" in (s.loss, s.target_loss) else None  # [B*T, V]
+        teacher = None
+        if s.loss == "kl":
+            columns = base[:, self.token_map.to(base.device)] if self.reduced else base
+            teacher = head_rows(columns, head_index, s.num_heads)
+        heads_loss, metrics = heads_step_loss(head_logits, head_targets, loss_targets, teacher,
+                                              None if num_items is None else num_items[: s.num_heads], s.decay)
+        lm_index, lm_targets = lm_positions(batch["labels"])
+        if s.target_loss == "lm":
+            lm_sum = F.cross_entropy(lm_logits.float(), lm_targets, reduction="sum")
+        else:
+            lm_sum = F.kl_div(F.log_softmax(lm_logits.float(), -1), F.log_softmax(base[lm_index].float(), -1),
+                              log_target=True, reduction="sum")
+        lm_count = torch.as_tensor(lm_targets.numel(), device=lm_logits.device)
+        lm_denom = (num_items[-1] if num_items is not None else lm_count).clamp(min=1).to(lm_sum.dtype)
+        metrics["loss_target"] = (lm_sum / lm_count.clamp(min=1)).detach()
+        metrics["loss_heads"] = heads_loss.detach()
+        return s.target_loss_weight * lm_sum / lm_denom + s.heads_loss_weight * heads_loss, metrics
+
+    def _forward(self, batch: dict, drafter: nn.Module, head_index: torch.Tensor):
+        """(head_logits [K, N, V or V'], lm_logits [M, V]): one forward of the adapted target and the heads."""
+        lm_index, _ = lm_positions(batch["labels"])
+        inputs = target_inputs(batch)
+        return drafter(batch["input_ids"], inputs["attention_mask"], head_index, lm_index, draft_vocab=self.reduced,
+                       position_ids=inputs["position_ids"])
+
+    @staticmethod
+    def _adapter_free_logits(batch: dict, drafter: nn.Module) -> torch.Tensor:
+        """The target's logits without its adapter at every position, [B*T, V]: the teachers of the KL losses."""
+        base = unwrap(drafter)
+        with torch.no_grad(), base.target.disable_adapter():
+            causal_lm = base.base_causal_lm()
+            hidden = batch_hidden_state(causal_lm, batch).flatten(0, 1)
+            return causal_lm.get_output_embeddings()(hidden)
+
+    def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
         heads_state = adapter_state = None
         if state_dict is not None:
-            if self.is_medusa2:
-                heads_state = {k[len("heads."):]: v for k, v in state_dict.items() if k.startswith("heads.")}
-                adapter_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
-            else:
-                heads_state = state_dict
-        extra = dict(meta)
-        extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
-        extra["heads"] = {k: v for k, v in self.settings.__dict__.items()}
-        extra["features"] = self.features.kind
-        if self.draft_vocab_coverage is not None:
-            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
-        return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra,
-                          adapter=drafter.target if self.is_medusa2 else None, state_dict=heads_state,
-                          adapter_state_dict=adapter_state)
+            heads_state = {k[len("heads."):]: v for k, v in state_dict.items() if k.startswith("heads.")}
+            adapter_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
+        return self._save_heads(path, drafter.heads, target, meta, heads_state, drafter.target, adapter_state)
+
+
+METHODS: dict[str, type[MedusaMethod]] = {"medusa": Medusa1Method, "medusa2": Medusa2Method}
+
+
+def medusa_method(cfg: Any) -> MedusaMethod:
+    """The method ``cfg.heads.type`` names: Medusa-1 (``medusa``) or Medusa-2 (``medusa2``)."""
+    kind = cfg.heads.type
+    if kind not in METHODS:
+        raise ValueError(f"heads.type={kind!r}: train/medusa.py trains medusa or medusa2 (heads=medusa|medusa2).")
+    return METHODS[kind](cfg)
+
+
+# --- evaluation ---------------------------------------------------------------------------------------------------
 
 
 def medusa_eval_metrics(batches, head_logits_of, num_heads: int, decay: float = 0.8, gather=None,
@@ -458,10 +519,6 @@ def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token
 
     batches = ({k: v.to(device) for k, v in b.items()} for b in loader)
     return medusa_eval_metrics(batches, head_logits_of, heads.config.num_heads, decay)
-
-
-def _lm_dtype(model: nn.Module) -> torch.dtype:
-    return model.get_output_embeddings().weight.dtype
 
 
 def eval_summary(metrics: dict[str, float], num_heads: int) -> dict[str, Any]:

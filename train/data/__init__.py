@@ -44,16 +44,21 @@ from train.data.dataset import (
     split_indices,
     tokenizer_identity,
 )
-from train.data.draft_vocab import DraftVocab, choose_draft_vocab, draft_vocab_counts, draft_vocab_problems
+from train.data.draft_vocab import (
+    DraftVocab,
+    choose_draft_vocab,
+    count_draft_vocab,
+    draft_vocab_counts,
+    draft_vocab_problems,
+)
 from train.data.records import INVALID_JSON_LINE, DataError, ReadReport, RecordReader, read_records
 
 __all__ = [
-    "CACHE_FORMAT", "EMPTY_CONVERSATION", "EMPTY_TURN", "IGNORE_INDEX", "INVALID_JSON_LINE",
-    "INVALID_TURN", "NO_ASSISTANT", "NO_LABELS", "NO_TURNS", "NOT_AN_OBJECT", "ROLE_NAMES", "TEMPLATE_FAILED",
-    "TEMPLATE_UNSTABLE", "TOO_LONG", "UNKNOWN_ROLE",
-    "ChatTemplateError", "DataError", "DraftVocab", "ReadReport", "RecordReader",
-    "build_dataset", "chat_ids", "choose_draft_vocab", "collate", "collate_packed", "data_cache_root",
-    "dataset_cache_key", "draft_vocab_counts", "draft_vocab_problems", "load_conversations", "open_records",
-    "pack_rows", "parse_turns", "position_ids_from_mask", "read_records", "sharegpt_path", "split_indices",
-    "target_inputs", "to_messages", "tokenize_conversation", "tokenizer_identity",
+    "CACHE_FORMAT", "ChatTemplateError", "DataError", "DraftVocab", "EMPTY_CONVERSATION", "EMPTY_TURN",
+    "IGNORE_INDEX", "INVALID_JSON_LINE", "INVALID_TURN", "NOT_AN_OBJECT", "NO_ASSISTANT", "NO_LABELS", "NO_TURNS",
+    "ROLE_NAMES", "ReadReport", "RecordReader", "TEMPLATE_FAILED", "TEMPLATE_UNSTABLE", "TOO_LONG", "UNKNOWN_ROLE",
+    "build_dataset", "chat_ids", "choose_draft_vocab", "collate", "collate_packed", "count_draft_vocab",
+    "data_cache_root", "dataset_cache_key", "draft_vocab_counts", "draft_vocab_problems", "load_conversations",
+    "open_records", "pack_rows", "parse_turns", "position_ids_from_mask", "read_records", "sharegpt_path",
+    "split_indices", "target_inputs", "to_messages", "tokenize_conversation", "tokenizer_identity",
 ]

@@ -65,3 +65,10 @@ def draft_vocab_problems(size: Any, coverage: Any) -> list[str]:
     if str(size) == "auto" and (coverage is None or not 0 < float(coverage) <= 1):
         problems.append(f"heads.draft_vocab_size=auto needs heads.draft_vocab_coverage in (0, 1], got {coverage!r}")
     return problems
+
+
+def count_draft_vocab(dataset: Any, vocab_size: int, settings: Any, family: str, accelerator: Any = None) -> DraftVocab:
+    """:func:`choose_draft_vocab` on a training split with a family's settings (``settings.draft_vocab_size`` and
+    ``settings.draft_vocab_coverage``), said on the main process only (``accelerator``: None in one process)."""
+    return choose_draft_vocab(dataset, vocab_size, settings.draft_vocab_size, settings.draft_vocab_coverage, family,
+                              verbose=accelerator is None or accelerator.is_main_process)

@@ -9,7 +9,10 @@ probability that drafted node i is accepted (the node's whole branch matches the
 
 - :func:`verify_cost_curve`: the time of one tree-verify forward of 1..64 nodes over a filled KV cache (cheap to grow
   on a GPU until it is compute bound, expensive on a CPU); :class:`CostCurve`: ``cost(n)`` from it, measured once per
-  model, dtype, device, thread count and linear kernel on this machine and cached as JSON under the selfspec cache.
+  model, dtype, device, thread count and linear kernel on this machine and cached as JSON under the selfspec cache
+  (:func:`measured_cost_curve`). A first decode may run beside other work, so the measurement takes each size's
+  fastest of interleaved repeats, keeps a curve only when those repeats agree, and a kept curve is checked against
+  a fresh one-token timing once per process (:func:`settled_curve`).
 - :class:`Calibration`: a drafter's raw scores are not probabilities. Per bucket (e.g. a match length), it keeps the
   drafted nodes' summed scores and how many of them were accepted, and scales scores by their ratio, shrunk towards
   the ratio over all buckets, itself shrunk towards a prior of ``prior_weight`` nodes at ``prior_rate``.
@@ -26,7 +29,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -39,8 +42,11 @@ from heads.kv import crop_cache
 from heads.target import cache_kwarg
 
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # dense where CPU kernels change: costs step, not slope
-CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the median of each
-CURVE_METHOD = 4  # part of the cache key: curves measured by an earlier method are measured again
+CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the fastest of each
+CURVE_CHECK_REPEATS = 3  # one-token forwards that check a kept curve, once per process
+CURVE_AGREEMENT = 0.15  # repeats that agree: the two fastest of a size within 15%; a kept curve still holds: its one-
+# node time within 15% of a fresh one
+CURVE_METHOD = 5  # part of the cache key: curves measured by an earlier method are measured again
 
 
 @dataclass(frozen=True)
@@ -259,54 +265,72 @@ def verify_cost_curve(
     tree: Tree | None = None,
     linear_kernel: str = "torch",
 ) -> list[dict]:
-    """Median time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default mc_sim_7b_63 and
-    chains beyond its size) over a ``cache_length`` cache, with the linear layers of ``linear_kernel`` (see
-    decode.kernels; small-batch ones pad rows as this machine's measured plan says). Returns
-    [{"nodes", "ms", "ms_per_node"}]."""
+    """Median and fastest time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default
+    mc_sim_7b_63 and chains beyond its size) over a ``cache_length`` cache, with the linear layers of
+    ``linear_kernel`` (see decode.kernels; small-batch ones pad rows as this machine's measured plan says), sizes
+    interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
     with decoding_linears(model, linear_kernel=linear_kernel):
-        return _verify_cost_curve(model, next(model.parameters()).device, cache_length, sizes, repeats, tree)
+        forward, reset = _verify_forwards(model, cache_length, sizes, tree)
+        times = time_interleaved(forward, sizes, repeats, reset=reset)
+    rows = []
+    for n, seconds in times.items():
+        ms = 1000 * statistics.median(seconds)
+        rows.append({"nodes": n, "ms": ms, "min_ms": 1000 * min(seconds), "ms_per_node": ms / n})
+    return rows
 
 
-def _verify_cost_curve(model, device, cache_length, sizes, repeats, tree) -> list[dict]:
+def _verify_forwards(model: torch.nn.Module, cache_length: int, sizes: Sequence[int],
+                     tree: Tree | None = None) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """After a ``cache_length`` prefill and a warm-up: (one verify forward over a tree of n nodes, waited for; the
+    reset that drops its rows from the cache again)."""
+    device = next(model.parameters()).device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     shape = tree or load_tree("mc_sim_7b_63")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (cache_length,), generator=g).to(device)
     cache = new_cache()
     model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
-    for n in (max(sizes), min(sizes)):  # warm up kernels and allocator on both ends of the curve
-        state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length, next_token=0,
-                            hidden=torch.empty(0, device=device))
-        tokens = torch.zeros(n, dtype=torch.long, device=device)
-        tree_forward(model, state, Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, n - 1))).to(device)))
-        crop_cache(cache, cache_length)
     layouts = {}
-    for n in sizes:
+    for n in sorted(set(sizes) | {max(sizes), min(sizes)}):
         parents = shape.parents[:n].tolist() if n <= shape.num_nodes else list(range(-1, n - 1))
         tokens = torch.randint(0, vocab, (n,), generator=g).to(device)
         layouts[n] = Draft(tokens=tokens, tree=Tree.from_parents(parents).to(device))
+
+    def forward(n: int) -> None:
+        state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length,
+                            next_token=int(layouts[n].tokens[0]), hidden=torch.empty(0, device=device))
+        tree_forward(model, state, layouts[n])
+        synchronize(device)
+
+    def reset() -> None:
+        crop_cache(cache, cache_length)
+        synchronize(device)
+
+    for n in (max(sizes), min(sizes)):  # warm up kernels and allocator on both ends of the curve
+        forward(n)
+        reset()
+    return forward, reset
+
+
+def time_interleaved(forward: Callable[[int], None], sizes: Sequence[int], repeats: int,
+                     clock: Callable[[], float] = time.perf_counter,
+                     reset: Callable[[], None] = lambda: None) -> dict[int, list[float]]:
+    """Seconds of ``forward(n)`` for each of ``sizes``, ``repeats`` times, read from ``clock``; the sizes interleaved,
+    so that a drift of the machine's speed hits every size alike. ``reset`` runs after each forward, untimed."""
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(repeats):  # sizes interleaved: a drift of the machine's speed hits every size alike
+    for _ in range(repeats):
         for n in sizes:
-            state = DecodeState(cache=cache, prompt_ids=prompt, length=cache_length,
-                                next_token=int(layouts[n].tokens[0]), hidden=torch.empty(0, device=device))
-            synchronize(device)
-            t0 = time.perf_counter()
-            tree_forward(model, state, layouts[n])
-            synchronize(device)
-            times[n].append(time.perf_counter() - t0)
-            crop_cache(cache, cache_length)
-    rows = []
-    for n in sizes:
-        ms = 1000 * statistics.median(times[n])
-        rows.append({"nodes": n, "ms": ms, "ms_per_node": ms / n})
-    return rows
+            t0 = clock()
+            forward(n)
+            times[n].append(clock() - t0)
+            reset()
+    return times
 
 
 def monotone(ms: Sequence[float]) -> tuple[float, ...]:
     """Costs made non-decreasing in the number of nodes (right to left: a smaller tree never costs more than a
-    larger one, since it could be padded to it). What is left of timing noise after medians, e.g. 2 nodes measured
-    above 4 when both run the same 4-row kernel."""
+    larger one, since it could be padded to it). What is left of timing noise, e.g. 2 nodes measured above 4 when
+    both run the same 4-row kernel."""
     out = list(ms)
     for i in range(len(out) - 2, -1, -1):
         out[i] = min(out[i], out[i + 1])
@@ -326,20 +350,63 @@ def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
     return cache_dir() / "cost_curves" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", cache_length: int = 256) -> CostCurve:
-    """The verify cost curve of ``model`` on this machine (measured once, then read from the cache)."""
-    path = _cache_file(model, linear_kernel)
+def repeats_agree(times: dict[int, list[float]], tolerance: float = CURVE_AGREEMENT) -> bool:
+    """Whether every size's fastest forward is matched within ``tolerance`` by a second one. Other work on the
+    machine only ever adds time: on a quiet machine the fastest repeats agree; when it was busy through most of a
+    size's repeats they do not, and the fastest is not the machine's own speed."""
+    return all(len(t) >= 2 and sorted(t)[1] <= sorted(t)[0] * (1.0 + tolerance) for t in times.values())
+
+
+def fastest_curve(times: dict[int, list[float]]) -> CostCurve:
+    """The curve of each size's fastest forward (noise only adds time), made non-decreasing."""
+    return CostCurve(sizes=tuple(times), ms=monotone([1000.0 * min(t) for t in times.values()]))
+
+
+def settled_curve(path: Path, measure: Callable[[Sequence[int], int], dict[int, list[float]]],
+                  tolerance: float = CURVE_AGREEMENT) -> CostCurve:
+    """The cost curve kept at ``path``, or measured with ``measure(sizes, repeats)`` (seconds per size, sizes
+    interleaved) and kept there. A kept curve is checked against a fresh one-token timing first: if it is slower
+    than the machine is now by more than ``tolerance``, it was measured beside other work, and is measured again. A
+    measured curve is kept only if its repeats agree (:func:`repeats_agree`); otherwise it serves this process
+    alone."""
+    kept = _read_curve(path)
+    if kept is not None:
+        one = kept.sizes[0]
+        fresh_ms = 1000.0 * min(measure((one,), CURVE_CHECK_REPEATS)[one])
+        if kept.ms[0] <= fresh_ms * (1.0 + tolerance):
+            return kept
+    times = measure(CURVE_SIZES, CURVE_REPEATS)
+    curve = fastest_curve(times)
+    if repeats_agree(times, tolerance):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"sizes": list(curve.sizes), "ms": list(curve.ms)}))
+        os.replace(tmp, path)
+    return curve
+
+
+def _read_curve(path: Path) -> CostCurve | None:
     try:
         data = json.loads(path.read_text())
         return CostCurve(sizes=tuple(int(n) for n in data["sizes"]), ms=tuple(float(t) for t in data["ms"]))
     except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
-        pass
-    cache_length = min(cache_length, getattr(model.config, "max_position_embeddings", cache_length) - max(CURVE_SIZES))
-    rows = verify_cost_curve(model, max(cache_length, 1), CURVE_SIZES, repeats=CURVE_REPEATS,
-                             linear_kernel=linear_kernel)
-    curve = CostCurve(sizes=tuple(r["nodes"] for r in rows), ms=monotone([r["ms"] for r in rows]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"sizes": list(curve.sizes), "ms": list(curve.ms)}))
-    os.replace(tmp, path)
-    return curve
+        return None
+
+
+_SETTLED: dict[Path, CostCurve] = {}  # this process's curves, each checked or measured once
+
+
+@torch.no_grad()
+def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", cache_length: int = 256,
+                        clock: Callable[[], float] = time.perf_counter) -> CostCurve:
+    """The verify cost curve of ``model`` on this machine: measured once and kept in the selfspec cache, checked
+    once per process against a fresh one-token timing (:func:`settled_curve`); ``clock`` times the forwards."""
+    path = _cache_file(model, linear_kernel)
+    if path not in _SETTLED:
+        limit = getattr(model.config, "max_position_embeddings", cache_length)
+        length = max(1, min(cache_length, limit - max(CURVE_SIZES)))
+        with decoding_linears(model, linear_kernel=linear_kernel):
+            forward, reset = _verify_forwards(model, length, CURVE_SIZES)
+            _SETTLED[path] = settled_curve(
+                path, lambda sizes, repeats: time_interleaved(forward, sizes, repeats, clock, reset))
+    return _SETTLED[path]

@@ -141,3 +141,72 @@ def test_the_cached_curve_never_charges_a_smaller_tree_more():
 
     assert monotone([70.9, 108.7, 96.2, 103.4, 123.0, 156.2, 225.3]) == (70.9, 96.2, 96.2, 103.4, 123.0, 156.2, 225.3)
     assert monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
+
+
+class BusyMachine:
+    """A deterministic clock and a fake verify forward: a forward of n nodes takes ``true_ms(n)``, plus ``burst_ms``
+    when the machine is busy, which it is on the forwards numbered in ``busy`` (counted from 0, in call order)."""
+
+    def __init__(self, busy=(), burst_ms: float = 4.0, slower: float = 1.0):
+        self.now, self.count, self.busy, self.burst_ms, self.slower = 0.0, 0, set(busy), burst_ms, slower
+
+    @staticmethod
+    def true_ms(n: int) -> float:
+        return 1.0 + 0.05 * n
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self, n: int) -> None:
+        extra = self.burst_ms if self.count in self.busy else 0.0
+        self.now += (self.slower * self.true_ms(n) + extra) / 1000.0
+        self.count += 1
+
+    def measure(self, sizes, repeats):
+        from decode.adaptive import time_interleaved
+
+        return time_interleaved(self.forward, sizes, repeats, self.clock)
+
+
+def test_the_fastest_of_interleaved_repeats_recovers_the_curve_through_noise_bursts(tmp_path):
+    from decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
+
+    sizes = len(CURVE_SIZES)
+    # every size loses 4 of its 9 repeats to bursts (the busy forwards are spread over the repeats)
+    busy = [r * sizes + i for i in range(sizes) for r in range(CURVE_REPEATS) if (r + i) % 2 == 0 and r < 8]
+    machine = BusyMachine(busy=busy)
+    curve = settled_curve(tmp_path / "curve.json", machine.measure)
+    assert curve.ms == pytest.approx(tuple(BusyMachine.true_ms(n) for n in CURVE_SIZES))
+    assert (tmp_path / "curve.json").is_file()  # the fastest repeats agree: kept for later sessions
+    assert settled_curve(tmp_path / "curve.json", BusyMachine().measure) == curve  # a quiet check confirms it
+
+
+def test_a_curve_measured_while_the_machine_was_busy_is_not_kept(tmp_path):
+    from decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
+
+    sizes = len(CURVE_SIZES)
+    # the one-node forward is busy on all repeats but one: its fastest is not confirmed by a second one
+    busy = [r * sizes for r in range(1, CURVE_REPEATS)]
+    curve = settled_curve(tmp_path / "curve.json", BusyMachine(busy=busy).measure)
+    assert curve.ms[0] == pytest.approx(BusyMachine.true_ms(1))  # this process still uses its fastest reading
+    assert not (tmp_path / "curve.json").exists()
+    # busy through every repeat: each size's readings agree (all slow), so the next check must catch it
+    slow = settled_curve(tmp_path / "curve.json", BusyMachine(slower=2.0).measure)
+    assert (tmp_path / "curve.json").is_file() and slow.ms[0] == pytest.approx(2 * BusyMachine.true_ms(1))
+    quiet = BusyMachine()
+    again = settled_curve(tmp_path / "curve.json", quiet.measure)  # a fresh one-token timing: the kept one is slow
+    assert again.ms == pytest.approx(tuple(BusyMachine.true_ms(n) for n in CURVE_SIZES))
+    assert quiet.count > 3  # measured again, not only checked
+    assert settled_curve(tmp_path / "curve.json", BusyMachine(slower=1.5).measure) == again  # busy now: kept as is
+
+
+def test_the_measured_curve_is_checked_once_per_process(tiny_llama, monkeypatch, tmp_path):
+    from decode import adaptive
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(adaptive, "_SETTLED", {})
+    calls = []
+    monkeypatch.setattr(adaptive, "settled_curve", lambda path, measure: calls.append(path) or CPU_LIKE)
+    model, _ = tiny_llama
+    assert adaptive.measured_cost_curve(model) is CPU_LIKE and adaptive.measured_cost_curve(model) is CPU_LIKE
+    assert len(calls) == 1 and calls[0].parent == tmp_path / "cost_curves"

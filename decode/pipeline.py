@@ -172,12 +172,13 @@ SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", 
 
 
 def required(cfg: Any, keys: Sequence[str]) -> dict:
-    """``cfg``'s values of ``keys``. Decode defaults live in conf/decode/decode.yaml only, so a key it lacks is an
-    error that names it, never a default written here."""
+    """``cfg``'s values of ``keys``. Decode defaults live in conf/decode/ only (decode.yaml; bench.yaml for the
+    benchmark), so a key the config lacks is an error that names it, never a default written here."""
     missing = [k for k in keys if cfg is None or k not in cfg or cfg_get(cfg, k, MISSING) == MISSING]
     if missing:
-        raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose conf/decode/decode.yaml (or start from "
-                               "decode.pipeline.decode_config()) rather than a config of its own.")
+        raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose the config from conf/decode/ "
+                               "(decode.yaml, or bench.yaml for the benchmark; decode.pipeline.decode_config() in "
+                               "code) rather than writing one of its own.")
     return {k: to_plain(cfg_get(cfg, k)) for k in keys}
 
 

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from decode.cache import new_cache
-from decode.engine import synchronize, tree_forward
+from decode.step import synchronize, tree_forward
 from decode.kernels import decoding_linears, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import DecodeState, Draft

@@ -30,8 +30,9 @@ import torch
 
 from decode.cache import commit_kv, new_cache
 from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
-from decode.tree import Tree, single_node_tree, tree_attention_mask, tree_position_ids
-from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
+from decode.step import DepthControl, synchronize, tree_forward
+from decode.tree import Tree, single_node_tree
+from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
 from heads.errors import SelfspecError, SettingError
 from heads.target import cache_kwarg
@@ -173,21 +174,6 @@ def prefill(
     return state, fwd
 
 
-def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
-    """One target forward over the draft's N tokens on top of the cache (which grows by N rows)."""
-    dtype = next(model.parameters()).dtype
-    mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32)
-    out = model(
-        input_ids=draft.tokens[None],  # [1, N]
-        attention_mask=mask,  # [1, 1, N, length + N]
-        position_ids=tree_position_ids(draft.tree, state.length),  # [1, N]
-        use_cache=True,
-        **{cache_kwarg(model): state.cache},
-        output_hidden_states=True,
-    )
-    return ForwardOutput(logits=out.logits[0], hidden_states=tuple(h[0] for h in out.hidden_states))
-
-
 def commit(state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> DecodeState:
     """Keep the accepted branch's KV rows (in place) and move the root to the target's new token."""
     commit_kv(state.cache, state.length, verdict.path)
@@ -199,25 +185,6 @@ def commit(state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutpu
         hidden=out.hidden[last],  # [H] the hidden state that chose next_token
         steps=state.steps + 1,
     )
-
-
-def truncate_draft(draft: Draft, max_depth: int) -> Draft:
-    """Drop nodes deeper than max_depth (keeps token budgets and positions inside their limits)."""
-    if draft.tree.max_depth <= max_depth:
-        return draft
-    keep = (draft.tree.depth <= max_depth).nonzero()[:, 0]  # [N'] ascending
-    return Draft(
-        tokens=draft.tokens[keep], tree=draft.tree.truncate(max_depth),
-        probs=draft.probs[keep] if draft.probs is not None else None,
-    )
-
-
-def on_device(draft: Draft, device: torch.device) -> Draft:
-    """The draft on the target's device (a no-op when the drafter already put it there)."""
-    if draft.tokens.device == device and draft.tree.device == device:
-        return draft
-    probs = draft.probs.to(device) if draft.probs is not None else None
-    return Draft(tokens=draft.tokens.to(device), tree=draft.tree.to(device), probs=probs)
 
 
 @dataclass(frozen=True)
@@ -266,12 +233,6 @@ def settle(state: DecodeState, emitted: list[int], rule: StopRule) -> tuple[Deco
 # --- the engine -----------------------------------------------------------------------------------------------------
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so that wall-clock timings are honest; a no-op on a CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass(frozen=True)
 class StepClock:
     """Wall-clock readings within a step; ``sync``: each after the device's queued work, for an honest split between
@@ -284,26 +245,6 @@ class StepClock:
         if self.sync:
             synchronize(self.device)
         return time.perf_counter()
-
-
-@dataclass(frozen=True)
-class DepthControl:
-    """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
-    that depth, and the policy hears how the draft did. The engine runs one over its drafter; a hybrid
-    (decode/hybrid.py) runs one over its trained part. ``policy`` None: every draft as deep as the budget allows."""
-
-    policy: DepthPolicy | None
-
-    def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device) -> tuple[int, Draft]:
-        """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own.
-        At depth 0 the drafter is not called: the root alone, a plain step."""
-        depth = room if self.policy is None else min(room, self.policy.choose(room))
-        draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
-        return depth, on_device(truncate_draft(draft, depth), device)
-
-    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
-        if self.policy is not None:
-            self.policy.observe(asked, draft, accepted, draft_seconds)
 
 
 def default_eos_ids(model: torch.nn.Module) -> frozenset[int]:

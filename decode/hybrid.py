@@ -33,7 +33,7 @@ import torch
 
 from decode import registry
 from decode.adaptive import AdaptiveDepth
-from decode.engine import DepthControl
+from decode.step import DepthControl
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from decode.cache import Backlog, layer_lengths, new_cache
-from decode.engine import synchronize, tree_forward
+from decode.step import synchronize, tree_forward
 from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict

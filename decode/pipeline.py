@@ -20,9 +20,10 @@ import torch
 
 from decode import registry
 from decode.adaptive import AdaptiveDepth, measured_cost_curve
-from decode.engine import DecodeResult, SpeculativeDecoder, synchronize
+from decode.engine import DecodeResult, SpeculativeDecoder
 from decode.kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
+from decode.step import synchronize
 from decode.types import DecodeSetupError, Drafter
 from decode.verify import Sampling
 from heads.config import MISSING, cfg_get, to_dict, to_plain

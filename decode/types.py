@@ -1,7 +1,7 @@
 """The types the engine and every drafter share: what a step reads and writes, and the Drafter protocol.
 
 The engine (decode/engine.py) and the drafters (decode/drafters.py, decode/eagle_drafter.py, ...) both import this
-module and not each other.
+module (and decode/step.py, the step's shared pieces) and not each other.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class DrafterBase:
     - ``verify_forward(model, state, draft) -> ForwardOutput``: replaces the engine's one target forward over the
       tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every cache
       layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden states.
-      None (the default): the engine's ``tree_forward``.
+      None (the default): one target forward over the tree (decode/step.py:tree_forward).
     - ``verify_share``: the share of a full target forward that verifying a draft runs (adaptive depth scales the
       verify cost curve by it); 1 unless ``verify_forward`` skips work its draft already did.
     - ``max_draft_depth``: the deepest draft it proposes (a static tree's depth, a dynamic tree's or chain's

@@ -13,7 +13,8 @@ from decode.adaptive import CURVE_SIZES, verify_cost_curve
 from decode.bench.methods import Method
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
-from decode.engine import prefill, tree_forward
+from decode.engine import prefill
+from decode.step import tree_forward
 from decode.kernels import small_batch_linears
 from decode.pipeline import Session, required
 from decode.types import root_only

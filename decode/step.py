@@ -1,0 +1,74 @@
+"""The pieces of a decode step that the engine and the drafters share: one target forward over a draft's tree, a
+draft cut to a depth and moved to the target's device, and :class:`DepthControl`, the one place a depth policy is
+applied. The engine (decode/engine.py) and the drafters (decode/hybrid.py, decode/layerskip.py, ...) import this
+module and decode/types.py, not each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decode.tree import tree_attention_mask, tree_position_ids
+from decode.types import DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
+from heads.target import cache_kwarg
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that wall-clock timings are honest; a no-op on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
+    """One target forward over the draft's N tokens on top of the cache (which grows by N rows)."""
+    dtype = next(model.parameters()).dtype
+    mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32)
+    out = model(
+        input_ids=draft.tokens[None],  # [1, N]
+        attention_mask=mask,  # [1, 1, N, length + N]
+        position_ids=tree_position_ids(draft.tree, state.length),  # [1, N]
+        use_cache=True,
+        **{cache_kwarg(model): state.cache},
+        output_hidden_states=True,
+    )
+    return ForwardOutput(logits=out.logits[0], hidden_states=tuple(h[0] for h in out.hidden_states))
+
+
+def truncate_draft(draft: Draft, max_depth: int) -> Draft:
+    """Drop nodes deeper than max_depth (keeps token budgets and positions inside their limits)."""
+    if draft.tree.max_depth <= max_depth:
+        return draft
+    keep = (draft.tree.depth <= max_depth).nonzero()[:, 0]  # [N'] ascending
+    return Draft(
+        tokens=draft.tokens[keep], tree=draft.tree.truncate(max_depth),
+        probs=draft.probs[keep] if draft.probs is not None else None,
+    )
+
+
+def on_device(draft: Draft, device: torch.device) -> Draft:
+    """The draft on the target's device (a no-op when the drafter already put it there)."""
+    if draft.tokens.device == device and draft.tree.device == device:
+        return draft
+    probs = draft.probs.to(device) if draft.probs is not None else None
+    return Draft(tokens=draft.tokens.to(device), tree=draft.tree.to(device), probs=probs)
+
+
+@dataclass(frozen=True)
+class DepthControl:
+    """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
+    that depth, and the policy hears how the draft did. The engine runs one over its drafter; a hybrid
+    (decode/hybrid.py) runs one over its trained part. ``policy`` None: every draft as deep as the budget allows."""
+
+    policy: DepthPolicy | None
+
+    def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device) -> tuple[int, Draft]:
+        """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own.
+        At depth 0 the drafter is not called: the root alone, a plain step."""
+        depth = room if self.policy is None else min(room, self.policy.choose(room))
+        draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
+        return depth, on_device(truncate_draft(draft, depth), device)
+
+    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
+        if self.policy is not None:
+            self.policy.observe(asked, draft, accepted, draft_seconds)

@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from decode.adaptive import CURVE_SIZES, synchronize, verify_cost_curve
+    from decode.adaptive import CURVE_SIZES, verify_cost_curve
     from decode.drafters import VanillaDrafter
     from decode.engine import SpeculativeDecoder
     from decode.pipeline import target_config_from_overrides
+    from decode.step import synchronize
     from heads.errors import SettingError, reported_errors
     from heads.target import load_target
 

@@ -27,7 +27,7 @@ stay lossless, and merging keeps sibling tokens distinct, as point-mass verifica
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -110,7 +110,7 @@ class HybridDrafter(DrafterBase):
         return self.inner.max_draft_depth
 
     @property
-    def verify_forward(self):
+    def verify_forward(self) -> Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None:
         """The inner drafter's own verify forward when it has one (a layer-skip drafter: the merged tree starts with
         its chain); None otherwise: the engine's one target forward over the tree."""
         return self.inner.verify_forward

@@ -86,11 +86,11 @@ class Drafter(Protocol):
     after them are optional capabilities, declared with their defaults on :class:`DrafterBase`, which a family
     overrides when it offers them."""
 
-    verify_forward: "Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None"
+    verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None
     verify_share: float
     max_draft_depth: int | None
     draft_forward_per_level: bool
-    alone: "Drafter"
+    alone: Drafter
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         """After the prompt's forward: ``prefill.hidden_states`` are [T, H] for every prompt position (a drafter
@@ -127,13 +127,13 @@ class DrafterBase:
     - ``alone``: the drafter whose own cost the benchmark measures: itself, or a hybrid's trained drafter.
     """
 
-    verify_forward: "Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None" = None
+    verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None = None
     verify_share: float = 1.0
     max_draft_depth: int | None = None
     draft_forward_per_level: bool = False
 
     @property
-    def alone(self) -> "Drafter":
+    def alone(self) -> Drafter:
         return self
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:

@@ -22,7 +22,8 @@ states and, for ``loss: kl``, the target's top ``feature_store.teacher_topk`` lo
 distribution is renormalised over them; with topk = vocabulary size it is exact).
 
 Losses are sums over label positions divided by the global count per head (``count_items``), so a step's gradient does
-not depend on how the batch is split over processes and micro-batches.
+not depend on how the batch is split over processes and micro-batches. The evaluation's metrics are
+train.medusa_eval's.
 """
 
 from __future__ import annotations
@@ -38,16 +39,15 @@ from torch.nn import functional as F
 from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
-    expected_accept_length,
     medusa_head_losses,
     medusa_positions,
-    medusa_topk_hits,
     to_draft_ids,
     weighted_head_loss,
 )
 from train.config import settings_from_cfg
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
+from train.medusa_eval import eval_summary, medusa_eval_metrics
 from train.method import TrainMethod, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
@@ -450,57 +450,6 @@ def medusa_method(cfg: Any) -> MedusaMethod:
     return METHODS[kind](cfg)
 
 
-# --- evaluation ---------------------------------------------------------------------------------------------------
-
-
-def medusa_eval_metrics(batches, head_logits_of, num_heads: int, decay: float = 0.8, gather=None,
-                        token_map: torch.Tensor | None = None) -> dict[str, float]:
-    """Per-head top-1/top-5 accuracy and mean loss over the labelled positions of ``batches``, and the expected
-    accepted lengths they imply (chain from top-1, full top-5 tree from top-5).
-
-    ``head_logits_of(batch, head_index [N]) -> [K, N, V]``, or [K, N, V'] over the draft vocabulary ``token_map``:
-    then a token outside it is a miss for the accuracies and left out of the loss. ``gather`` collects per-example
-    sums from all processes (``accelerator.gather_for_metrics``, which also drops the duplicates even sharding adds),
-    None in one process.
-    """
-    K = num_heads
-    totals = None  # [5, K]: correct@1, correct@5, positions, loss sum, positions the loss reads
-    for batch in batches:
-        labels = batch["labels"]
-        head_index, head_targets = medusa_positions(labels, K)  # [N], [K, N]
-        targets = head_targets if token_map is None else to_draft_ids(head_targets, token_map)
-        with torch.no_grad():
-            head_logits = head_logits_of(batch, head_index)  # [K, N, V or V']
-        loss = F.cross_entropy(head_logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(targets.shape)  # [K, N], 0 where ignored
-        row = head_index // labels.shape[1]  # example of each position
-        valid = (head_targets != IGNORE_INDEX).double()
-        scored = (targets != IGNORE_INDEX).double()
-        per_example = torch.zeros(labels.shape[0], 5, K, dtype=torch.float64, device=labels.device)
-        hits1 = medusa_topk_hits(head_logits, targets, 1).double()
-        hits5 = medusa_topk_hits(head_logits, targets, 5).double()
-        for j, value in enumerate((hits1, hits5, valid, loss.double() * scored, scored)):
-            per_example[:, j].index_add_(0, row, value.T)
-        if gather is not None:
-            per_example = gather(per_example)
-        totals = per_example.sum(0) if totals is None else totals + per_example.sum(0)
-    if totals is None:
-        totals = torch.zeros(5, K, dtype=torch.float64)
-    count = totals[2].clamp(min=1)
-    acc1, acc5 = (totals[0] / count).tolist(), (totals[1] / count).tolist()
-    losses = (totals[3] / totals[4].clamp(min=1)).tolist()
-    metrics = {}
-    for k in range(K):
-        metrics[f"eval/acc1_head{k}"] = acc1[k]
-        metrics[f"eval/acc5_head{k}"] = acc5[k]
-        metrics[f"eval/loss_head{k}"] = losses[k]
-    metrics["eval/loss"] = float(weighted_head_loss(torch.tensor(losses), decay))
-    metrics["eval/accept_length_chain"] = expected_accept_length(acc1)
-    metrics["eval/accept_length_top5_tree"] = expected_accept_length(acc5)
-    metrics["eval/positions"] = float(totals[2, 0])
-    return metrics
-
-
 def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token_id: int, batch_size: int = 8,
                    decay: float = 0.8) -> dict[str, float]:
     """Accuracy metrics of Medusa heads (e.g. ``heads.load(path, target).module``) on a tokenized dataset split,
@@ -519,18 +468,3 @@ def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token
 
     batches = ({k: v.to(device) for k, v in b.items()} for b in loader)
     return medusa_eval_metrics(batches, head_logits_of, heads.config.num_heads, decay)
-
-
-def eval_summary(metrics: dict[str, float], num_heads: int) -> dict[str, Any]:
-    """Flat eval metrics -> the structured form written into the heads' config.json."""
-    if not metrics:
-        return {}
-    get = lambda name: [metrics.get(f"eval/{name}_head{k}") for k in range(num_heads)]  # noqa: E731
-    return {
-        "acc1": get("acc1"),
-        "acc5": get("acc5"),
-        "loss": get("loss"),
-        "expected_accept_length_chain": metrics.get("eval/accept_length_chain"),
-        "expected_accept_length_top5_tree": metrics.get("eval/accept_length_top5_tree"),
-        "positions": metrics.get("eval/positions"),
-    }

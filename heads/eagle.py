@@ -513,6 +513,25 @@ def _teacher_rows(teacher_logits: TeacherLogits, b: torch.Tensor, p: torch.Tenso
     return teacher_logits(b, p) if callable(teacher_logits) else teacher_logits[b, p]
 
 
+def _scored_at(b: torch.Tensor, p: torch.Tensor, step: int, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """[N] bool: the teacher rows (b, p) unrolled step ``step`` is scored at: its feature index t = p - step - 1
+    exists and, in a packed batch (``segment_ids``), lies in the example of the drafted token p + 1."""
+    keep = p >= step + 1
+    if segment_ids is not None:
+        keep = keep & (segment_ids[b, (p - step - 1).clamp(min=0)] == segment_ids[b, p + 1])
+    return keep
+
+
+def step_counts(draft_labels: torch.Tensor, unroll_steps: int, segment_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Positions each unrolled step is trained at, [unroll_steps], from the labels alone (draft ids, -100 where not
+    trained): the items a step's loss terms are normalised by over a whole optimizer step (``num_items`` of
+    :func:`drafter_loss`). EAGLE-3's KL loss further skips the positions whose target top token is outside the draft
+    vocabulary; they stay counted, as items with no loss."""
+    b, p = (shift_left(draft_labels, 1, fill=-100) != -100).nonzero(as_tuple=True)
+    return torch.stack([_scored_at(b, p, j, segment_ids).sum() for j in range(unroll_steps)])
+
+
 def _loss_at(
     b: torch.Tensor,
     p: torch.Tensor,
@@ -523,19 +542,20 @@ def _loss_at(
     target_features: torch.Tensor | None,
     teacher: torch.Tensor | None,
     segment_ids: torch.Tensor | None = None,
+    num_items: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The unrolled loss over the positions it trains on, given as teacher rows (b, p) [N] (sample, position of the
     feature / teacher row a draft step predicts; its drafted token is labels[b, p + 1]) with ``teacher`` [N, V'] the
     target's logits there. Step j reads index t = p - j - 1 of its features (where t >= 0), so each step's logits
     are computed only at the positions it is scored on. With ``segment_ids`` (a packed batch) step j is scored only
-    where index t and the drafted token p + 1 lie in the same example. The metrics stay on the device (scalar
-    tensors; ``count_j``, a shape, is a float), so a training step does not wait for them."""
+    where index t and the drafted token p + 1 lie in the same example. Each loss term of step j is a mean over its
+    positions, or with ``num_items`` [steps] (:func:`step_counts` summed over an optimizer step) a sum over them
+    divided by ``num_items[j]``. The metrics are means either way and stay on the device (scalar tensors;
+    ``count_j``, a shape, is a float), so a training step does not wait for them."""
     total = step_features[0].new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor | float] = {}
     for j, feat in enumerate(step_features):
-        keep = p >= j + 1
-        if segment_ids is not None:
-            keep = keep & (segment_ids[b, (p - j - 1).clamp(min=0)] == segment_ids[b, p + 1])
+        keep = _scored_at(b, p, j, segment_ids)
         bj, pj = b[keep], p[keep]
         tj = pj - j - 1
         if callable(step_logits):
@@ -565,6 +585,8 @@ def _loss_at(
             first = feat[:, :1]
             extra = step_logits(first).sum() if callable(step_logits) else step_logits[j].sum()
             step_loss = step_loss + (extra + first.sum()) * 0.0
+        if num_items is not None:  # the means' sums over the step's count
+            step_loss = step_loss * (count / num_items[j].clamp(min=1)).to(step_loss.dtype)
         total = total + (weights.step_decay**j) * step_loss
     metrics["loss"] = total.detach()
     return total, metrics
@@ -619,6 +641,7 @@ def drafter_loss(
     generator: torch.Generator | None = None,
     segment_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    num_items: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The training loss of one batch, given the frozen target's forward over it (the same as :func:`eagle_loss`
     over the drafter's full logits, but the draft's and the target's vocabulary projections, the costliest part of a
@@ -629,7 +652,8 @@ def drafter_loss(
     (e.g. the target's LM head over stored last hidden states); input_ids / labels / attention_mask [B, T] as
     collated (labels -100 off the assistant's tokens). Noise goes on the step-0 input features only; regression
     targets stay clean. A packed batch (train.data.collate_packed) passes its ``segment_ids`` and ``position_ids``:
-    the loss then equals the padded batch's over the same examples.
+    the loss then equals the padded batch's over the same examples. ``num_items`` [unroll_steps]: the step's global
+    :func:`step_counts`, for a loss normalised over a whole optimizer step (None: over this batch).
     """
     use_teacher = target_logits is not None and weights.token_loss == "kl"
     _check_loss_inputs(weights, hidden_states[-1] if weights.regression > 0 else None,
@@ -650,7 +674,8 @@ def drafter_loss(
         if drafter.variant != "eagle":
             raise SettingError("eagle3 has no feature regression target: set heads.loss.regression=0.")
         regression_target = hidden_states[-1].to(steps[0].dtype)
-    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher, segment_ids)
+    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher, segment_ids,
+                    num_items)
 
 
 # --- save / load ------------------------------------------------------------------------------------------------------

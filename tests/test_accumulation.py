@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-FAMILIES = ["medusa", "medusa-kl-draft-vocab", "medusa2", "medusa2-kl", "layerskip"]
+FAMILIES = ["medusa", "medusa-kl-draft-vocab", "medusa2", "medusa2-kl", "layerskip", "eagle", "eagle3", "eagle3-ce",
+            "eagle3-packed"]
 
 
 def _method(family: str, run_dir):
@@ -32,6 +33,17 @@ def _method(family: str, run_dir):
         }[family]
         cfg = medusa_cfg(run_dir, *overrides)
         return cfg, medusa_method(cfg)
+    if family.startswith("eagle"):
+        from test_eagle import eagle_cfg
+
+        from train.eagle_method import EagleMethod
+
+        eagle3 = ["heads=eagle3", "heads.draft_vocab_size=64"]
+        overrides = {"eagle": ["heads.unroll_steps=2"], "eagle3": eagle3,
+                     "eagle3-ce": eagle3 + ["heads.loss.token_loss=ce"],
+                     "eagle3-packed": eagle3 + ["trainer.packing=true", "trainer.pack_length=96"]}[family]
+        cfg = eagle_cfg(run_dir, "heads.feature_noise=0", *overrides)
+        return cfg, EagleMethod(cfg)
     from test_layerskip_train import layerskip_cfg
 
     from train.layerskip_method import LayerSkipMethod
@@ -57,17 +69,21 @@ def _step(method, target, drafter, micro_batches: list[dict]) -> tuple[torch.Ten
 def test_two_micro_batches_give_the_loss_and_gradients_of_one_batch(tmp_path, family):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.data import collate
+    from train.data import collate, collate_packed
 
     target, datasets = tiny_target(), tiny_datasets()
-    _, method = _method(family, tmp_path)
+    cfg, method = _method(family, tmp_path)
     method.prepare_data(datasets, target, None, None)  # the draft vocabulary, where the config asks for one
     drafter = method.build_drafter(target)
     drafter.train()
     examples = [datasets["train"][i] for i in range(4)]
 
     def batch(rows):
-        collated = collate(rows, target.tokenizer.pad_token_id)
+        pad = target.tokenizer.pad_token_id
+        if cfg.trainer.packing:
+            collated = collate_packed(rows, pad, capacity=cfg.trainer.pack_length)
+        else:
+            collated = collate(rows, pad)
         return {k: v.to(target.model.device) for k, v in collated.items()}
 
     whole_loss, whole_grads = _step(method, target, drafter, [batch(examples)])
@@ -81,7 +97,7 @@ def test_two_micro_batches_give_the_loss_and_gradients_of_one_batch(tmp_path, fa
         torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
-@pytest.mark.parametrize("family", ["medusa", "layerskip"])
+@pytest.mark.parametrize("family", ["medusa", "layerskip", "eagle3"])
 def test_a_step_logs_the_same_loss_with_or_without_accumulation(tmp_path, family):
     """Through the loop: one step of batch 4 and one step of two micro-batches of 2 (the same 4 examples, in the same
     order) log the same loss."""

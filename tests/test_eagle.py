@@ -708,11 +708,11 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
             super().__init__(cfg)
             self.calls, self.kill_call = 0, kill_call
 
-        def compute_loss(self, batch, target, drafter):
+        def compute_loss(self, batch, target, drafter, num_items=None):
             self.calls += 1
             if self.calls == self.kill_call:
                 raise KilledEagle
-            return super().compute_loss(batch, target, drafter)
+            return super().compute_loss(batch, target, drafter, num_items)
 
     # feature_noise on: random draws every step, so the RNG states must be restored as well.
     opts = [f"heads={heads_option.split('-')[0]}", "heads.feature_noise=0.1", "heads.draft_vocab_size=64",

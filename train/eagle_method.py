@@ -19,6 +19,11 @@ train.feature_store), which keeps the last hidden state (after the final norm) a
 inputs. The teacher logits are the target's LM head on that last hidden state, so the store needs no top-k logits and
 trains the same drafter as online features (exactly, with ``feature_store.dtype=float32``).
 
+Each loss term of an unrolled step is a sum over the positions it trains at divided by their global count over the
+optimizer step (``count_items``: answer tokens inside the draft vocabulary), so a step's gradient does not depend on
+how the batch is split over processes and micro-batches. EAGLE-3's KL loss skips the positions whose target top token
+is outside the draft vocabulary (no draft could propose it); they stay counted, contributing no loss.
+
 Saved through heads.io as head type ``eagle`` / ``eagle3``; eagle3's ``d2t`` / ``t2d`` are buffers of the module and
 are saved with its weights.
 """
@@ -37,6 +42,7 @@ from heads.eagle import (
     EagleDrafter,
     EagleLossWeights,
     drafter_loss,
+    step_counts,
 )
 from heads.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems, target_inputs
@@ -109,13 +115,14 @@ class EagleTrainModule(nn.Module):
         self.weights, self.unroll_steps, self.feature_noise = weights, unroll_steps, feature_noise
 
     def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, segment_ids=None,
-                position_ids=None):
-        """-> (loss, metrics); noise only in training mode; segment_ids / position_ids of a packed batch."""
+                position_ids=None, num_items=None):
+        """-> (loss, metrics); noise only in training mode; segment_ids / position_ids of a packed batch; num_items
+        the step's counts per unrolled step (None: the loss terms are this batch's means)."""
         return drafter_loss(
             self.drafter, hidden_states, target_logits, input_ids, labels, self.weights,
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
             feature_noise=self.feature_noise if self.training else 0.0,
-            segment_ids=segment_ids, position_ids=position_ids,
+            segment_ids=segment_ids, position_ids=position_ids, num_items=num_items,
         )
 
 
@@ -131,6 +138,7 @@ class EagleMethod(TrainMethod):
         self.features = FeatureSource.from_cfg(cfg)
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
+        self._draft_vocab_of = None  # the built drafter's target -> draft id map, for count_items
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -158,6 +166,7 @@ class EagleMethod(TrainMethod):
         model = target.model
         drafter = EagleDrafter(self.settings.eagle_config(model), model, d2t=self.d2t)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
+        self._draft_vocab_of = drafter.target_to_draft  # the labels count_items reads, in the drafter's vocabulary
         return EagleTrainModule(drafter, self.weights, self.settings.unroll_steps, self.settings.feature_noise)
 
     # --- loss ---------------------------------------------------------------------------------------------------
@@ -182,12 +191,17 @@ class EagleMethod(TrainMethod):
 
             return hidden_states, logits if need_logits else None
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module):
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """Positions each unrolled step trains at, [unroll_steps] (heads.eagle.step_counts)."""
+        draft_labels = self._draft_vocab_of(batch["labels"])
+        return step_counts(draft_labels, self.settings.unroll_steps, batch.get("segment_ids"))
+
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
-                                batch.get("segment_ids"), batch.get("position_ids"))
+                                batch.get("segment_ids"), batch.get("position_ids"), num_items)
         return loss, {k: v for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
 
     # --- evaluation ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ _HEAD_TYPES: dict[str, HeadBuilder | str] = {
     "eagle": "heads.eagle:build_eagle_drafter",
     "eagle3": "heads.eagle:build_eagle_drafter",
     "layerskip": "heads.layerskip:build_layerskip_exit",
+    "dflash": "heads.dflash:build_dflash_drafter",
 }
 
 

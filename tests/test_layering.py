@@ -1,0 +1,57 @@
+"""The package layering docs/architecture.md states, read from the imports of every module (top-level and inside
+functions): `heads` imports nothing of `decode` or `train`; `decode` reads `train` only for the training data's record
+reader; `train` reaches `decode` only where a training run is judged by decoding; inside `decode`, the engine and the
+drafters meet only in `types.py` and `step.py`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTERS = {"decode.drafters", "decode.eagle_drafter", "decode.suffix", "decode.layerskip", "decode.hybrid",
+            "decode.dynamic_tree"}
+
+
+def imports(package: str) -> dict[str, set[str]]:
+    """module name -> the project modules it imports (``from a.b import c`` gives a.b and a.b.c)."""
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        out[module] = {name for name in found if name.split(".")[0] in {"heads", "decode", "train"}}
+    return out
+
+
+def test_the_import_graph_is_the_documented_layering():
+    heads, decode, train = imports("heads"), imports("decode"), imports("train")
+    assert len(heads) > 5 and len(decode) > 10 and len(train) > 10  # the walk found the packages
+    for module, names in heads.items():
+        assert not {n for n in names if not n.startswith("heads")}, module
+    for module, names in decode.items():
+        assert {n for n in names if n.startswith("train")} <= {"train.data", "train.data.parse_turns",
+                                                                 "train.data.read_records"}, module
+    judged_by_decoding = {  # the end-of-run speed check, and layer-skip's exits ranked by their decode cost
+        "train.medusa": {"decode.pipeline"}, "train.eagle": {"decode.pipeline"}, "train.layerskip": {"decode.pipeline"},
+        "train.layerskip_method": {"decode.layerskip", "decode.pipeline"},
+    }
+    for module, names in train.items():
+        used = {".".join(n.split(".")[:2]) for n in names if n.startswith("decode")}
+        assert used <= judged_by_decoding.get(module, set()), module
+    assert not {".".join(n.split(".")[:2]) for n in decode["decode.engine"]} & DRAFTERS
+    for drafter in DRAFTERS:
+        assert "decode.engine" not in decode[drafter], drafter
+
+
+@pytest.mark.parametrize("module", ["decode.engine", "decode.hybrid"])
+def test_the_walk_sees_what_a_module_imports(module):
+    """A check on the check: the engine and the hybrid do import types.py and step.py."""
+    assert {"decode.types", "decode.step"} <= imports("decode")[module]

@@ -30,11 +30,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
+                                                      apply_rotary_pos_emb)
 
 from heads.eagle import default_layer_ids
 from heads.errors import SettingError
 from heads.runtime import rows_through
+from heads.vocab import install_draft_vocab
 
 
 @dataclass
@@ -222,19 +224,7 @@ class DFlashDrafter(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor, init_lm_head_from: nn.Module | None = None) -> None:
         """Install a draft vocabulary (``d2t`` from :func:`heads.vocab.build_draft_vocab`; zeros: the first ids),
         optionally copying the matching rows of the target's LM head into the draft LM head."""
-        d2t = d2t.to(self.d2t.device, torch.long)
-        if d2t.shape != self.d2t.shape:
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; expected {tuple(self.d2t.shape)}.")
-        target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
-        if target_ids.min() < 0 or target_ids.max() >= self.config.vocab_size:
-            raise ValueError("d2t maps draft ids outside the target vocabulary")
-        self.d2t.copy_(d2t)
-        self.t2d.zero_()
-        self.t2d[target_ids] = True
-        if init_lm_head_from is not None:
-            with torch.no_grad():
-                rows = init_lm_head_from.weight[target_ids.to(init_lm_head_from.weight.device)]
-                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+        install_draft_vocab(self, d2t, init_lm_head_from)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

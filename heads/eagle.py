@@ -59,6 +59,7 @@ from heads.errors import SettingError
 from heads.kv import additive_mask, cache_length
 from heads.target import cache_kwarg
 from heads.runtime import rows_through
+from heads.vocab import install_draft_vocab
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -314,17 +315,7 @@ class EagleDrafter(nn.Module):
         matching rows of the target's LM head into the draft LM head."""
         if self.variant != "eagle3":
             raise ValueError("only eagle3 drafters have a reduced draft vocabulary")
-        d2t = d2t.to(self.d2t.device, torch.long)
-        target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
-        if target_ids.min() < 0 or target_ids.max() >= self.config.vocab_size:
-            raise ValueError("d2t maps draft ids outside the target vocabulary")
-        self.d2t.copy_(d2t)
-        self.t2d.zero_()
-        self.t2d[target_ids] = True
-        if init_lm_head_from is not None:
-            with torch.no_grad():
-                rows = init_lm_head_from.weight[target_ids.to(init_lm_head_from.weight.device)]
-                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+        install_draft_vocab(self, d2t, init_lm_head_from)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids -> target ids (identity for eagle)."""

@@ -69,3 +69,23 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
     return d2t.long(), t2d
 
 
+def install_draft_vocab(module: torch.nn.Module, d2t: torch.Tensor, init_lm_head_from: torch.nn.Module | None = None
+                        ) -> None:
+    """Set a drafter's ``d2t`` / ``t2d`` buffers to a draft vocabulary (``d2t`` as :func:`build_draft_vocab` gives
+    it), checking it maps inside the target vocabulary, and optionally copy the matching rows of the target's LM head
+    (``init_lm_head_from``) into the drafter's ``lm_head``."""
+    d2t = d2t.to(module.d2t.device, torch.long)
+    if d2t.shape != module.d2t.shape:
+        raise ValueError(f"d2t has shape {tuple(d2t.shape)}; expected {tuple(module.d2t.shape)} (the draft vocabulary "
+                         "size).")
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= module.t2d.numel():
+        raise ValueError("d2t maps draft ids outside the target vocabulary")
+    module.d2t.copy_(d2t)
+    module.t2d.zero_()
+    module.t2d[target_ids] = True
+    if init_lm_head_from is not None:
+        with torch.no_grad():
+            rows = init_lm_head_from.weight[target_ids.to(init_lm_head_from.weight.device)]
+            module.lm_head.weight.copy_(rows.to(module.lm_head.weight))
+

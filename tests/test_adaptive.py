@@ -115,17 +115,26 @@ def test_a_verify_that_skips_the_drafted_layers_is_charged_only_for_the_rest():
 
 
 def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
-    from test_engine import exact_first_three, random_heads, sampled_first_three, small_vocab_target
+    from test_engine import (OracleDrafter, exact_first_three, prompts, random_heads, reference,
+                             sampled_first_three, small_vocab_target)
     from test_verify import chi_square_pvalue
 
     model, _ = tiny_llama
+    # greedy: an oracle that hides the target's continuation in the tree's branches, so the depth the policy picks
+    # decides how much of it is accepted (greedy output does not depend on the draft: accepted drafts are the test)
     policy = AdaptiveDepth(CPU_LIKE, measure_draft=False, explore_every=3)
-    decoder = SpeculativeDecoder(model, MedusaDrafter(random_heads(model), "mc_sim_7b_63"), depth_policy=policy)
-    for prompt in ([5, 6, 7, 8], [9, 10, 11, 12, 13, 14]):
-        ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=30,
-                             pad_token_id=0)[0]
-        assert decoder.generate(prompt, max_new_tokens=30).tokens == ref[len(prompt):].tolist()
+    oracle = OracleDrafter(load_tree("mc_sim_7b_63"), model.config.vocab_size, seed=5)
+    decoder = SpeculativeDecoder(model, oracle, depth_policy=policy)
+    accepted = 0
+    for i in range(6):
+        ref, eos = reference("llama", model, i)
+        oracle.reset(ref, eos)
+        decoder.eos_token_ids = frozenset([eos])
+        res = decoder.generate(prompts()[i], max_new_tokens=20)
+        assert res.tokens == ref
+        accepted += res.stats.accepted
     assert len(policy.nodes) >= 2  # several depths were verified
+    assert accepted >= 20 and oracle.longest_accept >= 2
 
     small = small_vocab_target()
     exact = exact_first_three(small, torch.tensor([3, 5, 7, 1])).reshape(-1)

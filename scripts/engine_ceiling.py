@@ -57,7 +57,7 @@ def oracle_drafter(answer: list[int], depth: int):
     return OracleDrafter()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
                         help="with model=tiny: a random target with this real model's shapes")
@@ -68,73 +68,77 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--curve-repeats", type=int, default=9)
     parser.add_argument("--out", default="outputs/engine_ceiling.json")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    import torch
 
-    from decode.adaptive import CURVE_SIZES, verify_cost_curve
-    from decode.drafters import VanillaDrafter
-    from decode.engine import SpeculativeDecoder
+def load(args: argparse.Namespace):
+    """The target the overrides name (a random stand-in with ``--shape``'s shapes under model=tiny)."""
     from decode.pipeline import target_config_from_overrides
-    from decode.step import synchronize
-    from heads.errors import SettingError, reported_errors
+    from heads.errors import SettingError
     from heads.target import load_target
 
-    with reported_errors():
-        model_cfg = target_config_from_overrides(args.overrides)
-        if args.shape:
-            if model_cfg.get("source") != "tiny":
-                raise SettingError(f"--shape {args.shape} builds a random stand-in: add `-- model=tiny`.")
-            model_cfg["tiny"] = {**model_cfg.get("tiny", {}), **SHAPES[args.shape]}
-        target = load_target(model_cfg)
-        model = target.model
-        device = next(model.parameters()).device
-        depths = [int(d) for d in args.depths.split(",")]
-        kernel = "auto"
+    model_cfg = target_config_from_overrides(args.overrides)
+    if args.shape:
+        if model_cfg.get("source") != "tiny":
+            raise SettingError(f"--shape {args.shape} builds a random stand-in: add `-- model=tiny`.")
+        model_cfg["tiny"] = {**model_cfg.get("tiny", {}), **SHAPES[args.shape]}
+    return load_target(model_cfg)
 
-        curve = verify_cost_curve(model, cache_length=256, sizes=CURVE_SIZES, repeats=args.curve_repeats,
-                                  linear_kernel=kernel)
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
 
-        def hf(ids):
-            x = torch.tensor([ids], device=device)
-            eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # no early stop
-            try:
-                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                     max_new_tokens=args.new_tokens, pad_token_id=0)
-            finally:
-                model.generation_config.eos_token_id = eos
-            return out[0, len(ids):].tolist()
+def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """HF ``generate``'s greedy answer of exactly ``new_tokens`` tokens (EOS ignored)."""
+    import torch
 
-        hf(prompts[0])  # warm-up
-        rows = {"hf": [], "plain": [], **{f"oracle-{d}": [] for d in depths}}
-        mismatches = []
-        for i, ids in enumerate(prompts):
-            synchronize(device)
-            t0 = time.perf_counter()
-            answer = hf(ids)
-            synchronize(device)
-            rows["hf"].append({"s": time.perf_counter() - t0, "tokens": len(answer), "steps": len(answer)})
-            for name in rows:
-                if name == "hf":
-                    continue
-                drafter = VanillaDrafter() if name == "plain" else oracle_drafter(answer, int(name.split("-")[1]))
-                engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel=kernel)
-                if i == 0:
-                    engine.generate(ids, max_new_tokens=8)  # warm-up
-                synchronize(device)
-                t0 = time.perf_counter()
-                result = engine.generate(ids, max_new_tokens=args.new_tokens)
-                synchronize(device)
-                rows[name].append({"s": time.perf_counter() - t0, "tokens": len(result.tokens),
-                                   "steps": result.stats.steps + 1})
-                if result.tokens != answer:
-                    first = next((j for j, (a, b) in enumerate(zip(answer, result.tokens)) if a != b),
-                                 min(len(answer), len(result.tokens)))
-                    mismatches.append({"prompt": i, "method": name, "first_difference": first})
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # no early stop
+    try:
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens,
+                             pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = eos
+    return out[0, len(ids):].tolist()
 
+
+def timed(device, fn):
+    """(seconds, fn()) with the device's queued work waited for on both sides."""
+    from decode.step import synchronize
+
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def run_methods(model, prompts: list[list[int]], depths: list[int], new_tokens: int) -> tuple[dict, list]:
+    """Per method (hf, plain, oracle-D), one row per prompt (seconds, tokens, target forwards), and every engine
+    answer that differs from HF's."""
+    from decode.drafters import VanillaDrafter
+    from decode.engine import SpeculativeDecoder
+
+    device = next(model.parameters()).device
+    hf_greedy(model, prompts[0], new_tokens)  # warm-up
+    rows = {"hf": [], "plain": [], **{f"oracle-{d}": [] for d in depths}}
+    mismatches = []
+    for i, ids in enumerate(prompts):
+        s, answer = timed(device, lambda: hf_greedy(model, ids, new_tokens))
+        rows["hf"].append({"s": s, "tokens": len(answer), "steps": len(answer)})
+        for name in list(rows)[1:]:
+            drafter = VanillaDrafter() if name == "plain" else oracle_drafter(answer, int(name.split("-")[1]))
+            engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel="auto")
+            if i == 0:
+                engine.generate(ids, max_new_tokens=8)  # warm-up
+            s, result = timed(device, lambda: engine.generate(ids, max_new_tokens=new_tokens))
+            rows[name].append({"s": s, "tokens": len(result.tokens), "steps": result.stats.steps + 1})
+            if result.tokens != answer:
+                first = next((j for j, (a, b) in enumerate(zip(answer, result.tokens)) if a != b),
+                             min(len(answer), len(result.tokens)))
+                mismatches.append({"prompt": i, "method": name, "first_difference": first})
+    return rows, mismatches
+
+
+def summarise(rows: dict) -> dict:
+    """tokens/s, its ratio to HF's (overall and the per-prompt median) and tau, per method."""
     hf_rate = sum(r["tokens"] for r in rows["hf"]) / sum(r["s"] for r in rows["hf"])
     summary = {}
     for name, rs in rows.items():
@@ -142,23 +146,49 @@ def main(argv: list[str] | None = None) -> dict:
         per_prompt = [(r["tokens"] / r["s"]) / (h["tokens"] / h["s"]) for r, h in zip(rs, rows["hf"])]
         summary[name] = {"tokens_per_s": rate, "x_hf": rate / hf_rate, "x_hf_median": statistics.median(per_prompt),
                          "tau": sum(r["tokens"] for r in rs) / sum(r["steps"] for r in rs)}
-    param = next(model.parameters())
+    return summary
+
+
+def print_report(report: dict, curve: list[dict]) -> None:
+    one = curve[0]["ms"]
+    shape = f" (shapes of {report['shape']}, random weights)" if report["shape"] else ""
+    print(f"{report['model']}{shape} on {report['device']} {report['device_name'] or ''} {report['dtype']}; verify "
+          "over a 256-token cache, ms (x one token):")
+    print("  " + ", ".join(f"{r['nodes']}: {r['ms']:.2f} ({r['ms'] / one:.2f})" for r in curve))
+    print("| method | tokens/s | x HF generate | median per prompt | tau |")
+    print("|---|---|---|---|---|")
+    for name, s in report["methods"].items():
+        print(f"| {name} | {s['tokens_per_s']:.1f} | {s['x_hf']:.2f} | {s['x_hf_median']:.2f} | {s['tau']:.2f} |")
+    print(f"lossless: {'yes' if not report['mismatches'] else report['mismatches']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+
+    import torch
+
+    from decode.adaptive import CURVE_SIZES, verify_cost_curve
+    from heads.errors import reported_errors
+
+    with reported_errors():
+        target = load(args)
+        model = target.model
+        curve = verify_cost_curve(model, cache_length=256, sizes=CURVE_SIZES, repeats=args.curve_repeats,
+                                  linear_kernel="auto")
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.prompts)]
+        rows, mismatches = run_methods(model, prompts, [int(d) for d in args.depths.split(",")], args.new_tokens)
+
+    device, param = next(model.parameters()).device, next(model.parameters())
     report = {"model": target.name, "shape": args.shape, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "dtype": str(param.dtype), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-              "cost_curve": curve, "methods": summary, "mismatches": mismatches}
+              "cost_curve": curve, "methods": summarise(rows), "mismatches": mismatches}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    one = curve[0]["ms"]
-    print(f"{target.name}{f' (shapes of {args.shape}, random weights)' if args.shape else ''} on {device} "
-          f"{report['device_name'] or ''} {param.dtype}; verify over a 256-token cache, ms (x one token):")
-    print("  " + ", ".join(f"{r['nodes']}: {r['ms']:.2f} ({r['ms'] / one:.2f})" for r in curve))
-    print("| method | tokens/s | x HF generate | median per prompt | tau |")
-    print("|---|---|---|---|---|")
-    for name, s in summary.items():
-        print(f"| {name} | {s['tokens_per_s']:.1f} | {s['x_hf']:.2f} | {s['x_hf_median']:.2f} | {s['tau']:.2f} |")
-    print(f"lossless: {'yes' if not mismatches else mismatches}")
+    print_report(report, curve)
     return report
 
 

@@ -33,7 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from heads.eagle import default_layer_ids
+from heads.eagle import default_layer_ids, init_linears
 from heads.errors import SettingError
 from heads.runtime import rows_through
 from heads.vocab import install_draft_vocab
@@ -193,18 +193,11 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         embed = target.get_input_embeddings()
         self.mask_embedding = nn.Parameter(embed.weight[config.mask_token_id].detach().clone().float())
-        self._init_weights(std=0.02)
+        init_linears(self, getattr(t, "initializer_range", 0.02))
         self.set_draft_vocab(d2t if d2t is not None else torch.zeros(vd, dtype=torch.long),
                              init_lm_head_from=target.get_output_embeddings())
         self.to(embed.weight.device)
         self._target = [target]  # used, never owned: kept out of state_dict() and parameters()
-
-    def _init_weights(self, std: float) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
 
     # -- target and vocabulary ---------------------------------------------------------------------------------------
 

@@ -125,6 +125,15 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [round(num_layers * f) for f in (0.25, 0.5, 0.75)]  # 4..6 layers: three different ones
 
 
+def init_linears(module: nn.Module, std: float) -> None:
+    """A new drafter's linear layers: normal(0, std) weights, zero biases (the target's ``initializer_range``)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 # --- the target's parts, reached without owning them ----------------------------------------------------------------
 
 
@@ -248,7 +257,7 @@ class EagleDrafter(nn.Module):
         self.layer = type(base.layers[0])(layer_config, layer_idx=0)
         if config.layout == "midlayer":
             _widen_qkv(self.layer, hidden)
-        self._init_weights(getattr(tcfg, "initializer_range", 0.02))
+        init_linears(self, getattr(tcfg, "initializer_range", 0.02))
         if config.init_layer_from is not None:
             self._init_layer_from(base.layers[config.init_layer_from])
 
@@ -286,13 +295,6 @@ class EagleDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         """The draft's parameter dtype."""
         return self.layer.post_attention_layernorm.weight.dtype
-
-    def _init_weights(self, std: float) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
 
     # -- target and vocabulary ---------------------------------------------------------------------------------------
 

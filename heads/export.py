@@ -7,11 +7,12 @@ format          loads in                                         heads
 ``eagle3``      SGLang and vLLM (``LlamaForCausalLMEagle3``,      eagle3 with ``layout=midlayer`` on a Llama target
                 EAGLE-3's own checkpoint form)
 ``speculators`` vLLM speculators (``Eagle3Speculator``)           eagle3 with ``layout=midlayer`` on a Llama target
+``dflash``      vLLM's DFlash (``DFlashQwen3ForCausalLM``)         dflash, on any target vLLM captures layers of
 ``selfspec``    selfspec (``heads.load``); a copy of the folder   all
 ==============  ===============================================  ==============================================
 
-``auto`` picks ``vllm`` for Medusa heads, ``eagle3`` for midlayer EAGLE-3 heads and refuses the rest, naming the
-format that fits. Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
+``auto`` picks ``vllm`` for Medusa heads, ``eagle3`` for midlayer EAGLE-3 heads, ``dflash`` for DFlash heads and
+refuses the rest, naming the format that fits (the DFlash mapping and its facts: heads/export_dflash.py). Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
 
 Facts the mappings rely on (from those projects' sources):
 
@@ -65,8 +66,9 @@ import torch
 from torch import nn
 
 from heads.errors import SelfspecError
+from heads.export_dflash import dflash_to_vllm
 
-FORMATS = ("auto", "vllm", "eagle3", "speculators", "selfspec")
+FORMATS = ("auto", "vllm", "eagle3", "speculators", "dflash", "selfspec")
 
 
 class ExportError(SelfspecError, ValueError):
@@ -79,12 +81,17 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
         raise ExportError(f"format={fmt!r}: use one of {', '.join(FORMATS)}.")
     midlayer = head_type == "eagle3" and head_config.get("layout", "fc") == "midlayer"
     if fmt == "auto":
-        if head_type == "medusa":
-            return "vllm"
+        if head_type in ("medusa", "dflash"):
+            return "vllm" if head_type == "medusa" else "dflash"
         if midlayer:
             return "eagle3"
         fmt = "eagle3"  # fall through to the explanation below
     if fmt == "selfspec":
+        return fmt
+    if (fmt == "dflash") != (head_type == "dflash"):
+        raise ExportError(f"format={fmt} does not fit {head_type} heads: DFlash heads export as format=dflash (vLLM's "
+                          "DFlash), and only they do.")
+    if fmt == "dflash":
         return fmt
     if fmt == "vllm" and head_type != "medusa":
         raise ExportError(f"format=vllm is vLLM's Medusa format; these are {head_type} heads (format=eagle3 or "
@@ -353,19 +360,27 @@ def export_heads(
     module = loaded.module
     model, name = _unwrap_target(target)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    files: dict[str, object] = {}  # other files the format has (DFlash: vLLM's mask embedding)
     if fmt == "vllm":
         config, state = medusa_to_vllm(module, base.get_output_embeddings(), meta.get("head_config", {}), vocab)
     elif fmt == "eagle3":
         config, state = eagle3_to_sglang(module, include_embeddings)
+    elif fmt == "dflash":
+        config, state, files = dflash_to_vllm(module)
     else:
         tree = meta.get("tree") or {}
         config, state = eagle3_to_speculators(module, verifier or meta.get("base_model") or name,
                                               int(speculative_tokens or tree.get("depth") or 3), include_embeddings)
-    float_dtype = dtype
-    state = {k: (v.to(float_dtype) if float_dtype is not None and v.is_floating_point() else v).detach().cpu()
+    return _write_converted(out_dir, fmt, meta, config, state, files, dtype, repo), fmt
+
+
+def _write_converted(out_dir, fmt: str, meta: dict, config: dict, state: dict, files: dict, dtype, repo) -> Path:
+    """Write a converted checkpoint: ``config.json`` (with what the heads were), ``model.safetensors`` (floats cast to
+    ``dtype`` if given), the model card and the format's other ``files`` (``torch.save``d), atomically."""
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
              .contiguous().clone() for k, v in state.items()}
-    if float_dtype is not None:
-        config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
     config["selfspec"] = {"head_type": meta["head_type"], "base_model": meta.get("base_model"),
                           "target_fingerprint": meta.get("target_fingerprint")}
 
@@ -375,8 +390,10 @@ def export_heads(
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(meta, fmt, repo, token_map="token_map" in state))
+        for name, obj in files.items():
+            torch.save(obj, tmp / name)
 
-    return _write(out_dir, write), fmt
+    return _write(out_dir, write)
 
 
 def model_card(meta: dict, fmt: str, repo: str | None = None, token_map: bool = False) -> str:
@@ -393,11 +410,13 @@ def model_card(meta: dict, fmt: str, repo: str | None = None, token_map: bool = 
 python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\
     --speculative-draft-model-path {where} --speculative-num-steps {depth}""",
         "speculators": f"""vllm serve {where}""",
+        "dflash": f"""vllm serve {base} --speculative-config '{{"method": "dflash", "model": "{where}", "num_speculative_tokens": {int((meta.get("head_config") or {}).get("block_size") or 8) - 1}}}'""",
         "selfspec": f'python decode/run.py heads={where} prompt="Write a haiku about the sea."',
     }[fmt]
     lines = [
         "---",
-        "tags: [speculative-decoding, selfspec, " + ("medusa" if meta["head_type"] == "medusa" else "eagle") + "]",
+        "tags: [speculative-decoding, selfspec, " + {"medusa": "medusa", "dflash": "dflash"}.get(meta["head_type"], "eagle")
+        + "]",
         f"base_model: {base}" if meta.get("base_model") else None,
         "---",
         "",

@@ -337,3 +337,92 @@ def test_speculators_loads_the_export_and_drafts_the_same_tokens(tmp_path, tiny_
                          position_ids=positions, document_ids=torch.zeros(1, 12, dtype=torch.long, device=model.device),
                          ttt_steps=1)
     assert torch.equal(drafted[0], mine)
+
+
+# --- DFlash -> vLLM ------------------------------------------------------------------------------------------------------
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, positions, theta):
+    """Neox-style rotary embedding (vLLM's default for DFlash) over the last dim of x [..., S, hd]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    ang = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    half = hd // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def vllm_dflash_logits(folder, embed, features, ctx_pos, block_ids, block_pos):
+    """vLLM's DFlashQwen3ForCausalLM from the exported files only: context K/V = k_norm/rope(k_proj(hidden_norm(fc(
+    features)))), v_proj(...) per layer; the block's queries (token embeddings, the mask id's replaced by
+    mask_embedding.pt) attend non-causally to [context; block]; logits over draft_vocab_size scattered to the full
+    vocabulary by d2t (target id = draft id + d2t)."""
+    config, w = read_export(folder)
+    mask = torch.load(folder / "mask_embedding.pt")
+    eps, hd = config["rms_norm_eps"], config["head_dim"]
+    nh, nkv, theta = config["num_attention_heads"], config["num_key_value_heads"], config["rope_theta"]
+    assert mask["mask_token_id"] == config["dflash_config"]["mask_token_id"]
+    x = embed[block_ids]
+    x[block_ids == mask["mask_token_id"]] = mask["embedding"]
+    ctx = rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+
+    def heads(t, n):
+        return t.view(t.shape[0], n, hd).transpose(0, 1)  # [n, S, hd]
+
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"], eps)
+        q = rope(rms(heads(h @ w[p + "self_attn.q_proj.weight"].T, nh), w[p + "self_attn.q_norm.weight"], eps),
+                 block_pos, theta)
+        keys = [rope(rms(heads(s @ w[p + "self_attn.k_proj.weight"].T, nkv), w[p + "self_attn.k_norm.weight"], eps),
+                     pos, theta) for s, pos in ((ctx, ctx_pos), (h, block_pos))]
+        vals = [heads(s @ w[p + "self_attn.v_proj.weight"].T, nkv) for s in (ctx, h)]
+        k, v = (torch.cat(t, 1).repeat_interleave(nh // nkv, 0) for t in (keys, vals))
+        att = torch.softmax(q @ k.transpose(-1, -2) / hd ** 0.5, -1) @ v
+        x = x + att.transpose(0, 1).reshape(x.shape[0], -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    logits = rms(x, w["norm.weight"], eps) @ w["lm_head.weight"].T
+    full = torch.full((x.shape[0], config["vocab_size"]), float("-inf"))
+    full[:, torch.arange(config["draft_vocab_size"]) + w["d2t"]] = logits
+    return full
+
+
+def test_dflash_export_computes_the_drafter(tmp_path, tiny_llama):
+    from heads.dflash import DFlashConfig, DFlashDrafter
+
+    model, _ = tiny_llama
+    torch.manual_seed(0)
+    counts = count_tokens(torch.randint(0, model.config.vocab_size, (400,)), model.config.vocab_size)
+    d2t, _ = build_draft_vocab(counts, 96)
+    cfg = DFlashConfig.from_target(model, block_size=4, num_layers=2, mask_token_id=7, draft_vocab_size=96)
+    drafter = DFlashDrafter(cfg, model, d2t=d2t)
+    with torch.no_grad():  # a trained-looking drafter: norms and the mask vector away from their init
+        for name, p in drafter.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "mask" in name else 0.02))
+    save_heads(tmp_path / "heads", drafter, "dflash", cfg.to_dict(), model)
+    out, fmt = export_heads(tmp_path / "heads", tmp_path / "export", model)
+    assert fmt == "dflash"
+    config, w = read_export(out)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": cfg.target_layer_ids}
+    assert "t2d" not in w and not any(k.startswith(("model.", "embed_tokens")) for k in w)
+
+    ids = torch.randint(3, 300, (1, 12))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i][0] for i in drafter.feature_layers], -1)
+        ctx_pos, block_pos = torch.arange(12), torch.arange(12, 16)
+        kv = drafter.context_kv(drafter.context(features)[None], ctx_pos[None])
+        first = torch.tensor([[int(ids[0, -1])]])
+        mine = drafter.logits(drafter(drafter.block_inputs(first), block_pos[None], kv, None))[0]
+        block_ids = torch.tensor([int(ids[0, -1])] + [7] * 3)
+        ref = vllm_dflash_logits(out, model.get_input_embeddings().weight, features, ctx_pos, block_ids, block_pos)
+    targets = torch.arange(96) + d2t
+    torch.testing.assert_close(ref[:, targets], mine, rtol=1e-4, atol=1e-4)
+    assert torch.isinf(ref[:, [t for t in range(model.config.vocab_size) if t not in set(targets.tolist())]]).all()

@@ -128,6 +128,12 @@ def _eagle(heads, target, settings) -> Drafter:
     return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
 
 
+def _dflash(heads, target, settings) -> Drafter:
+    from decode.dflash_drafter import DFlashBlockDrafter
+
+    return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]))
+
+
 def _suffix(heads, target, settings) -> Drafter:
     from decode.suffix import SuffixDrafter, load_corpus
 
@@ -181,6 +187,16 @@ def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "ea
     return _on_target(heads, model)
 
 
+def random_dflash_heads(model: torch.nn.Module, seed: int = 0, **_: Any) -> torch.nn.Module:
+    """An untrained DFlash block drafter for ``model`` (dry runs: its drafts are rarely accepted)."""
+    from heads.dflash import DFlashConfig, DFlashDrafter
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = DFlashDrafter(DFlashConfig.from_target(model), model)
+    return _on_target(heads, model)
+
+
 register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
 register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
                       "and an optional corpus; adaptive tree size", _suffix))
@@ -194,3 +210,6 @@ for _variant in ("eagle", "eagle3"):
     register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
                           _eagle, needs_heads=True, hybrid=True, saved_key="tree",
                           random_heads=functools.partial(random_eagle_heads, variant=_variant)))
+register(DrafterEntry("dflash", "DFlash block drafter: one forward over a block of mask tokens drafts a chain (and "
+                      "the first position's top-k siblings with top_k > 1)", _dflash, needs_heads=True, hybrid=True,
+                      saved_key="decode", random_heads=random_dflash_heads))

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = {"decode.drafters", "decode.eagle_drafter", "decode.suffix", "decode.layerskip", "decode.hybrid",
-            "decode.dynamic_tree"}
+            "decode.dynamic_tree", "decode.dflash_drafter"}
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -41,6 +41,7 @@ def test_the_import_graph_is_the_documented_layering():
                                                                  "train.data.read_records"}, module
     judged_by_decoding = {  # the end-of-run speed check, and layer-skip's exits ranked by their decode cost
         "train.medusa": {"decode.pipeline"}, "train.eagle": {"decode.pipeline"}, "train.layerskip": {"decode.pipeline"},
+        "train.dflash": {"decode.pipeline"},
         "train.layerskip_method": {"decode.layerskip", "decode.pipeline"},
     }
     for module, names in train.items():

@@ -315,7 +315,7 @@ def block_targets(anchors: torch.Tensor, labels: torch.Tensor, block_size: int
     k = torch.arange(block_size, device=anchors.device)
     pos = anchors[:, :, None] + k  # [B, A, bs]
     ok = (anchors[:, :, None] >= 0) & (k >= 1) & (pos < t)
-    ok = ok & (labels.gather(1, pos.clamp(max=t - 1).reshape(bsz, -1)).reshape(pos.shape) != -100)
+    ok = ok & (labels.gather(1, pos.clamp(0, t - 1).reshape(bsz, -1)).reshape(pos.shape) != -100)  # -1: no anchor
     return ok.nonzero(as_tuple=True)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 FAMILIES = ["medusa", "medusa-kl-draft-vocab", "medusa2", "medusa2-kl", "layerskip", "eagle", "eagle3", "eagle3-ce",
-            "eagle3-packed"]
+            "eagle3-packed", "dflash", "dflash-ce"]
 
 
 def _method(family: str, run_dir):
@@ -44,6 +44,16 @@ def _method(family: str, run_dir):
                      "eagle3-packed": eagle3 + ["trainer.packing=true", "trainer.pack_length=96"]}[family]
         cfg = eagle_cfg(run_dir, "heads.feature_noise=0", *overrides)
         return cfg, EagleMethod(cfg)
+    if family.startswith("dflash"):
+        from test_dflash_train import dflash_cfg
+
+        from train.dflash_method import DFlashMethod
+
+        # more anchors than positions: every trained position is an anchor, so the split and the whole batch draft
+        # the same blocks (anchors are otherwise drawn per micro-batch)
+        overrides = ["heads.anchors_per_sequence=64"] + (["heads.loss.token_loss=ce"] if family == "dflash-ce" else [])
+        cfg = dflash_cfg(run_dir, *overrides)
+        return cfg, DFlashMethod(cfg)
     from test_layerskip_train import layerskip_cfg
 
     from train.layerskip_method import LayerSkipMethod
@@ -97,7 +107,7 @@ def test_two_micro_batches_give_the_loss_and_gradients_of_one_batch(tmp_path, fa
         torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
-@pytest.mark.parametrize("family", ["medusa", "layerskip", "eagle3"])
+@pytest.mark.parametrize("family", ["medusa", "layerskip", "eagle3", "dflash"])
 def test_a_step_logs_the_same_loss_with_or_without_accumulation(tmp_path, family):
     """Through the loop: one step of batch 4 and one step of two micro-batches of 2 (the same 4 examples, in the same
     order) log the same loss."""

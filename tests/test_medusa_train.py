@@ -535,7 +535,7 @@ def _options(group: str, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith(skip_prefixes))
 
 
-@pytest.mark.parametrize("experiment", [None] + _options("experiment", ("eagle", "layerskip")))
+@pytest.mark.parametrize("experiment", [None] + _options("experiment", ("eagle", "layerskip", "dflash")))
 @pytest.mark.parametrize("trainer", _options("trainer"))
 def test_every_trainer_and_experiment_option_composes_and_instantiates(tmp_path, trainer, experiment):
     from conftest import compose
@@ -589,10 +589,11 @@ def test_settings_defaults_are_written_once_in_conf():
     from conftest import compose
     from omegaconf import OmegaConf
 
+    from train.dflash_method import DFlashSettings
     from train.eagle_method import EagleSettings
     from train.medusa_method import MedusaSettings
 
-    for cls in (TrainerConfig, MedusaSettings, EagleSettings):
+    for cls in (TrainerConfig, MedusaSettings, EagleSettings, DFlashSettings):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)
                     if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
         assert all(value is None for value in defaults.values()), (cls.__name__, defaults)

@@ -30,7 +30,7 @@ are saved with its weights.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,10 @@ from heads.eagle import (
     step_counts,
 )
 from heads.runtime import rows_through
-from train.data import count_draft_vocab, draft_vocab_problems, target_inputs
-from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
+from train.data import count_draft_vocab, draft_vocab_problems
+from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, unwrap
+from train.method import TrainMethod, saved_state_and_extra, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -153,8 +153,8 @@ class EagleMethod(TrainMethod):
             return datasets["train"], datasets.get("eval"), collate_fn
         layer_ids = self._layer_ids(target.model)
         extract = hidden_states_extract(target.model, layer_ids, self.features.dtype)
-        fields = "eagle-last-hidden" + (f"+layers{list(layer_ids)}" if layer_ids else "")
-        return self.features.open_store(datasets, target, accelerator, collate_fn, extract, {"fields": fields})
+        return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
+                                        {"fields": hidden_states_fields(layer_ids)})
 
     def _layer_ids(self, model: nn.Module) -> list[int] | None:
         """The target layers eagle3 fuses (None for eagle)."""
@@ -177,19 +177,14 @@ class EagleMethod(TrainMethod):
         applying the LM head to the rows the loss trains on only (not a [B, T, V] tensor over every position)."""
         model = target.model
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
-        with torch.no_grad():
-            if "hidden" in batch:  # from the feature store
-                hidden_states = stored_hidden_states(batch, layer_ids)
-            else:  # online: the decoder stack only; the LM head runs below on the trained rows alone
-                out = model.get_decoder()(input_ids=batch["input_ids"], **target_inputs(batch),
-                                          output_hidden_states=True, use_cache=False)
-                hidden_states = out.hidden_states  # [-1]: after the final norm, what the LM head reads
-            lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
+        hidden_states = target_hidden_states(model, batch, layer_ids)  # the LM head runs below on trained rows alone
+        lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
 
-            def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
+        def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
+            with torch.no_grad():
                 return rows_through(lm_head, hidden[b, p].to(lm_head.weight.dtype)).float()
 
-            return hidden_states, logits if need_logits else None
+        return hidden_states, logits if need_logits else None
 
     def count_items(self, batch: dict) -> torch.Tensor:
         """Positions each unrolled step trains at, [unroll_steps] (heads.eagle.step_counts)."""
@@ -241,13 +236,7 @@ class EagleMethod(TrainMethod):
         from heads.io import save_heads
 
         core = drafter.drafter if isinstance(drafter, EagleTrainModule) else drafter
-        state = None
-        if state_dict is not None:
-            state = {k[len("drafter."):]: v for k, v in state_dict.items() if k.startswith("drafter.")}
-        extra = dict(meta)
-        extra["heads"] = asdict(self.settings)
-        extra["features"] = self.features.kind
+        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
+                                             self.draft_vocab_coverage)
         extra["tree"] = dict(self.settings.tree)  # decoding defaults for these heads
-        if self.draft_vocab_coverage is not None:
-            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
         return save_heads(path, core, core.variant, core.config.to_dict(), target, extra, state_dict=state)

@@ -120,6 +120,25 @@ def hidden_states_extract(model: torch.nn.Module, layers: Sequence[int] | None, 
     return extract
 
 
+def hidden_states_fields(layers: Sequence[int] | None) -> str:
+    """The ``fields`` identity of a :func:`hidden_states_extract` store of ``layers``. Every family that reads the
+    last hidden state and the same layers (EAGLE-3's inputs of layers i, DFlash's outputs of layers i - 1) names it
+    the same, so one store serves them all (the name is the one EAGLE's stores were first written with)."""
+    return "eagle-last-hidden" + (f"+layers{list(layers)}" if layers else "")
+
+
+def target_hidden_states(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], layers: Sequence[int] | None):
+    """The target's hidden states for ``batch``, indexable by layer index as ``out.hidden_states`` and by -1 (the
+    last, after the final norm: what the LM head reads): read from a :func:`hidden_states_extract` store's batch, or
+    from an online forward of the decoder stack (no LM head) under no_grad."""
+    with torch.no_grad():
+        if "hidden" in batch:
+            return stored_hidden_states(batch, layers)
+        out = model.get_decoder()(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
+                                  use_cache=False)
+        return out.hidden_states
+
+
 def stored_hidden_states(batch: Mapping[str, torch.Tensor], layers: Sequence[int] | None) -> dict[int, torch.Tensor]:
     """The hidden states a batch of a :func:`hidden_states_extract` store holds, by layer index as in the target's
     ``out.hidden_states``: {-1: the last [B, T, H], layer: [B, T, H] for each of ``layers``}."""

@@ -17,6 +17,7 @@ capability             default
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,4 +98,21 @@ def unwrap(module: nn.Module) -> nn.Module:
     return extract_model_from_parallel(module)
 
 
-__all__ = ["TrainMethod", "unwrap"]
+def saved_state_and_extra(state_dict: dict | None, prefix: str, meta: dict, settings: Any, features: str,
+                          draft_vocab_coverage: float | None) -> tuple[dict | None, dict]:
+    """What a family's ``save`` passes to heads.io.save_heads besides the module: the entries of the gathered
+    ``state_dict`` of its training module under ``prefix`` (e.g. "drafter."), renamed without it (None: None), and
+    the metadata of the run: ``meta``, the heads settings (a dataclass), the feature source, the draft vocabulary's
+    coverage if one was counted."""
+    state = None
+    if state_dict is not None:
+        state = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    extra = dict(meta)
+    extra["heads"] = asdict(settings)
+    extra["features"] = features
+    if draft_vocab_coverage is not None:
+        extra["draft_vocab_coverage"] = draft_vocab_coverage
+    return state, extra
+
+
+__all__ = ["TrainMethod", "saved_state_and_extra", "unwrap"]

@@ -1,0 +1,230 @@
+"""DFlash training (train/dflash_method.py) through the shared loop: the block attention mask, training that lowers
+the loss and raises the expected accepted length on the target's own greedy continuations with the target left
+bit-identical, exact resume, the feature store (EAGLE-3's, reused), settings and configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_medusa_train import heads_weights
+
+from heads.dflash import DFlashDrafter, block_mask
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def dflash_cfg(run_dir, *overrides):
+    from conftest import compose
+
+    base = ["experiment=debug", f"run_dir={run_dir}", "trainer.max_steps=8", "trainer.batch_size=4",
+            "trainer.learning_rate=3e-3", "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0",
+            "trainer.log_every=1", "heads.draft_vocab_size=64", "heads.anchors_per_sequence=8"]
+    return compose("dflash", base + list(overrides))
+
+
+# --- the block attention mask -------------------------------------------------------------------------------------
+
+
+def test_block_mask_sees_earlier_context_and_its_own_block_only():
+    bs, t = 4, 12
+    anchors = torch.tensor([[2, 5, 9, -1], [0, 3, -1, -1]])
+    valid = torch.ones(2, t, dtype=torch.bool)
+    valid[1, 7:] = False  # padding
+    mask = block_mask(anchors, valid, bs)
+    assert mask.shape == (2, 1, anchors.shape[1] * bs, t + anchors.shape[1] * bs) and mask.dtype == torch.bool
+    for b in range(2):
+        for q in range(anchors.shape[1] * bs):
+            a, p = q // bs, int(anchors[b, q // bs])
+            context, block = mask[b, 0, q, :t], mask[b, 0, q, t:].view(-1, bs)
+            # every earlier real context position, nothing at or after the anchor (an anchor-less block: none)
+            assert context.tolist() == [0 <= j < p and bool(valid[b, j]) for j in range(t)], (b, q)
+            assert block[a].all(), (b, q)  # its whole block, both ways (non-causal inside)
+            assert not block[torch.arange(anchors.shape[1]) != a].any(), (b, q)  # no other block
+
+
+def test_scored_positions_are_the_trained_tokens_inside_each_block():
+    from heads.dflash import block_targets
+
+    labels = torch.tensor([[-100, -100, 5, 6, 7, -100], [-100, 4, 5, 6, 7, 8]])
+    anchors = torch.tensor([[1, 3, -1], [0, -1, -1]])  # -1: no block (as sample_anchors pads)
+    b, a, k = block_targets(anchors, labels, block_size=3)
+    scored = sorted(zip(b.tolist(), a.tolist(), k.tolist()))
+    # sequence 0: anchor 1 scores positions 2, 3; anchor 3 scores 4 (5 is unlabelled); sequence 1: anchor 0 scores 1, 2
+    assert scored == [(0, 0, 1), (0, 0, 2), (0, 1, 1), (1, 0, 1), (1, 0, 2)]
+
+
+# --- settings -----------------------------------------------------------------------------------------------------
+
+
+def test_mask_token_is_an_unused_special_token_or_the_last_row():
+    from heads.target import build_tiny_tokenizer
+    from train.dflash_method import choose_mask_token_id
+
+    tokenizer = build_tiny_tokenizer()  # only pad / bos / eos specials, all in use
+    assert choose_mask_token_id(tokenizer, 320) == 319
+    tokenizer.add_tokens(["<|a|>", "<|b|>"], special_tokens=True)
+    ids = tokenizer.convert_tokens_to_ids(["<|a|>", "<|b|>"])
+    assert choose_mask_token_id(tokenizer, 320) == max(ids) and max(ids) > 258
+
+
+def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
+    from conftest import compose
+    from test_medusa_train import tiny_target
+
+    from train.config import TrainerConfig
+    from train.dflash_method import DFlashMethod
+
+    default = compose("dflash")
+    assert default.heads.type == "dflash" and default.run_dir == "outputs/dflash-smollm2"
+    for experiment in ("debug", "dflash_cpu_1h"):
+        cfg = compose("dflash", [f"experiment={experiment}", f"run_dir={tmp_path}"])
+        assert DFlashMethod(cfg).name == "dflash" and TrainerConfig.from_cfg(cfg.trainer).max_steps >= 1
+    recipe = compose("dflash", ["experiment=dflash_cpu_1h"])
+    eagle3 = compose("eagle", ["experiment=eagle3_cpu_1h"])
+    assert recipe.data == eagle3.data and recipe.features == eagle3.features == "store"
+    assert recipe.feature_store == eagle3.feature_store
+    module = DFlashMethod(dflash_cfg(tmp_path)).build_drafter(tiny_target())
+    assert all(p.requires_grad for p in module.parameters())
+    assert module.drafter.config.mask_token_id == 319 and module.drafter.config.target_layer_ids == [0, 1, 2]
+    bad = {"token_loss": ["heads.loss.token_loss=mse"], "anchors": ["heads.anchors_per_sequence=0"],
+           "mask_token_id": ["heads.mask_token_id=-3"], "heads.loss": ["+heads.loss.decay=1"],
+           "Unknown heads option": ["+heads.num_heads=3"],
+           "draft_vocab_coverage": ["heads.draft_vocab_size=auto", "heads.draft_vocab_coverage=null"]}
+    for match, overrides in bad.items():
+        with pytest.raises(ValueError, match=match):
+            DFlashMethod(dflash_cfg(tmp_path, *overrides))
+
+
+# --- training -----------------------------------------------------------------------------------------------------
+
+
+def greedy_continuations(target, n: int, prompt: int = 6, answer: int = 34, seed: int = 0):
+    """The target's own greedy continuations of random byte prompts: the prompt unlabelled, the answer labelled."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 259, (n, prompt), generator=gen).to(target.model.device)
+    out = target.model.generate(prompts, do_sample=False, max_new_tokens=answer, min_new_tokens=answer,
+                                pad_token_id=0, eos_token_id=None).cpu()
+    return datasets.Dataset.from_dict({"input_ids": out.tolist(),
+                                       "labels": [[-100] * prompt + row[prompt:] for row in out.tolist()]})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_lowers_the_loss_raises_acceptance_and_leaves_the_target(tmp_path, arch):
+    import datasets
+
+    import heads
+    from heads.target import Target, build_tiny
+    from train.dflash_method import DFlashMethod
+    from train.loop import train
+
+    def target():
+        model, tokenizer = build_tiny(arch)
+        return Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")
+
+    t = target()
+    continuations = greedy_continuations(t, 16)  # evaluated on the same continuations: does the drafter fit them?
+    data = datasets.DatasetDict({"train": continuations, "eval": continuations})
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    runs = {}
+    for steps in (1, 80):
+        cfg = dflash_cfg(tmp_path / f"s{steps}", f"trainer.max_steps={steps}", "heads.block_size=4",
+                         "trainer.learning_rate=1e-2", "heads.draft_vocab_size=200", "heads.anchors_per_sequence=16",
+                         "trainer.eval_max_examples=16")
+        runs[steps] = train(cfg, DFlashMethod(cfg), target=t, datasets=data)
+    losses = [h["loss"] for h in runs[80].history]
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    first, last = runs[1].eval_metrics, runs[80].eval_metrics
+    assert last["eval/loss"] < 0.5 * first["eval/loss"]
+    assert last["eval/accept_length_chain"] > first["eval/accept_length_chain"] + 0.3
+    assert last["eval/acc_pos1"] > 0.25 and set(last) >= {"eval/acc_pos2", "eval/acc_pos3", "eval/positions"}
+    after = t.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the target is bit-identical
+    loaded = heads.load(tmp_path / "s80" / "heads", t)
+    assert loaded.config["head_type"] == "dflash" and isinstance(loaded.module, DFlashDrafter)
+    assert loaded.module.config.block_size == 4 and loaded.module.config.mask_token_id == 319
+    assert loaded.config["eval"]["eval/accept_length_chain"] == pytest.approx(last["eval/accept_length_chain"])
+    trained = heads_weights(tmp_path / "s80")
+    for k, v in loaded.module.state_dict().items():
+        assert torch.equal(v.cpu(), trained[k]), k
+    assert int(loaded.module.t2d.sum()) == 200 and loaded.config["draft_vocab_coverage"] > 0.5
+
+
+def test_ce_loss_trains(tmp_path):
+    from test_medusa_train import tiny_datasets, tiny_target
+
+    from train.dflash_method import DFlashMethod
+    from train.loop import train
+
+    cfg = dflash_cfg(tmp_path / "run", "heads.loss.token_loss=ce", "trainer.max_steps=12")
+    result = train(cfg, DFlashMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
+    losses = [h["loss"] for h in result.history]
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]) and result.eval_metrics["eval/positions"] > 0
+
+
+def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, deterministic):
+    from test_medusa_train import KilledAt, Killed, assert_same_weights, tiny_datasets, tiny_target
+
+    from train.checkpoint import list_checkpoints
+    from train.dflash_method import DFlashMethod
+    from train.loop import train
+
+    # anchors are drawn from the global RNG every step, so its restored state must resume them exactly
+    opts = ["trainer.gradient_accumulation_steps=2", "trainer.save_every=2", "trainer.max_steps=6"]
+    data = tiny_datasets()
+    full_cfg = dflash_cfg(tmp_path / "full", *opts)
+    train(full_cfg, DFlashMethod(full_cfg), target=tiny_target(), datasets=data)
+    cfg = dflash_cfg(tmp_path / "killed", *opts)
+    killed = type("KilledAt", (KilledAt, DFlashMethod), {})(cfg, 5, 2)  # dies in step 5
+    with pytest.raises(Killed):
+        train(cfg, killed, target=tiny_target(), datasets=data)
+    assert [s for s, _ in list_checkpoints(tmp_path / "killed" / "checkpoints")] == [2, 4]
+    resumed_cfg = dflash_cfg(tmp_path / "killed", *opts, "trainer.resume=true")
+    result = train(resumed_cfg, DFlashMethod(resumed_cfg), target=tiny_target(), datasets=data)
+    assert result.steps == 6 and len(result.history) == 2  # steps 5 and 6 only
+    assert_same_weights(heads_weights(tmp_path / "full"), heads_weights(tmp_path / "killed"))
+
+
+def test_feature_store_trains_the_same_drafter_as_online_features(tmp_path):
+    from test_medusa_train import assert_same_weights, tiny_datasets, tiny_target
+
+    from train.dflash_method import DFlashMethod
+    from train.loop import train
+
+    data = tiny_datasets()
+    common = ["trainer.max_steps=4", "feature_store.dtype=float32"]
+    online_cfg = dflash_cfg(tmp_path / "online", *common)
+    online = train(online_cfg, DFlashMethod(online_cfg), target=tiny_target(), datasets=data)
+    store_cfg = dflash_cfg(tmp_path / "store", *common, "features=store")
+    store = train(store_cfg, DFlashMethod(store_cfg), target=tiny_target(), datasets=data)
+    assert (tmp_path / "store" / "features" / "meta.json").is_file()
+    assert_same_weights(heads_weights(tmp_path / "online"), heads_weights(tmp_path / "store"), exact=False, atol=1e-5)
+    for key, value in online.eval_metrics.items():
+        assert store.eval_metrics[key] == pytest.approx(value, abs=1e-4), key
+
+
+def test_the_eagle3_store_is_reused(tmp_path, monkeypatch):
+    """DFlash's default layers are EAGLE-3's minus one: a store an EAGLE-3 run wrote is DFlash's store."""
+    from test_eagle import eagle_cfg
+    from test_medusa_train import tiny_datasets, tiny_target
+
+    import train.feature_store as feature_store
+    from train.dflash_method import DFlashMethod
+    from train.eagle_method import EagleMethod
+    from train.loop import train
+
+    data = tiny_datasets()
+    eagle = eagle_cfg(tmp_path / "eagle3", "heads=eagle3", "heads.draft_vocab_size=64", "features=store",
+                      "trainer.max_steps=1")
+    train(eagle, EagleMethod(eagle), target=tiny_target(), datasets=data)
+    store = tmp_path / "eagle3" / "features"
+    meta = (store / "meta.json").read_text()
+
+    def rebuild(*args, **kwargs):
+        raise AssertionError("the EAGLE-3 store was rebuilt")
+
+    monkeypatch.setattr(feature_store, "_build", rebuild)
+    cfg = dflash_cfg(tmp_path / "dflash", "features=store", f"feature_store.dir={store}", "trainer.max_steps=2")
+    result = train(cfg, DFlashMethod(cfg), target=tiny_target(), datasets=data)
+    assert result.steps == 2 and (store / "meta.json").read_text() == meta

@@ -1,0 +1,304 @@
+"""DFlash training for :func:`train.loop.train`: a block drafter (heads/dflash.py) on a frozen target.
+
+Config (``cfg.heads``, conf/heads/dflash.yaml):
+
+- ``num_layers``, ``block_size`` (the last emitted token and ``block_size - 1`` drafted positions),
+  ``target_layer_ids`` (the target layers whose outputs are fused; null: heads.dflash.default_target_layer_ids),
+  ``mask_token_id`` (the id serving engines feed to the mask slots; ``auto``: :func:`choose_mask_token_id`);
+- ``draft_vocab_size`` / ``draft_vocab_coverage``: the reduced draft vocabulary, counted on the training split as
+  for EAGLE-3 (train.data.count_draft_vocab);
+- ``anchors_per_sequence``: blocks drafted per sequence in one training forward, at random answer positions;
+- ``loss``: ``token_loss`` (kl: the target's distribution over the draft vocabulary | ce: the target's own greedy
+  token) and ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)).
+
+A step samples each sequence's anchors with the global torch RNG (``count_items``, so a checkpoint's RNG state
+resumes them exactly) and keeps them in the batch (``batch["anchors"]``) for ``compute_loss``. The drafter reads
+the target layers' outputs at every real position, fuses them into one context, and drafts all the blocks of a
+sequence in one forward under :func:`heads.dflash.block_mask`. The loss is a sum over the scored block positions
+weighted by position, divided by the step's total weight (``count_items``), so a step's gradient does not depend on
+how it is split over micro-batches and processes. The teacher at block position k of anchor p is the target's
+prediction at p + k - 1, its LM head applied to the scored rows only.
+
+Hidden states come from the target as training runs (``features: online``) or from the feature store EAGLE-3
+writes (``features: store``): the last hidden state and ``hidden_states[i + 1]`` for each target layer i. DFlash's
+default layers are EAGLE-3's default minus one, so a store of the EAGLE-3 recipe with the same data and target has
+the same identity and is reused (``feature_store.dir=<its run>/features``).
+
+Evaluation drafts at anchors from a fixed generator (the same every evaluation) and reports, per block position k,
+top-1 agreement with the target's greedy token (``eval/acc_pos{k}``), the loss, and the expected accepted length of
+the block as a chain (``eval/accept_length_chain``). Saved through heads.io as head type ``dflash``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from heads.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    block_mask,
+    block_targets,
+    dflash_block_loss,
+    expected_accept_length,
+    position_weights,
+    sample_anchors,
+)
+from heads.errors import SettingError
+from heads.runtime import rows_through
+from train.config import settings_from_cfg
+from train.data import count_draft_vocab, draft_vocab_problems
+from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
+from train.method import TrainMethod, saved_state_and_extra, unwrap
+
+TOKEN_LOSSES = ("kl", "ce")
+LOSS_KEYS = ("token_loss", "gamma")
+EVAL_SEED = 1234  # evaluation's anchors: the same positions at every evaluation of a run
+ARGMAX_ROWS = 1024  # rows of the target's full-vocabulary logits computed at once (its greedy tokens)
+
+
+@dataclass
+class DFlashSettings:
+    """``cfg.heads``; the defaults are in conf/heads/dflash.yaml only."""
+
+    type: str  # dflash
+    num_layers: int
+    block_size: int
+    target_layer_ids: list[int] | None  # null: heads.dflash.default_target_layer_ids
+    mask_token_id: int | str  # a token id, or auto (choose_mask_token_id)
+    draft_vocab_size: int | str | None  # a number, auto (by draft_vocab_coverage), or null (the full vocab)
+    draft_vocab_coverage: float | None
+    anchors_per_sequence: int
+    loss: dict  # token_loss (kl | ce), gamma
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "DFlashSettings":
+        out = settings_from_cfg(cls, cfg)
+        problems = []
+        if out.type != "dflash":
+            problems.append(f"heads.type={out.type!r}: train/dflash.py trains dflash heads (heads=dflash)")
+        if out.anchors_per_sequence < 1:
+            problems.append(f"heads.anchors_per_sequence={out.anchors_per_sequence} must be >= 1")
+        if out.mask_token_id != "auto" and (not isinstance(out.mask_token_id, int) or out.mask_token_id < 0):
+            problems.append(f"heads.mask_token_id={out.mask_token_id!r}: use a token id or auto")
+        unknown = sorted(set(out.loss) - set(LOSS_KEYS))
+        missing = sorted(set(LOSS_KEYS) - set(out.loss))
+        if unknown or missing:
+            problems.append(f"heads.loss: unknown {unknown}, missing {missing}; known: {list(LOSS_KEYS)}")
+        elif out.loss["token_loss"] not in TOKEN_LOSSES:
+            problems.append(f"heads.loss.token_loss={out.loss['token_loss']!r}: use kl or ce")
+        elif float(out.loss["gamma"]) < 0:
+            problems.append(f"heads.loss.gamma={out.loss['gamma']} must be >= 0 (0: every position weighs 1)")
+        problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
+        if problems:
+            raise SettingError("; ".join(problems) + ".")
+        return out
+
+    def dflash_config(self, target: Any) -> DFlashConfig:
+        """The drafter's config for ``target`` (a heads.target.Target: its model and tokenizer)."""
+        mask = self.mask_token_id
+        if mask == "auto":
+            mask = choose_mask_token_id(target.tokenizer, target.model.config.vocab_size)
+        return DFlashConfig.from_target(
+            target.model, num_layers=self.num_layers, block_size=self.block_size,
+            target_layer_ids=self.target_layer_ids, mask_token_id=int(mask),
+            draft_vocab_size=None if self.draft_vocab_size == "auto" else self.draft_vocab_size,  # auto: until counted
+        )
+
+
+def choose_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
+    """A token chat never emits, for the mask slots: the highest-id special token of ``tokenizer`` that is not its
+    bos / eos / pad / unk token and does not appear in its chat template; else the last embedding row
+    (``vocab_size - 1``)."""
+    named = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    unused = [i for i, tok in decoder.items()
+              if getattr(tok, "special", False) and i not in named and i < vocab_size and str(tok) not in template]
+    return max(unused) if unused else vocab_size - 1
+
+
+class DFlashTrainModule(nn.Module):
+    """The drafter and its block forward in one module (the module the loop prepares, so DDP syncs it)."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                anchors: torch.Tensor, scored: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """features [B, T, n*H] (the target layers' outputs), input_ids / attention_mask [B, T], anchors [B, A]
+        (-1: none), ``scored`` the (b, a, k) indices of :func:`heads.dflash.block_targets` -> draft logits [N, Vd]."""
+        d = self.drafter
+        bsz, t = input_ids.shape
+        a, bs = anchors.shape[1], d.block_size
+        context = d.context(features)  # [B, T, H]
+        context_kv = d.context_kv(context, torch.arange(t, device=input_ids.device).expand(bsz, t))
+        starts = anchors.clamp(min=0)
+        block = d.block_inputs(input_ids.gather(1, starts))  # [B, A*bs, H]
+        positions = (starts[:, :, None] + torch.arange(bs, device=anchors.device)).reshape(bsz, a * bs)
+        hidden = d(block, positions, context_kv, block_mask(anchors, attention_mask, bs))  # [B, A*bs, H]
+        b, i, k = scored
+        return d.logits(hidden.view(bsz, a, bs, -1)[b, i, k])
+
+
+@dataclass
+class ScoredBlocks:
+    """One batch's blocks at the positions they are scored at: the draft's logits [N, Vd], the teacher (kl: the
+    target's logits over the draft vocabulary [N, Vd]; ce: its greedy token as a draft id [N], -100 outside), each
+    position's block index k [N] and the target's rows of their predictions (b, p + k - 1)."""
+
+    logits: torch.Tensor
+    teacher: torch.Tensor
+    k: torch.Tensor
+    target_rows: torch.Tensor  # [N, H] the target's last hidden states the teacher reads
+
+
+class DFlashMethod(TrainMethod):
+    """The DFlash family for the shared loop (see train.method.TrainMethod)."""
+
+    name = "dflash"
+
+    def __init__(self, cfg: Any):
+        self.settings = DFlashSettings.from_cfg(cfg.heads)
+        self.features = FeatureSource.from_cfg(cfg)
+        self.token_loss = str(self.settings.loss["token_loss"])
+        self.gamma = float(self.settings.loss["gamma"])
+        self.d2t: torch.Tensor | None = None
+        self.draft_vocab_coverage: float | None = None
+        self._teacher_head: tuple | None = None  # the target LM head's (weight, bias) rows of the draft vocabulary
+
+    # --- setup --------------------------------------------------------------------------------------------------
+
+    def prepare_data(self, datasets, target, accelerator, collate_fn):
+        vocab = count_draft_vocab(datasets["train"], int(target.model.config.vocab_size), self.settings, "dflash",
+                                  accelerator)
+        self.settings.draft_vocab_size = vocab.size
+        self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
+        if self.features.online:
+            return datasets["train"], datasets.get("eval"), collate_fn
+        layers = feature_layers(self.settings.dflash_config(target))
+        extract = hidden_states_extract(target.model, layers, self.features.dtype)
+        return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
+                                        {"fields": hidden_states_fields(layers)})
+
+    def build_drafter(self, target) -> nn.Module:
+        """The DFlash drafter (fp32, on the target's device) inside its training module. Without a counted draft
+        vocabulary (prepare_data not run) it starts with the first draft_vocab_size ids."""
+        model = target.model
+        drafter = DFlashDrafter(self.settings.dflash_config(target), model, d2t=self.d2t)
+        drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
+        lm_head = model.get_output_embeddings()
+        draft_ids = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
+        draft_ids = draft_ids.to(lm_head.weight.device)
+        bias = getattr(lm_head, "bias", None)
+        self._teacher_head = (lm_head.weight.detach()[draft_ids], None if bias is None else bias.detach()[draft_ids])
+        return DFlashTrainModule(drafter)
+
+    # --- loss ---------------------------------------------------------------------------------------------------
+
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """The step's weight of this micro-batch: the sum of position weights over its scored block positions. Draws
+        the batch's anchors (global RNG) and keeps them in ``batch["anchors"]`` for compute_loss."""
+        batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
+        _, _, k = block_targets(batch["anchors"], batch["labels"], self.settings.block_size)
+        return position_weights(self.settings.block_size, self.gamma, k.device)[k].sum()
+
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+        if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
+            batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
+        blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
+        weights = position_weights(self.settings.block_size, self.gamma, blocks.k.device)[blocks.k]
+        loss = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items)
+        with torch.no_grad():
+            top = self._teacher_top(blocks)
+            hits = (blocks.logits.argmax(-1) == top) & (top >= 0)
+            acc = hits.float().sum() / max(hits.numel(), 1)
+        return loss, {"acc": acc}
+
+    def _scored_blocks(self, batch: dict, target, drafter: nn.Module, anchors: torch.Tensor) -> ScoredBlocks:
+        """The draft's logits and the teacher at every scored block position of ``batch`` drafted at ``anchors``."""
+        core: DFlashDrafter = unwrap(drafter).drafter
+        model = target.model
+        states = target_hidden_states(model, batch, core.feature_layers)
+        dtype = core.fc.weight.dtype  # stored float16 features do not concatenate under CPU bf16 autocast
+        features = torch.cat([states[i].to(dtype) for i in core.feature_layers], dim=-1)  # [B, T, n*H]
+        scored = block_targets(anchors, batch["labels"], core.block_size)
+        logits = drafter(features, batch["input_ids"], batch["attention_mask"], anchors, scored)
+        b, a, k = scored
+        rows = states[-1][b, anchors[b, a] + k - 1]  # [N, H] the target's prediction of token p + k
+        if self.token_loss == "kl":
+            teacher = self._teacher_logits(rows)
+        else:
+            teacher = core.target_to_draft(target_greedy(model, rows))
+        return ScoredBlocks(logits=logits, teacher=teacher, k=k, target_rows=rows)
+
+    def _teacher_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the draft vocabulary [N, Vd] (float32) of its last hidden states [N, H]."""
+        weight, bias = self._teacher_head
+        with torch.no_grad():
+            return rows_through(lambda r: F.linear(r, weight, bias), rows.to(weight.dtype)).float()
+
+    def _teacher_top(self, blocks: ScoredBlocks) -> torch.Tensor:
+        """The teacher's top draft id per position [N] (ce: its greedy token, -100 outside the draft vocabulary)."""
+        return blocks.teacher.argmax(-1) if blocks.teacher.dim() == 2 else blocks.teacher
+
+    # --- evaluation ---------------------------------------------------------------------------------------------
+
+    def evaluate(self, loader, target, drafter: nn.Module, accelerator) -> dict[str, float]:
+        """Per block position k = 1 .. bs-1: top-1 agreement of the draft with the target's greedy token over the
+        eval split (anchors from a fixed generator); the weighted loss; the expected accepted length of the block as
+        a chain. Sums are reduced over ranks (padding duplicates included)."""
+        bs = self.settings.block_size
+        core: DFlashDrafter = unwrap(drafter).drafter
+        generator = torch.Generator().manual_seed(EVAL_SEED)
+        weights_of = position_weights(bs, self.gamma, accelerator.device)
+        totals = torch.zeros(2 * bs + 2, dtype=torch.float64, device=accelerator.device)  # hits, counts, loss, weight
+        for batch in loader:
+            anchors = sample_anchors(batch["labels"], self.settings.anchors_per_sequence, generator)
+            blocks = self._scored_blocks(batch, target, drafter, anchors)
+            weights = weights_of[blocks.k]
+            loss_sum = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items=1.0)
+            greedy = target_greedy(target.model, blocks.target_rows)
+            hits = (core.draft_to_target(blocks.logits.argmax(-1)) == greedy).double()
+            totals[:bs] += torch.zeros(bs, dtype=torch.float64, device=totals.device).index_add_(0, blocks.k, hits)
+            totals[bs:2 * bs] += torch.bincount(blocks.k, minlength=bs).to(totals)
+            totals[2 * bs:] += torch.stack([loss_sum.double(), weights.sum().double()])
+        totals = accelerator.reduce(totals, reduction="sum")
+        acc = totals[1:bs] / totals[bs + 1:2 * bs].clamp(min=1)
+        out = {f"eval/acc_pos{k}": float(acc[k - 1]) for k in range(1, bs)}
+        out["eval/loss"] = float(totals[2 * bs] / totals[2 * bs + 1].clamp(min=1e-6))
+        out["eval/accept_length_chain"] = float(expected_accept_length(acc))
+        out["eval/positions"] = float(totals[bs + 1])
+        return out
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
+        from heads.io import save_heads
+
+        core = drafter.drafter if isinstance(drafter, DFlashTrainModule) else drafter
+        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
+                                             self.draft_vocab_coverage)
+        return save_heads(path, core, "dflash", core.config.to_dict(), target, extra, state_dict=state)
+
+
+def feature_layers(config: DFlashConfig) -> list[int]:
+    """Indices into the target's ``out.hidden_states`` of the layers a drafter of ``config`` fuses (layer i: i + 1)."""
+    return [i + 1 for i in config.target_layer_ids]
+
+
+def target_greedy(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """The target's greedy token ids [N] of its last hidden states ``rows`` [N, H], through its whole LM head a
+    block of rows at a time (a [N, V] float tensor of a large vocabulary would not fit)."""
+    lm_head = model.get_output_embeddings()
+    if rows.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=rows.device)
+    with torch.no_grad():
+        return torch.cat([rows_through(lm_head, chunk.to(lm_head.weight.dtype)).argmax(-1)
+                          for chunk in rows.split(ARGMAX_ROWS)])

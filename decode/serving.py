@@ -69,6 +69,7 @@ FORMATS = {
     "vllm": ServedFormat("vllm", "medusa"),
     "eagle3": ServedFormat("eagle3", "eagle3"),
     "speculators": ServedFormat("speculators", None),
+    "dflash": ServedFormat("dflash", "dflash"),
 }
 
 
@@ -78,6 +79,8 @@ def formats_for(head_type: str, layout: str | None) -> list[str]:
         return ["vllm"]
     if head_type == "eagle3" and layout == "midlayer":
         return ["eagle3", "speculators"]
+    if head_type == "dflash":
+        return ["dflash"]
     return []
 
 
@@ -87,6 +90,8 @@ def chain_settings(head_type: str, k: int) -> dict:
         return {"tree": f"chain-{k}", "adaptive": False, "suffix": False}
     if head_type in ("eagle", "eagle3"):
         return {"depth": k, "top_k": 1, "total_tokens": k, "adaptive": False, "suffix": False}
+    if head_type == "dflash":  # the whole block as a chain (checked_formats: k = block_size - 1)
+        return {"adaptive": False, "suffix": False}
     raise ServingError(f"{head_type} heads have no vLLM format.")
 
 
@@ -277,7 +282,7 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     if not formats:
         raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
                            "to vLLM's medusa, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and "
-                           "speculators.")
+                           "speculators, DFlash heads to dflash.")
     for fmt in formats:
         if fmt not in FORMATS:
             raise ServingError(f"format {fmt!r}: vLLM serves {', '.join(FORMATS)}.")
@@ -288,6 +293,13 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
         num_heads = int((meta.get("head_config") or {}).get("num_heads") or k)
         if k > num_heads:
             raise ServingError(f"k={k}: these Medusa heads draft at most {num_heads} tokens a step.")
+    if head_type == "dflash":
+        # vLLM fills 1 + k query slots; the block attends non-causally, so a shorter block drafts other tokens than
+        # selfspec's whole block cut short: the two propose the same only with the heads' own block
+        block = int((meta.get("head_config") or {}).get("block_size") or k + 1)
+        if k != block - 1:
+            raise ServingError(f"k={k}: these DFlash heads draft blocks of {block - 1} tokens; check them with "
+                               f"k={block - 1}.")
     return formats
 
 

@@ -75,10 +75,12 @@ def prompts(n: int = 6, seed: int = 7) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def trained_heads(tmp_path_factory):
-    """Medusa-1 and midlayer EAGLE-3 heads, trained briefly by the real loop on the tiny target's own answers."""
+    """Medusa-1, midlayer EAGLE-3 and DFlash heads (blocks of K + 1), trained briefly by the real loop on the tiny
+    target's own answers."""
     import datasets
 
     from conftest import compose
+    from train.dflash_method import DFlashMethod
     from train.eagle_method import EagleMethod
     from train.loop import train
     from train.medusa_method import medusa_method
@@ -98,6 +100,9 @@ def trained_heads(tmp_path_factory):
     cfg = compose("eagle", common + [f"run_dir={root / 'eagle3'}", "heads=eagle3", "heads.layout=midlayer",
                                      "trainer.max_steps=80", "trainer.learning_rate=3e-3"])
     out["eagle3"] = train(cfg, EagleMethod(cfg), target=target, datasets=data).run_dir / "heads"
+    cfg = compose("dflash", common + [f"run_dir={root / 'dflash'}", f"heads.block_size={K + 1}",
+                                      "trainer.max_steps=150", "trainer.learning_rate=3e-3"])
+    out["dflash"] = train(cfg, DFlashMethod(cfg), target=target, datasets=data).run_dir / "heads"
     return out
 
 
@@ -111,12 +116,12 @@ def test_acceptance_counted_over_the_steps_vllm_runs():
     assert counts == {"drafts": 1, "draft_tokens": 2, "accepted": 2, "accepted_per_pos": [1, 1]}
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle3"])
+@pytest.mark.parametrize("family", ["medusa", "eagle3", "dflash"])
 def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_heads, family, tmp_path):
     settings = CheckSettings(k=K, max_new_tokens=MAX_NEW, out=str(tmp_path / "exports"), timeout=900)
     report = serve_check(trained_heads[family], prompts(), settings=settings, progress=False)
     assert not report["mismatches"], report["mismatches"]
-    formats = ["vllm"] if family == "medusa" else ["eagle3", "speculators"]
+    formats = {"medusa": ["vllm"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
     assert sorted(report["formats"]) == sorted(formats)
     for fmt, entry in report["formats"].items():
         assert entry["loaded"] and not entry["error"], (fmt, entry["error"])
@@ -134,6 +139,8 @@ def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
         serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=CheckSettings(k=K))
     with pytest.raises(ServingError, match="at most 3 tokens"):
         serve_check(trained_heads["medusa"], prompts(1), settings=CheckSettings(k=4))
+    with pytest.raises(ServingError, match=f"blocks of {K} tokens; check them with k={K}"):
+        serve_check(trained_heads["dflash"], prompts(1), settings=CheckSettings(k=K - 1))
 
 
 def test_a_missing_venv_is_named_with_the_command_that_makes_it(tmp_path):

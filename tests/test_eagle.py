@@ -18,17 +18,13 @@ from transformers import DynamicCache
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
 from decode.verify import Sampling, target_probs
-from heads.eagle import (
-    EagleConfig,
-    EagleDrafter,
+from heads.eagle import EagleConfig, EagleDrafter, causal_mask, default_layer_ids, shift_left
+from heads.eagle_loss import (
     EagleLossWeights,
     add_uniform_noise,
-    causal_mask,
-    default_layer_ids,
     drafter_loss,
     eagle_loss,
     feature_regression_loss,
-    shift_left,
     token_ce_loss,
     token_kl_loss,
 )

@@ -37,13 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.eagle import (
-    EagleConfig,
-    EagleDrafter,
-    EagleLossWeights,
-    drafter_loss,
-    step_counts,
-)
+from heads.eagle import EagleConfig, EagleDrafter
+from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
 from heads.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
@@ -187,7 +182,7 @@ class EagleMethod(TrainMethod):
         return hidden_states, logits if need_logits else None
 
     def count_items(self, batch: dict) -> torch.Tensor:
-        """Positions each unrolled step trains at, [unroll_steps] (heads.eagle.step_counts)."""
+        """Positions each unrolled step trains at, [unroll_steps] (heads.eagle_loss.step_counts)."""
         draft_labels = self._draft_vocab_of(batch["labels"])
         return step_counts(draft_labels, self.settings.unroll_steps, batch.get("segment_ids"))
 

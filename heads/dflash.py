@@ -35,7 +35,6 @@ from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qw
 
 from heads.eagle import default_layer_ids, init_linears
 from heads.errors import SettingError
-from heads.runtime import rows_through
 from heads.vocab import install_draft_vocab
 
 
@@ -260,8 +259,9 @@ class DFlashDrafter(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of block hidden states [..., H] -> [..., Vd]."""
-        return rows_through(lambda rows: self.lm_head(self.norm(rows)), hidden)
+        """Draft-vocabulary logits of block hidden states [..., H] -> [..., Vd]. Training, which gathers a different
+        number of rows every step, pads them (:func:`heads.runtime.rows_through`); decoding's few rows are not."""
+        return self.lm_head(self.norm(hidden))
 
 
 # --- training pieces (pure) --------------------------------------------------------------------------------------------

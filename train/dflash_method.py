@@ -144,7 +144,7 @@ class DFlashTrainModule(nn.Module):
         positions = (starts[:, :, None] + torch.arange(bs, device=anchors.device)).reshape(bsz, a * bs)
         hidden = d(block, positions, context_kv, block_mask(anchors, attention_mask, bs))  # [B, A*bs, H]
         b, i, k = scored
-        return d.logits(hidden.view(bsz, a, bs, -1)[b, i, k])
+        return rows_through(d.logits, hidden.view(bsz, a, bs, -1)[b, i, k])
 
 
 @dataclass

@@ -21,7 +21,6 @@ point-mass draft probabilities (``probs=None``), lossless for sampling as well a
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
@@ -33,14 +32,6 @@ from heads.dflash import DFlashDrafter
 from heads.errors import SettingError
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values [1, kv_heads, C, head_dim]
-
-
-def context_features(drafter: DFlashDrafter, hidden_states: Sequence[torch.Tensor],
-                     rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's hidden states (L + 1 tensors [..., N, H]) -> the drafter's context input [..., n, n_layers * H]:
-    the outputs of its target layers concatenated, rows picked (all when ``rows`` is None)."""
-    picked = [hidden_states[i] for i in drafter.feature_layers]
-    return torch.cat([h if rows is None else h[rows] for h in picked], dim=-1)
 
 
 def fresh_context_kv(drafter: DFlashDrafter, features: torch.Tensor, start: int = 0) -> ContextKV:
@@ -100,12 +91,12 @@ class DFlashBlockDrafter(DrafterBase):
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         self.kv = None
         self._backlog = Backlog()
-        self._backlog.add(context_features(self.drafter, prefill.hidden_states))
+        self._backlog.add(self.drafter.target_features(prefill.hidden_states))
 
     @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
         path = torch.tensor(verdict.path, device=out.hidden.device)  # accepted node ids, root first
-        self._backlog.add(context_features(self.drafter, out.hidden_states, path), at=state.length - len(path))
+        self._backlog.add(self.drafter.target_features(out.hidden_states, path), at=state.length - len(path))
 
     def _block_logits(self, state: DecodeState, depth: int) -> torch.Tensor:
         """Draft-vocabulary logits [depth, Vd] of block positions 1 .. depth after the context's state.length rows."""

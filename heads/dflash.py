@@ -71,6 +71,11 @@ class DFlashConfig:
     def effective_draft_vocab_size(self) -> int:
         return self.vocab_size if self.draft_vocab_size is None else min(int(self.draft_vocab_size), self.vocab_size)
 
+    @property
+    def feature_layers(self) -> list[int]:
+        """Indices into a target's ``out.hidden_states`` of the fused layers (layer i's output: i + 1)."""
+        return [i + 1 for i in self.target_layer_ids]
+
     def layer_config(self) -> Qwen3Config:
         return Qwen3Config(hidden_size=self.hidden_size, vocab_size=self.vocab_size,
                            num_hidden_layers=self.num_layers, **self.layer)
@@ -207,7 +212,15 @@ class DFlashDrafter(nn.Module):
     @property
     def feature_layers(self) -> list[int]:
         """Indices into the target's ``out.hidden_states`` the context reads (layer i's output: i + 1)."""
-        return [i + 1 for i in self.config.target_layer_ids]
+        return self.config.feature_layers
+
+    def target_features(self, hidden_states, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's hidden states (``out.hidden_states``: L + 1 tensors [..., N, H]) -> the context's input
+        [..., n, n_layers * H] in the drafter's dtype: its target layers' outputs concatenated, ``rows`` picked (all
+        when None)."""
+        dtype = self.fc.weight.dtype
+        return torch.cat([(hidden_states[i] if rows is None else hidden_states[i][rows]).to(dtype)
+                          for i in self.feature_layers], dim=-1)
 
     @property
     def block_size(self) -> int:
@@ -233,12 +246,9 @@ class DFlashDrafter(nn.Module):
         """[..., n * H] (the target layers' outputs, concatenated in ``target_layer_ids`` order) -> [..., H]."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(x, positions)
-
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values of ``context`` [B, C, H] at ``positions`` [B, C]: [B, kv, C, hd] each."""
-        rope = self._rope(context, positions)
+        rope = self.rotary(context, positions)
         return [layer.self_attn.keys_values(context, rope) for layer in self.layers]
 
     def block_inputs(self, first_tokens: torch.Tensor) -> torch.Tensor:
@@ -253,7 +263,7 @@ class DFlashDrafter(nn.Module):
                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
         """block [B, Q, H] inputs at ``positions`` [B, Q]; ``mask`` bool [B|1, 1, Q, C + Q] -> hidden [B, Q, H]."""
         x = block.to(self.fc.weight.dtype)
-        rope = self._rope(x, positions)
+        rope = self.rotary(x, positions)
         for layer, kv in zip(self.layers, context_kv):
             x = layer(x, rope, kv, mask)
         return x
@@ -352,13 +362,8 @@ def build_dflash_drafter(head_config: dict, target_model: nn.Module | None) -> D
     return DFlashDrafter(DFlashConfig(**head_config), target_model)
 
 
-def expected_accept_length(agree: torch.Tensor) -> torch.Tensor:
-    """Chained per-position top-1 agreement [bs - 1] (position k's rate of agreeing with the target) -> the expected
-    number of drafted tokens accepted by a chain: sum over k of prod_{j<=k} agree_j (independence assumed)."""
-    return torch.cumprod(agree.clamp(0, 1), 0).sum()
-
 
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "default_target_layer_ids",
-    "dflash_block_loss", "expected_accept_length", "position_weights", "sample_anchors",
+    "dflash_block_loss", "position_weights", "sample_anchors",
 ]

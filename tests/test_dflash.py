@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.dflash_drafter import DFlashBlockDrafter, context_features
+from decode.dflash_drafter import DFlashBlockDrafter
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter
 from decode.suffix import SuffixArray, SuffixDrafter
@@ -59,7 +59,7 @@ def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlashDrafter(DFlashConfig.from_target(model, block_size=block_size, num_layers=1), model)
-    features = context_features(drafter, out.hidden_states)  # [B, T, n * H]
+    features = drafter.target_features(out.hidden_states)  # [B, T, n * H]
     teacher_ids = out.logits.argmax(-1)  # [B, T] the target's choice of the next token
     labels = seqs.clone()
     labels[:, :4] = -100  # the prompt is not trained

@@ -45,11 +45,11 @@ from heads.dflash import (
     block_mask,
     block_targets,
     dflash_block_loss,
-    expected_accept_length,
     position_weights,
     sample_anchors,
 )
 from heads.errors import SettingError
+from heads.medusa import expected_accept_length
 from heads.runtime import rows_through
 from train.config import settings_from_cfg
 from train.data import count_draft_vocab, draft_vocab_problems
@@ -182,7 +182,7 @@ class DFlashMethod(TrainMethod):
         self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
         if self.features.online:
             return datasets["train"], datasets.get("eval"), collate_fn
-        layers = feature_layers(self.settings.dflash_config(target))
+        layers = self.settings.dflash_config(target).feature_layers
         extract = hidden_states_extract(target.model, layers, self.features.dtype)
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
                                         {"fields": hidden_states_fields(layers)})
@@ -226,8 +226,8 @@ class DFlashMethod(TrainMethod):
         core: DFlashDrafter = unwrap(drafter).drafter
         model = target.model
         states = target_hidden_states(model, batch, core.feature_layers)
-        dtype = core.fc.weight.dtype  # stored float16 features do not concatenate under CPU bf16 autocast
-        features = torch.cat([states[i].to(dtype) for i in core.feature_layers], dim=-1)  # [B, T, n*H]
+        features = core.target_features(states)  # [B, T, n*H] in the drafter's dtype (stored float16 features do not
+        # concatenate under CPU bf16 autocast)
         scored = block_targets(anchors, batch["labels"], core.block_size)
         logits = drafter(features, batch["input_ids"], batch["attention_mask"], anchors, scored)
         b, a, k = scored
@@ -273,7 +273,7 @@ class DFlashMethod(TrainMethod):
         acc = totals[1:bs] / totals[bs + 1:2 * bs].clamp(min=1)
         out = {f"eval/acc_pos{k}": float(acc[k - 1]) for k in range(1, bs)}
         out["eval/loss"] = float(totals[2 * bs] / totals[2 * bs + 1].clamp(min=1e-6))
-        out["eval/accept_length_chain"] = float(expected_accept_length(acc))
+        out["eval/accept_length_chain"] = expected_accept_length(acc)
         out["eval/positions"] = float(totals[bs + 1])
         return out
 
@@ -286,11 +286,6 @@ class DFlashMethod(TrainMethod):
         state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
                                              self.draft_vocab_coverage)
         return save_heads(path, core, "dflash", core.config.to_dict(), target, extra, state_dict=state)
-
-
-def feature_layers(config: DFlashConfig) -> list[int]:
-    """Indices into the target's ``out.hidden_states`` of the layers a drafter of ``config`` fuses (layer i: i + 1)."""
-    return [i + 1 for i in config.target_layer_ids]
 
 
 def target_greedy(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:

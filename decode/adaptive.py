@@ -37,7 +37,7 @@ from decode.cache import new_cache
 from decode.step import synchronize, tree_forward
 from decode.kernels import decoding_linears, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
-from decode.types import DecodeState, Draft
+from decode.types import ROOT, Beside, DecodeState, Draft
 from heads.kv import crop_cache
 from heads.target import cache_kwarg
 
@@ -196,14 +196,15 @@ class AdaptiveDepth:
         """Expected tokens of a step that drafts to ``depth``: the target's own plus the accepted drafted ones."""
         return 1.0 + sum(self.acceptance(j, optimistic) for j in range(1, depth + 1))
 
-    def rate(self, depth: int, optimistic: bool = False) -> float:
+    def rate(self, depth: int, optimistic: bool = False, beside: Beside = ROOT) -> float:
         """Expected tokens per one-token forward time when drafting to ``depth`` (``optimistic``: see
-        :meth:`acceptance`)."""
+        :meth:`acceptance`), in a tree that already holds ``beside`` (another drafter's nodes: see :class:`Beside`).
+        This drafter's tokens count only where that drafter's first level misses, and its nodes add to the tree."""
         if depth == 0:
-            return 1.0 / self.curve.cost(1)
-        expected = self.expected(depth, optimistic)
+            return beside.expected / self.curve.cost(beside.nodes)
+        expected = beside.expected + beside.miss * (self.expected(depth, optimistic) - 1.0)
         draft = self.draft_seconds(depth) / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
-        return expected / (self.verify_share * self.curve.cost(self._nodes(depth)) + draft)
+        return expected / (self.verify_share * self.curve.cost(beside.nodes + self._nodes(depth) - 1) + draft)
 
     def draft_seconds(self, depth: int) -> float:
         """Seconds to draft to ``depth``: measured there, else scaled from the nearest depth measured (a deeper one
@@ -215,11 +216,11 @@ class AdaptiveDepth:
         near = min(self.draft_by_depth, key=lambda d: (abs(d - depth), -d))
         return self.draft_by_depth[near] * depth / near
 
-    def choose(self, max_depth: int) -> int:
+    def choose(self, max_depth: int, beside: Beside = ROOT) -> int:
         if self.full_depth is None:
             return max_depth  # the first step shows how deep the drafter goes
         top = min(max_depth, self.full_depth)
-        best = max(range(top + 1), key=lambda d: self.rate(d, optimistic=True))
+        best = max(range(top + 1), key=lambda d: self.rate(d, optimistic=True, beside=beside))
         if best > self.last_best:
             self.interval = self.explore_every  # deeper paid off: look further again soon
         self.last_best = best

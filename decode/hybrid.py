@@ -2,11 +2,13 @@
 
 Each step (:class:`HybridDrafter`):
 
-1. the trained drafter (Medusa, EAGLE, ...) drafts as deep as its adaptive depth policy says pays
-   (:class:`decode.adaptive.AdaptiveDepth`; the whole tree with ``adaptive: false``);
-2. the suffix drafter (decode/suffix.py) ranks its candidates and keeps those whose expected tokens pay for what
-   they add to the cost of the *whole* tree, the trained drafter's nodes included
-   (:func:`decode.adaptive.best_size` with that tree as its base);
+1. the suffix drafter (decode/suffix.py) ranks its candidates; the trained drafter (Medusa, EAGLE, DFlash, ...)
+   drafts as deep as its adaptive depth policy says pays beside the nodes the suffix would verify alone
+   (:class:`decode.adaptive.AdaptiveDepth` with a :class:`decode.types.Beside`: its tokens count where the suffix's
+   first level misses; the whole tree with ``adaptive: false``);
+2. the suffix drafter keeps those of its candidates whose expected tokens pay for what they add to the cost of the
+   *whole* tree, the trained drafter's nodes included (:func:`decode.adaptive.best_size` with that tree as its
+   base);
 3. :func:`merge_drafts` merges both into one tree under one node budget (``max_nodes``): a node's token under the
    same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
    come first (they were chosen by their calibrated acceptance), then the trained drafter's, each after its parent;
@@ -36,7 +38,7 @@ from decode.adaptive import AdaptiveDepth
 from decode.step import DepthControl
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
-from decode.types import DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
+from decode.types import Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
 from decode.verify import Verdict
 
 
@@ -89,12 +91,16 @@ class HybridDrafter(DrafterBase):
     chose candidates (on top of the root alone), else the inner drafter. By default for an inner drafter with its own
     verify forward (layer-skip): its chain is drafted one sequential pass per token, and beside the suffix's nodes
     its verify runs the first layers again in a pass of their own, which cost more than the merged nodes earned
-    (docs/benchmarks.md); merged trees otherwise.
+    (docs/benchmarks.md); merged trees otherwise. ``marginal``: the policy weighs the inner drafter's draft beside
+    what the suffix would verify alone (its tokens count on the steps where the suffix's first level misses, its
+    nodes add to the suffix's), so a costly draft is skipped when the suffix already has the step in hand; False:
+    the policy weighs it as if it drafted alone.
     """
 
     def __init__(self, inner: Drafter, suffix: SuffixDrafter, policy: AdaptiveDepth | None = None,
-                 max_nodes: int = 64, exclusive: bool | None = None):
+                 max_nodes: int = 64, exclusive: bool | None = None, marginal: bool = True):
         self.inner, self.suffix, self.policy, self.max_nodes = inner, suffix, policy, max_nodes
+        self.marginal = marginal
         self.exclusive = self._own_verify if exclusive is None else exclusive
         self._step: tuple[int, Draft, SuffixPlan, list[set[int]], float] | None = None
 
@@ -123,16 +129,21 @@ class HybridDrafter(DrafterBase):
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         device = self.suffix.device
-        plan = self.suffix.plan(state, max_depth) if self.exclusive else None
+        ranking = self.suffix.rank(state, max_depth)
+        plan = self.suffix.choose(ranking) if self.exclusive else None
+        beside = None
+        if self.marginal and plan is None and self.policy is not None:  # what the suffix would verify alone
+            alone = self.suffix.choose(ranking, final=False)
+            beside = Beside(nodes=1 + len(alone.chosen), expected=1.0 + alone.expected, miss=1.0 - alone.first)
         t0 = time.perf_counter()
         if plan is not None and plan.chosen:  # exclusive: the suffix has this step
             asked, inner = 0, root_only(state, device)
         else:
-            asked, inner = DepthControl(self.policy).draft(self.inner, state, max_depth, device)
+            asked, inner = DepthControl(self.policy).draft(self.inner, state, max_depth, device, beside)
         inner_seconds = time.perf_counter() - t0
         expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
         if plan is None:
-            plan = self.suffix.plan(state, max_depth, base_nodes=inner.tree.num_nodes, base_expected=expected)
+            plan = self.suffix.choose(ranking, base_nodes=inner.tree.num_nodes, base_expected=expected)
         suffix = candidates_draft(state.next_token, plan.cands, sorted(plan.chosen), device)
         if self._own_verify:  # the inner drafter verifies its chain itself: its nodes first, as its cache holds them
             merged, (inner_nodes, suffix_nodes) = merge_drafts([inner, suffix], self.max_nodes)
@@ -164,6 +175,6 @@ def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth |
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
     them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``heads.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
-    passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k != "suffix"}
+    passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k not in ("suffix", "marginal")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
-    return HybridDrafter(inner, suffix, policy)
+    return HybridDrafter(inner, suffix, policy, marginal=bool(settings.get("marginal", True)))

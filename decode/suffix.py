@@ -254,6 +254,20 @@ class SuffixPlan:
     cands: Candidates
     chosen: list[int]
     depths: list[int]  # every candidate's depth (cands.depths()), for the calibration's update
+    expected: float = 0.0  # drafted tokens the chosen nodes are expected to yield (their acceptance probabilities)
+    first: float = 0.0  # the chance that one of the chosen first-level nodes is accepted (siblings exclude each other)
+
+
+@dataclass(frozen=True)
+class SuffixRanking:
+    """One step's candidates from a match of length class ``bucket``, every candidate's depth and calibrated
+    acceptance probability, and the ones worth a look, best first (each after its parent)."""
+
+    bucket: int
+    cands: Candidates
+    depths: list[int]
+    probs: list[float]
+    ranked: list[int]
 
 
 def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device) -> Draft:
@@ -357,22 +371,38 @@ class SuffixDrafter(DrafterBase):
         """This step's candidates and the nodes worth verifying, on top of ``base_nodes`` tree nodes already
         expected to yield ``base_expected`` tokens (the root alone: 1 and 1.0; a hybrid tree passes its other
         drafter's share, so the suffix's nodes pay for what they add to the cost of the whole tree)."""
+        return self.choose(self.rank(state, max_depth), base_nodes, base_expected)
+
+    def rank(self, state: DecodeState, max_depth: int) -> SuffixRanking:
+        """This step's candidates, ranked, with their calibrated acceptance probabilities (the matching: the part
+        of a plan that reads the indexes)."""
         self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
         bucket, cands = self._candidates(min(self.max_depth, max_depth))
         limit = self.max_nodes if self.budget == "auto" else self.budget
         depths = cands.depths()
         rank = cands.best_branch if self.chain else cands.ranked
+        probs = self.probabilities(cands, bucket, depths)
+        ranked = rank(limit, probs) if self.budget == "auto" else rank(limit)
+        return SuffixRanking(bucket, cands, depths, probs, ranked)
+
+    def choose(self, ranking: SuffixRanking, base_nodes: int = 1, base_expected: float = 1.0,
+               final: bool = True) -> SuffixPlan:
+        """The plan from ``ranking``: with ``budget=auto`` the ranked candidates that pay on top of ``base_nodes``
+        nodes expected to yield ``base_expected`` tokens (:func:`decode.adaptive.best_size`); else all of them.
+        ``final`` False: a what-if (a hybrid weighing its other drafter), which leaves the idle count alone."""
+        ranked, probs = ranking.ranked, ranking.probs
         if self.budget == "auto":
-            probs = self.probabilities(cands, bucket, depths)
-            ranked = rank(limit, probs)
-            k = best_size([probs[n] for n in ranked], self.curve(), limit, base_nodes, base_expected)
-            self._idle = self._idle + 1 if ranked and k == 0 else 0
-            if self._idle > self.explore_every:  # a cheap look (the best candidate alone), so estimates that fell
-                k, self._idle = 1, 0  # too low can recover when the text turns predictable
+            k = best_size([probs[n] for n in ranked], self.curve(), len(ranked), base_nodes, base_expected)
+            if final:
+                self._idle = self._idle + 1 if ranked and k == 0 else 0
+                if self._idle > self.explore_every:  # a cheap look (the best candidate alone), so estimates that
+                    k, self._idle = 1, 0  # fell too low can recover when the text turns predictable
         else:
-            ranked = rank(limit)
             k = len(ranked)
-        return SuffixPlan(bucket, cands, ranked[:k], depths)
+        chosen = ranked[:k]
+        first = min(1.0, sum(probs[n] for n in chosen if ranking.depths[n] == 1))
+        return SuffixPlan(ranking.bucket, ranking.cands, chosen, ranking.depths,
+                          expected=sum(probs[n] for n in chosen), first=first)
 
     def probabilities(self, cands: Candidates, bucket: int, depths: list[int]) -> list[float]:
         """Every candidate's calibrated acceptance probability (by its match class and ``depths``, as

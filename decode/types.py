@@ -67,12 +67,28 @@ def root_only(state: DecodeState, device: torch.device) -> Draft:
     return Draft(tokens=torch.tensor([state.next_token], device=device), tree=single_node_tree().to(device))
 
 
+@dataclass(frozen=True)
+class Beside:
+    """What another drafter already put in a hybrid tree, for a depth policy weighing its own drafter beside it
+    (decode/hybrid.py): its ``nodes`` (the root included), the tokens it is expected to yield (``expected``, the
+    target's own included) and the chance that its first level misses (``miss``), the steps on which the other
+    drafter's chain is the one that can add tokens. The root alone: 1 node, 1 token, always a miss."""
+
+    nodes: int = 1
+    expected: float = 1.0
+    miss: float = 1.0
+
+
+ROOT = Beside()
+
+
 class DepthPolicy(Protocol):
     """How deep the next draft may go (decode/adaptive.py: :class:`~decode.adaptive.AdaptiveDepth`); 0 skips drafting
     and runs a plain step. The engine reports every step back."""
 
-    def choose(self, max_depth: int) -> int:
-        """A depth in 0..max_depth for the next draft."""
+    def choose(self, max_depth: int, beside: Beside = ROOT) -> int:
+        """A depth in 0..max_depth for the next draft, in a tree that already holds ``beside`` (a hybrid's other
+        drafter's nodes; a policy may ignore it)."""
 
     def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
         """The draft verified after asking for depth ``asked``, how many drafted nodes were accepted, and the seconds

@@ -46,7 +46,7 @@ class DFlashConfig:
     hidden_size: int = 0
     vocab_size: int = 0
     num_layers: int = 1
-    block_size: int = 8  # the block: the last emitted token and block_size - 1 drafted positions
+    block_size: int = 4  # the block: the last emitted token and block_size - 1 drafted positions
     target_layer_ids: list[int] | None = None  # outputs of these target layers (hidden_states[i + 1]) are fused
     num_target_layers: int = 0  # the target's depth
     mask_token_id: int = 0  # the id vLLM feeds to the mask slots (its embedding replaced by ``mask_embedding``)

@@ -219,3 +219,25 @@ def test_the_measured_curve_is_checked_once_per_process(tiny_llama, monkeypatch,
     model, _ = tiny_llama
     assert adaptive.measured_cost_curve(model) is CPU_LIKE and adaptive.measured_cost_curve(model) is CPU_LIKE
     assert len(calls) == 1 and calls[0].parent == tmp_path / "cost_curves"
+
+
+def test_beside_a_confident_suffix_a_drafter_drafts_only_where_it_adds():
+    """A chain drafter accepted at level 1 half the time, at a tenth of a forward a draft, pays alone. Beside
+    suffix nodes that already yield 3.5 tokens and miss at their first level one step in ten, its tokens count only
+    on those steps and its nodes widen the tree: it stops drafting. Beside a suffix that has nearly nothing (one
+    node, missed nine times in ten) it drafts as it would alone."""
+    from decode.types import Beside
+
+    policy = AdaptiveDepth(CPU_LIKE, measure_draft=True, explore_every=1000)
+    tree = load_tree("chain-4", num_heads=4)
+    for step in range(60):  # whole chains: level 1 accepted every other step, nothing deeper; 0.1 ms a level
+        policy.observe(4, draft_of(tree), int(step % 2 == 0), 0.0004)  # (a forward: 1 ms)
+    assert policy.choose(100) == 1
+    confident = Beside(nodes=5, expected=3.5, miss=0.1)
+    weak = Beside(nodes=2, expected=1.1, miss=0.9)
+    assert [policy.choose(100, confident) for _ in range(10)] == [0] * 10
+    assert [policy.choose(100, weak) for _ in range(10)] == [1] * 10
+    # what each choice weighs: beside the confident suffix, drafting adds 0.1 * 0.5 tokens for a wider tree and a
+    # draft, less than the tokens per cost the suffix's nodes already give
+    assert policy.rate(1, beside=confident) < policy.rate(0, beside=confident)
+    assert policy.rate(0, beside=confident) == pytest.approx(3.5 / CPU_LIKE.cost(5))

@@ -17,7 +17,7 @@ from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
 from decode.registry import random_eagle_heads, random_medusa_heads
 from decode.suffix import SuffixArray, SuffixDrafter
 from decode.tree import Tree
-from decode.types import Draft
+from decode.types import Draft, DrafterBase
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -258,3 +258,46 @@ def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_su
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
     alone = load_session(compose("decode", ["model=tiny", "draft.suffix=false", "max_new_tokens=12"]))
     assert isinstance(alone.decoder.drafter, MedusaDrafter) and alone.decoder.depth_policy is not None
+
+
+class CountingChain(DrafterBase):
+    """Drafts the target's own greedy continuation as a chain (always accepted), and counts its drafts."""
+
+    def __init__(self, truth: list[int], depth: int = 3):
+        self.truth, self.depth, self.calls = truth, depth, 0
+
+    def propose(self, state, max_depth):
+        self.calls += 1
+        future = self.truth[len(state.new_tokens):][: min(self.depth, max_depth)]
+        tokens = torch.tensor([state.next_token, *future])
+        return Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, len(future)))))
+
+    @property
+    def max_draft_depth(self):
+        return self.depth
+
+
+def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_has_the_step(tiny_llama):
+    """``marginal`` (the default): an always-right chain drafter beside a suffix drafter that has the target's own
+    answer in its corpus. Weighed alone, the chain pays every step; weighed beside the suffix's nodes, which are
+    right too, it adds almost nothing where the suffix has candidates and is skipped there, and it still drafts
+    where the suffix has none. The output is the target's either way."""
+    model, _ = tiny_llama
+    steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+    truth = own[len(prompt) + 1:]  # after the root (the prefill's token)
+    corpus = SuffixArray.build([own[: len(prompt) + 24]])  # the suffix knows the answer's first half only
+    calls, outputs = {}, {}
+    for marginal in (False, True):
+        inner = CountingChain(truth)
+        policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
+        suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
+        drafter = HybridDrafter(inner, suffix, policy, max_nodes=16, marginal=marginal)
+        res = SpeculativeDecoder(model, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=40)
+        calls[marginal], outputs[marginal] = inner.calls, res.tokens
+        assert res.tokens == own[len(prompt): len(prompt) + 40]
+    assert calls[True] < calls[False]
+    assert calls[True] >= 3  # the second half, which the suffix cannot draft: the chain drafts there

@@ -21,7 +21,6 @@ point-mass draft probabilities (``probs=None``), lossless for sampling as well a
 
 from __future__ import annotations
 
-
 import torch
 
 from decode.cache import Backlog, CacheError

@@ -38,7 +38,7 @@ from decode.adaptive import AdaptiveDepth
 from decode.step import DepthControl
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
-from decode.types import Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
+from decode.types import ROOT, Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
 from decode.verify import Verdict
 
 
@@ -131,7 +131,7 @@ class HybridDrafter(DrafterBase):
         device = self.suffix.device
         ranking = self.suffix.rank(state, max_depth)
         plan = self.suffix.choose(ranking) if self.exclusive else None
-        beside = None
+        beside = ROOT
         if self.marginal and plan is None and self.policy is not None:  # what the suffix would verify alone
             alone = self.suffix.choose(ranking, final=False)
             beside = Beside(nodes=1 + len(alone.chosen), expected=1.0 + alone.expected, miss=1.0 - alone.first)
@@ -175,6 +175,6 @@ def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth |
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
     them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``heads.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
-    passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k not in ("suffix", "marginal")}
+    passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k in registry.defaults_of("suffix")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
-    return HybridDrafter(inner, suffix, policy, marginal=bool(settings.get("marginal", True)))
+    return HybridDrafter(inner, suffix, policy, marginal=bool(settings["marginal"]))

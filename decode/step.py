@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.tree import tree_attention_mask, tree_position_ids
-from decode.types import Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
+from decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
 from heads.target import cache_kwarg
 
 
@@ -63,14 +63,11 @@ class DepthControl:
     policy: DepthPolicy | None
 
     def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device,
-              beside: Beside | None = None) -> tuple[int, Draft]:
+              beside: Beside = ROOT) -> tuple[int, Draft]:
         """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own;
         ``beside``: what another drafter already put in the tree (a hybrid's suffix nodes), which the policy weighs
         the draft against. At depth 0 the drafter is not called: the root alone, a plain step."""
-        if self.policy is None:
-            depth = room
-        else:
-            depth = min(room, self.policy.choose(room) if beside is None else self.policy.choose(room, beside))
+        depth = room if self.policy is None else min(room, self.policy.choose(room, beside))
         draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
         return depth, on_device(truncate_draft(draft, depth), device)
 

@@ -362,7 +362,6 @@ def build_dflash_drafter(head_config: dict, target_model: nn.Module | None) -> D
     return DFlashDrafter(DFlashConfig(**head_config), target_model)
 
 
-
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "default_target_layer_ids",
     "dflash_block_loss", "position_weights", "sample_anchors",

@@ -522,7 +522,7 @@ class OffAndOn:
     def __init__(self):
         self.steps = 0
 
-    def choose(self, max_depth):
+    def choose(self, max_depth, beside=None):
         self.steps += 1
         return max_depth if self.steps % 4 == 0 else 0
 

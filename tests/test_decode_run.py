@@ -242,6 +242,7 @@ def test_expected_mistakes_print_one_line_without_a_traceback(script, args, mess
     full = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=tmp_path,
                           timeout=300)
     assert full.returncode != 0 and "Traceback" in full.stderr  # the whole trace, for debugging
+    assert not list(tmp_path.rglob("*.log"))  # Hydra's job log is off: no empty <script>.log in run or working folder
 
 
 def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):

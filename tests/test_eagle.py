@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
+from decode.types import ROOT
 from decode.verify import Sampling, target_probs
 from heads.eagle import EagleConfig, EagleDrafter, causal_mask, default_layer_ids, shift_left
 from heads.eagle_loss import (
@@ -522,7 +523,7 @@ class OffAndOn:
     def __init__(self):
         self.steps = 0
 
-    def choose(self, max_depth, beside=None):
+    def choose(self, max_depth, beside=ROOT):
         self.steps += 1
         return max_depth if self.steps % 4 == 0 else 0
 

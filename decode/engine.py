@@ -322,7 +322,8 @@ class SpeculativeDecoder:
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
         exact)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
-        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan):
+        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan,
+                                 grouped=(self.model,)):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock)
 
     @property

@@ -329,6 +329,39 @@ def block_targets(anchors: torch.Tensor, labels: torch.Tensor, block_size: int
     return ok.nonzero(as_tuple=True)
 
 
+def retrieval_hits(input_ids: torch.Tensor, valid: torch.Tensor, min_match: int, max_match: int = 8) -> torch.Tensor:
+    """Where copying from the text itself would have been right, bool [B, T]: ``hit[b, j]`` when the tokens before j
+    end with an n-gram (``min_match <= n``) that occurred earlier in the row and the token after its longest earlier
+    occurrence (n capped at ``max_match``; of the longest, the most recent) is ``input_ids[b, j]``. The suffix drafter
+    proposes exactly that continuation at decode time (decode/suffix.py), so these are the positions where a hybrid
+    step is already won without the trained drafter. ``valid`` [B, T] bool: real tokens (padding never matches).
+
+    Cost: ``max_match`` boolean [B, T, T] passes (B = 8, T = 384: about 1M elements each)."""
+    if min_match < 1 or max_match < min_match:
+        raise SettingError(f"retrieval match lengths: need 1 <= min_match ({min_match}) <= max_match ({max_match}).")
+    bsz, t = input_ids.shape
+    valid = valid.bool()
+    ids = input_ids.masked_fill(~valid, -1)
+    earlier = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(-1)  # [t, s]: s < t
+    eq = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :] & earlier  # [B, t, s]
+    run = eq
+    length = eq.to(torch.uint8)  # the match length of the texts ending at t and at s, capped at max_match
+    for _ in range(max_match - 1):
+        shifted = torch.zeros_like(run)
+        shifted[:, 1:, 1:] = run[:, :-1, :-1]
+        run = eq & shifted
+        if not run.any():
+            break
+        length += run.to(torch.uint8)
+    score = length.to(torch.int32) * t + torch.arange(t, device=ids.device, dtype=torch.int32)  # longest, then latest
+    score = score.masked_fill(length < min_match, -1)
+    best, s = score.max(dim=2)  # [B, t] the chosen earlier end s (< t) of each position t's longest match
+    predicted = ids.gather(1, (s + 1).clamp(max=t - 1))  # the token that followed it: the prediction for t + 1
+    hit = torch.zeros_like(valid)
+    hit[:, 1:] = (best[:, :-1] >= 0) & (predicted[:, :-1] == ids[:, 1:]) & valid[:, 1:]
+    return hit
+
+
 def dflash_block_loss(logits: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, token_loss: str,
                       num_items: torch.Tensor | float | None = None) -> torch.Tensor:
     """The weighted loss over N scored block positions. ``logits`` [N, Vd] the draft's; ``teacher`` [N, Vd] the
@@ -364,5 +397,5 @@ def build_dflash_drafter(head_config: dict, target_model: nn.Module | None) -> D
 
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "default_target_layer_ids",
-    "dflash_block_loss", "position_weights", "sample_anchors",
+    "dflash_block_loss", "position_weights", "retrieval_hits", "sample_anchors",
 ]

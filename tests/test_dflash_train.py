@@ -53,6 +53,88 @@ def test_scored_positions_are_the_trained_tokens_inside_each_block():
     assert scored == [(0, 0, 1), (0, 0, 2), (0, 1, 1), (1, 0, 1), (1, 0, 2)]
 
 
+def copy_reference(ids: list[int], valid: list[bool], min_match: int, max_match: int) -> list[bool]:
+    """By hand: for each j, the longest (capped) earlier match of the text ending at j - 1, the latest of the longest,
+    and whether the token after it is ids[j]."""
+    out = [False] * len(ids)
+    for j in range(1, len(ids)):
+        t, best, best_len = j - 1, None, 0
+        for s in range(t):
+            n = 0
+            while n < max_match and s - n >= 0 and valid[t - n] and valid[s - n] and ids[t - n] == ids[s - n]:
+                n += 1
+            if n >= min_match and n >= best_len:
+                best, best_len = s, n
+        out[j] = valid[j] and best is not None and ids[best + 1] == ids[j]
+    return out
+
+
+def test_retrieval_hits_are_where_copying_the_longest_latest_match_is_right():
+    from heads.dflash import retrieval_hits
+
+    # "a b c x a b c y a b c": after the third "a b", the longest match is the second (latest) "a b", followed by c
+    ids = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]])
+    hits = retrieval_hits(ids, torch.ones_like(ids, dtype=torch.bool), min_match=2)
+    assert hits[0].nonzero().flatten().tolist() == [6, 10]  # the two "c"s after a repeated "a b"
+    # after "a b c" (third time) copying says y, the latest of the longest: a different token scores no hit
+    ids2 = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3, 9]])
+    assert not retrieval_hits(ids2, torch.ones_like(ids2, dtype=torch.bool), min_match=2)[0, 11]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        t = int(torch.randint(2, 30, (1,), generator=gen))
+        ids = torch.randint(0, 4, (3, t), generator=gen)  # 4 symbols: many repeats and ties
+        valid = torch.ones(3, t, dtype=torch.bool)
+        valid[1, t // 2:] = False  # padding never matches and is never a hit
+        for min_match, max_match in ((1, 8), (2, 8), (3, 4), (2, 2)):
+            got = retrieval_hits(ids, valid, min_match, max_match)
+            for b in range(3):
+                assert got[b].tolist() == copy_reference(ids[b].tolist(), valid[b].tolist(), min_match, max_match)
+    with pytest.raises(ValueError, match="min_match"):
+        retrieval_hits(ids, valid, min_match=0)
+
+
+def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
+    from test_medusa_train import tiny_target
+
+    from heads.dflash import block_targets, position_weights, retrieval_hits
+    from train.dflash_method import DFlashMethod
+
+    t = tiny_target()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 4]] * 2)  # repeats: many positions copyable
+    labels = ids.clone()
+    labels[:, :3] = -100
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    hits = retrieval_hits(ids, torch.ones_like(ids, dtype=torch.bool), 2)
+    ce = "heads.loss.token_loss=ce"  # the target's greedy tokens as the teacher: no method state beyond the settings
+    plain = DFlashMethod(dflash_cfg(tmp_path / "a", ce, "heads.loss.retrieved_weight=1"))
+    weighted = DFlashMethod(dflash_cfg(tmp_path / "b", ce, "heads.loss.retrieved_weight=0.25"))
+    module = plain.build_drafter(t)
+    torch.manual_seed(0)
+    n_plain = plain.count_items(batch)
+    anchors = batch["anchors"]
+    torch.manual_seed(0)
+    n_weighted = weighted.count_items(batch)
+    assert torch.equal(batch["anchors"], anchors)  # the same anchors: the weighting draws no random numbers
+    b, a, k = block_targets(anchors, labels, plain.settings.block_size)
+    base = position_weights(plain.settings.block_size, plain.gamma)[k]
+    copied = hits[b, anchors[b, a] + k]
+    assert 0 < int(copied.sum()) < copied.numel()  # both kinds of position are scored
+    assert torch.isclose(n_plain, base.sum())
+    assert torch.isclose(n_weighted, base.sum() - 0.75 * base[copied].sum())
+    # the loss: the same per-position terms, reweighted (the drafter and teacher are the same in all three)
+    loss_plain, _ = plain.compute_loss(dict(batch, anchors=anchors), t, module, n_plain)
+    loss_weighted, _ = weighted.compute_loss(dict(batch, anchors=anchors), t, module, n_weighted)
+    zero = DFlashMethod(dflash_cfg(tmp_path / "c", ce, "heads.loss.retrieved_weight=0"))
+    loss_zero, _ = zero.compute_loss(dict(batch, anchors=anchors), t, module, base[~copied].sum())
+    # loss_plain = (S_novel + S_copied) / W, loss_weighted = (S_novel + 0.25 S_copied) / W', loss_zero = S_novel / W0
+    s_novel = loss_zero * base[~copied].sum()
+    s_copied = loss_plain * n_plain - s_novel
+    assert torch.isclose(loss_weighted * n_weighted, s_novel + 0.25 * s_copied, rtol=1e-5)
+    for bad in ("heads.loss.retrieved_weight=1.5", "heads.loss.retrieval_min_match=0"):
+        with pytest.raises(ValueError, match=bad.split("=")[0].split(".")[-1]):
+            DFlashMethod(dflash_cfg(tmp_path / "d", bad))
+
+
 # --- settings -----------------------------------------------------------------------------------------------------
 
 

@@ -202,3 +202,75 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     monkeypatch.setattr(kernels, "time_widths", lambda *a, **k: pytest.fail("measured again"))
     model = load_target(model_config("tiny")).model
     assert measured_row_plan(model).widths == tuple(report["widths"])
+
+
+# --- grouped projections ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k, v
+def test_grouped_projections_compute_the_same_forward_with_fewer_products(monkeypatch, arch):
+    """Inside the block each layer's q/k/v and gate/up are one product each (7 linears -> 4), the forward's logits
+    equal the ungrouped ones within float32 rounding (each element is the same dot product of at most 128 terms; the
+    kernels may sum it in another order), and the parameters keep their values and their state-dict names, now as
+    views of one tensor per group, reused on the next entry."""
+    from heads.target import build_tiny
+
+    model, _ = build_tiny(arch)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = RowPlan(tuple([2] + list(range(2, MAX_ROWS + 1))))  # every row count through (W @ x.T).T
+    calls = _recording_mm(monkeypatch)
+    ids = torch.tensor([[5, 9, 40, 7, 3]])
+    layers = model.config.num_hidden_layers
+    results = {}
+    for grouped in ((), (model,)):
+        calls.clear()
+        with small_batch_linears(model, plan=plan, grouped=grouped), torch.no_grad():
+            results[len(grouped)] = model(ids).logits
+        results[f"calls{len(grouped)}"] = len(calls)
+    assert results["calls0"] == 7 * layers + 1  # 7 linears a layer and the LM head
+    assert results["calls1"] == 4 * layers + 1
+    scale = float(results[0].abs().max())
+    assert (results[1] - results[0]).abs().max() <= 1e-5 * max(scale, 1.0)
+    after = model.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.storage_offset() == q.numel() and v.storage_offset() == q.numel() + k.numel()
+    assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+    pointer = q.untyped_storage().data_ptr()
+    with small_batch_linears(model, plan=plan, grouped=(model,)):
+        assert q.untyped_storage().data_ptr() == pointer  # grouped once: the next entry copies nothing
+    assert all("_group" not in m.__dict__ and "_handed" not in m.__dict__ for m in model.modules())
+
+
+def test_a_member_called_on_another_input_computes_its_own_product():
+    torch.manual_seed(0)
+    parent = nn.Module()
+    parent.q_proj, parent.k_proj, parent.v_proj = nn.Linear(6, 4), nn.Linear(6, 2), nn.Linear(6, 2)
+    plan = RowPlan(tuple(range(1, MAX_ROWS + 1)))
+    x, other = torch.randn(2, 6), torch.randn(2, 6)
+    with small_batch_linears(parent, plan=plan, grouped=(parent,)), torch.no_grad():
+        q = parent.q_proj(x)
+        k = parent.k_proj(other)  # not the group's input: its own product, and the handed slice is dropped
+        v = parent.v_proj(x)
+        v_again = parent.v_proj(x)  # a slice is handed once; a second call computes
+    for out, lin, inp in ((q, parent.q_proj, x), (k, parent.k_proj, other), (v, parent.v_proj, x),
+                          (v_again, parent.v_proj, x)):
+        torch.testing.assert_close(out, nn.functional.linear(inp, lin.weight, lin.bias), rtol=1e-5, atol=1e-6)
+
+
+def test_projections_that_cannot_be_one_product_are_left_alone():
+    from decode.kernels import group_storage
+
+    a, b = nn.Linear(6, 4), nn.Linear(5, 4)  # different inputs
+    assert group_storage([a, b]) is None
+    c, d = nn.Linear(6, 4), nn.Linear(6, 4, bias=False)  # a bias on one only
+    assert group_storage([c, d]) is None
+    e, f = nn.Linear(6, 4), nn.Linear(6, 3, dtype=torch.float64)  # different dtypes
+    assert group_storage([e, f]) is None
+    f = nn.Linear(6, 3)
+    group = group_storage([e, f])
+    assert group is not None and group.sizes == (4, 3) and group.weight.shape == (7, 6) and group.bias.shape == (7,)
+    assert torch.equal(group.weight[4:], f.weight) and torch.equal(group.bias[:4], e.bias)

@@ -9,7 +9,10 @@ Config (``cfg.heads``, conf/heads/dflash.yaml):
   for EAGLE-3 (train.data.count_draft_vocab);
 - ``anchors_per_sequence``: blocks drafted per sequence in one training forward, at random answer positions;
 - ``loss``: ``token_loss`` (kl: the target's distribution over the draft vocabulary | ce: the target's own greedy
-  token) and ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)).
+  token), ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)), and ``retrieved_weight`` with
+  ``retrieval_min_match``: a block position whose token copying from the text itself would have given
+  (:func:`heads.dflash.retrieval_hits`: what the suffix drafter proposes in the hybrid) weighs ``retrieved_weight``
+  times its position's weight (1: every position alike), so the drafter's capacity goes where retrieval misses.
 
 A step samples each sequence's anchors with the global torch RNG (``count_items``, so a checkpoint's RNG state
 resumes them exactly) and keeps them in the batch (``batch["anchors"]``) for ``compute_loss``. The drafter reads
@@ -46,6 +49,7 @@ from heads.dflash import (
     block_targets,
     dflash_block_loss,
     position_weights,
+    retrieval_hits,
     sample_anchors,
 )
 from heads.errors import SettingError
@@ -57,7 +61,8 @@ from train.feature_store import FeatureSource, hidden_states_extract, hidden_sta
 from train.method import TrainMethod, saved_state_and_extra, unwrap
 
 TOKEN_LOSSES = ("kl", "ce")
-LOSS_KEYS = ("token_loss", "gamma")
+LOSS_KEYS = ("token_loss", "gamma", "retrieved_weight", "retrieval_min_match")
+RETRIEVAL_MAX_MATCH = 8  # longer earlier matches count as this long when choosing which occurrence to copy
 EVAL_SEED = 1234  # evaluation's anchors: the same positions at every evaluation of a run
 ARGMAX_ROWS = 1024  # rows of the target's full-vocabulary logits computed at once (its greedy tokens)
 
@@ -94,6 +99,12 @@ class DFlashSettings:
             problems.append(f"heads.loss.token_loss={out.loss['token_loss']!r}: use kl or ce")
         elif float(out.loss["gamma"]) < 0:
             problems.append(f"heads.loss.gamma={out.loss['gamma']} must be >= 0 (0: every position weighs 1)")
+        elif not 0 <= float(out.loss["retrieved_weight"]) <= 1:
+            problems.append(f"heads.loss.retrieved_weight={out.loss['retrieved_weight']} must be in [0, 1] "
+                            "(1: retrieved positions weigh as much as the others)")
+        elif not 1 <= int(out.loss["retrieval_min_match"]) <= RETRIEVAL_MAX_MATCH:
+            problems.append(f"heads.loss.retrieval_min_match={out.loss['retrieval_min_match']} must be in "
+                            f"1..{RETRIEVAL_MAX_MATCH}")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if problems:
             raise SettingError("; ".join(problems) + ".")
@@ -157,6 +168,7 @@ class ScoredBlocks:
     teacher: torch.Tensor
     k: torch.Tensor
     target_rows: torch.Tensor  # [N, H] the target's last hidden states the teacher reads
+    scored: tuple[torch.Tensor, ...]  # the (b, a, k) indices of the positions (heads.dflash.block_targets)
 
 
 class DFlashMethod(TrainMethod):
@@ -169,6 +181,8 @@ class DFlashMethod(TrainMethod):
         self.features = FeatureSource.from_cfg(cfg)
         self.token_loss = str(self.settings.loss["token_loss"])
         self.gamma = float(self.settings.loss["gamma"])
+        self.retrieved_weight = float(self.settings.loss["retrieved_weight"])
+        self.retrieval_min_match = int(self.settings.loss["retrieval_min_match"])
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
         self._teacher_head: tuple | None = None  # the target LM head's (weight, bias) rows of the draft vocabulary
@@ -206,14 +220,32 @@ class DFlashMethod(TrainMethod):
         """The step's weight of this micro-batch: the sum of position weights over its scored block positions. Draws
         the batch's anchors (global RNG) and keeps them in ``batch["anchors"]`` for compute_loss."""
         batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
-        _, _, k = block_targets(batch["anchors"], batch["labels"], self.settings.block_size)
-        return position_weights(self.settings.block_size, self.gamma, k.device)[k].sum()
+        scored = block_targets(batch["anchors"], batch["labels"], self.settings.block_size)
+        return self._weights(batch, batch["anchors"], scored).sum()
+
+    def _weights(self, batch: dict, anchors: torch.Tensor, scored: tuple[torch.Tensor, ...],
+                 retrieval: bool = True) -> torch.Tensor:
+        """Each scored block position's weight [N]: DFlash's weight of its position k, times ``retrieved_weight``
+        where copying from the text would have given its token (``retrieval``; skipped when the weight is 1)."""
+        b, a, k = scored
+        weights = position_weights(self.settings.block_size, self.gamma, k.device)[k]
+        if retrieval and self.retrieved_weight != 1.0:
+            hits = self._retrieval_hits(batch)[b, anchors[b, a] + k]
+            weights = torch.where(hits, weights * self.retrieved_weight, weights)
+        return weights
+
+    def _retrieval_hits(self, batch: dict) -> torch.Tensor:
+        """:func:`heads.dflash.retrieval_hits` of the batch [B, T] (each row its own text; a packed row is not read
+        here: DFlash does not pack)."""
+        valid = batch["attention_mask"].bool() if batch.get("attention_mask") is not None \
+            else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+        return retrieval_hits(batch["input_ids"], valid, self.retrieval_min_match, RETRIEVAL_MAX_MATCH)
 
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
             batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
-        weights = position_weights(self.settings.block_size, self.gamma, blocks.k.device)[blocks.k]
+        weights = self._weights(batch, batch["anchors"], blocks.scored)
         loss = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items)
         with torch.no_grad():
             top = self._teacher_top(blocks)
@@ -236,7 +268,7 @@ class DFlashMethod(TrainMethod):
             teacher = self._teacher_logits(rows)
         else:
             teacher = core.target_to_draft(target_greedy(model, rows))
-        return ScoredBlocks(logits=logits, teacher=teacher, k=k, target_rows=rows)
+        return ScoredBlocks(logits=logits, teacher=teacher, k=k, target_rows=rows, scored=scored)
 
     def _teacher_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's logits over the draft vocabulary [N, Vd] (float32) of its last hidden states [N, H]."""
@@ -252,29 +284,40 @@ class DFlashMethod(TrainMethod):
 
     def evaluate(self, loader, target, drafter: nn.Module, accelerator) -> dict[str, float]:
         """Per block position k = 1 .. bs-1: top-1 agreement of the draft with the target's greedy token over the
-        eval split (anchors from a fixed generator); the weighted loss; the expected accepted length of the block as
-        a chain. Sums are reduced over ranks (padding duplicates included)."""
+        eval split (anchors from a fixed generator); the loss (position weights only, so runs with another
+        ``retrieved_weight`` compare); the expected accepted length of the block as a chain. The same agreement and
+        chain over the positions copying would have missed (``eval/acc_unretrieved_pos{k}``,
+        ``eval/accept_length_chain_unretrieved``: where a hybrid step needs the drafter) and the share of positions
+        copying would have given (``eval/retrieved_share``). Sums are reduced over ranks (padding duplicates
+        included)."""
         bs = self.settings.block_size
         core: DFlashDrafter = unwrap(drafter).drafter
         generator = torch.Generator().manual_seed(EVAL_SEED)
-        weights_of = position_weights(bs, self.gamma, accelerator.device)
-        totals = torch.zeros(2 * bs + 2, dtype=torch.float64, device=accelerator.device)  # hits, counts, loss, weight
+        # per position k: hits, counts, unretrieved hits, unretrieved counts; then the loss and its weight
+        totals = torch.zeros(4 * bs + 2, dtype=torch.float64, device=accelerator.device)
         for batch in loader:
             anchors = sample_anchors(batch["labels"], self.settings.anchors_per_sequence, generator)
             blocks = self._scored_blocks(batch, target, drafter, anchors)
-            weights = weights_of[blocks.k]
+            weights = self._weights(batch, anchors, blocks.scored, retrieval=False)
             loss_sum = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items=1.0)
             greedy = target_greedy(target.model, blocks.target_rows)
             hits = (core.draft_to_target(blocks.logits.argmax(-1)) == greedy).double()
-            totals[:bs] += torch.zeros(bs, dtype=torch.float64, device=totals.device).index_add_(0, blocks.k, hits)
-            totals[bs:2 * bs] += torch.bincount(blocks.k, minlength=bs).to(totals)
-            totals[2 * bs:] += torch.stack([loss_sum.double(), weights.sum().double()])
+            b, a, k = blocks.scored
+            novel = (~self._retrieval_hits(batch)[b, anchors[b, a] + k]).double()
+            for i, value in enumerate((hits, torch.ones_like(hits), hits * novel, novel)):
+                totals[i * bs:(i + 1) * bs] += torch.zeros(bs, dtype=torch.float64,
+                                                           device=totals.device).index_add_(0, k, value)
+            totals[4 * bs:] += torch.stack([loss_sum.double(), weights.sum().double()])
         totals = accelerator.reduce(totals, reduction="sum")
-        acc = totals[1:bs] / totals[bs + 1:2 * bs].clamp(min=1)
+        hits, counts, novel_hits, novel = (totals[i * bs + 1:(i + 1) * bs] for i in range(4))
+        acc, acc_novel = hits / counts.clamp(min=1), novel_hits / novel.clamp(min=1)
         out = {f"eval/acc_pos{k}": float(acc[k - 1]) for k in range(1, bs)}
-        out["eval/loss"] = float(totals[2 * bs] / totals[2 * bs + 1].clamp(min=1e-6))
+        out.update({f"eval/acc_unretrieved_pos{k}": float(acc_novel[k - 1]) for k in range(1, bs)})
+        out["eval/loss"] = float(totals[4 * bs] / totals[4 * bs + 1].clamp(min=1e-6))
         out["eval/accept_length_chain"] = expected_accept_length(acc)
-        out["eval/positions"] = float(totals[bs + 1])
+        out["eval/accept_length_chain_unretrieved"] = expected_accept_length(acc_novel)
+        out["eval/retrieved_share"] = float(1 - novel.sum() / counts.sum().clamp(min=1))
+        out["eval/positions"] = float(counts[0])
         return out
 
     # --- saving -------------------------------------------------------------------------------------------------

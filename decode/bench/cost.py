@@ -48,7 +48,8 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
     if isinstance(drafter, VanillaDrafter):
         return None
     prompt = decoder.prompt_tensor(ids)
-    with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch, plan=decoder.row_plan):
+    with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch, plan=decoder.row_plan,
+                             grouped=(decoder.model,)):
         state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
         drafter.start(state, out)
         propose, forward = [], []

@@ -26,8 +26,8 @@ group into one product (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelL
 makes a group's weights (and biases) consecutive row slices of one tensor, once (the values are unchanged, and no
 memory is added: the parameters become views of it); inside the block the group's first linear computes the whole
 group's product and hands each later member its slice when that member is called on the same input tensor (any
-other input: its own product). A plain decoding step of SmolLM2 on a 2-core AMD EPYC (Zen 5) took 23.4 ms instead of
-25.0 ms (docs/benchmarks.md): each product a step skips saves its padding, its kernel call and its copies. Each output
+other input: its own product). A plain decoding step of SmolLM2 on a 2-core AMD EPYC (Zen 5) took 23.2 ms instead of
+24.6 ms (docs/benchmarks.md): each product a step skips saves its padding, its kernel call and its copies. Each output
 element is the same dot product as before.
 """
 

@@ -218,7 +218,8 @@ class DFlashMethod(TrainMethod):
 
     def count_items(self, batch: dict) -> torch.Tensor:
         """The step's weight of this micro-batch: the sum of position weights over its scored block positions. Draws
-        the batch's anchors (global RNG) and keeps them in ``batch["anchors"]`` for compute_loss."""
+        the batch's anchors (global RNG) and keeps them in ``batch["anchors"]`` for compute_loss (and the positions
+        copying would give in ``batch["retrieved"]``, when they are weighted)."""
         batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
         scored = block_targets(batch["anchors"], batch["labels"], self.settings.block_size)
         return self._weights(batch, batch["anchors"], scored).sum()
@@ -230,7 +231,9 @@ class DFlashMethod(TrainMethod):
         b, a, k = scored
         weights = position_weights(self.settings.block_size, self.gamma, k.device)[k]
         if retrieval and self.retrieved_weight != 1.0:
-            hits = self._retrieval_hits(batch)[b, anchors[b, a] + k]
+            if "retrieved" not in batch:
+                batch["retrieved"] = self._retrieval_hits(batch)
+            hits = batch["retrieved"][b, anchors[b, a] + k]
             weights = torch.where(hits, weights * self.retrieved_weight, weights)
         return weights
 
@@ -244,6 +247,7 @@ class DFlashMethod(TrainMethod):
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
             batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
+            batch.pop("retrieved", None)
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
         weights = self._weights(batch, batch["anchors"], blocks.scored)
         loss = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items)

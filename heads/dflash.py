@@ -341,9 +341,9 @@ def retrieval_hits(input_ids: torch.Tensor, valid: torch.Tensor, min_match: int,
         raise SettingError(f"retrieval match lengths: need 1 <= min_match ({min_match}) <= max_match ({max_match}).")
     bsz, t = input_ids.shape
     valid = valid.bool()
-    ids = input_ids.masked_fill(~valid, -1)
-    earlier = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril(-1)  # [t, s]: s < t
-    eq = (ids[:, :, None] == ids[:, None, :]) & valid[:, :, None] & valid[:, None, :] & earlier  # [B, t, s]
+    earlier = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril(-1)  # [t, s]: s < t
+    eq = input_ids[:, :, None] == input_ids[:, None, :]  # [B, t, s]
+    eq = eq & valid[:, :, None] & valid[:, None, :] & earlier
     run = eq
     length = eq.to(torch.uint8)  # the match length of the texts ending at t and at s, capped at max_match
     for _ in range(max_match - 1):
@@ -353,12 +353,13 @@ def retrieval_hits(input_ids: torch.Tensor, valid: torch.Tensor, min_match: int,
         if not run.any():
             break
         length += run.to(torch.uint8)
-    score = length.to(torch.int32) * t + torch.arange(t, device=ids.device, dtype=torch.int32)  # longest, then latest
+    latest = torch.arange(t, device=input_ids.device, dtype=torch.int32)
+    score = length.to(torch.int32) * t + latest  # the longest match first, then the latest
     score = score.masked_fill(length < min_match, -1)
     best, s = score.max(dim=2)  # [B, t] the chosen earlier end s (< t) of each position t's longest match
-    predicted = ids.gather(1, (s + 1).clamp(max=t - 1))  # the token that followed it: the prediction for t + 1
+    predicted = input_ids.gather(1, (s + 1).clamp(max=t - 1))  # the token that followed it: the prediction for t + 1
     hit = torch.zeros_like(valid)
-    hit[:, 1:] = (best[:, :-1] >= 0) & (predicted[:, :-1] == ids[:, 1:]) & valid[:, 1:]
+    hit[:, 1:] = (best[:, :-1] >= 0) & (predicted[:, :-1] == input_ids[:, 1:]) & valid[:, 1:]
     return hit
 
 

@@ -247,7 +247,6 @@ class DFlashMethod(TrainMethod):
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
         if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
             batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
-            batch.pop("retrieved", None)
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
         weights = self._weights(batch, batch["anchors"], blocks.scored)
         loss = dflash_block_loss(blocks.logits, blocks.teacher, weights, self.token_loss, num_items)

@@ -54,8 +54,9 @@ def test_assistant_turns_are_the_targets_own_greedy_answers(tiny_llama, prompts_
     model, tok = tiny_llama
     out = tmp_path / "out.jsonl"
     report, skipped = regen(model, tok, prompts_file, out, n=5, batch_size=3)  # batches of mixed lengths
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "c", "7", "e"] and report.written == 5
+    by_id = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    records = [by_id[i] for i in ["a", "b", "c", "7", "e"]]
+    assert len(by_id) == 5 and report.written == 5
     assert skipped == {"no user turn": 1} and records[3]["category"] == "math"
     for record, source in zip(records, [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4], PROMPTS[5]]):
         messages = record["messages"]
@@ -90,7 +91,7 @@ def test_kill_and_resume_writes_each_id_once_and_keeps_what_was_done(tiny_llama,
     report, _ = regen(model, tok, prompts_file, out, n=5)
     lines = out.read_text().splitlines()
     assert lines[:3] == first
-    assert [json.loads(line)["id"] for line in lines] == ["a", "b", "c", "7", "e"]
+    assert sorted(json.loads(line)["id"] for line in lines) == ["7", "a", "b", "c", "e"]
     assert report.dropped_partial_line and report.already_done == 3 and report.written == 2
     report, _ = regen(model, tok, prompts_file, out, n=5)  # nothing left to do
     assert report.written == 0 and out.read_text().splitlines() == lines
@@ -101,6 +102,32 @@ def test_foreign_output_file_is_refused(tiny_llama, prompts_file, tmp_path):
     out.write_text("not a record\n")
     with pytest.raises(DataError, match="line 1 is not a regenerated record"):
         regen(*tiny_llama, prompts_file, out, n=1)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_prompts_are_answered_shortest_first_and_answers_end_at_max_length(tiny_llama, prompts_file, tmp_path,
+                                                                            batch_size):
+    model, tok = tiny_llama
+    out = tmp_path / "out.jsonl"
+    prompts = list(iter_prompts(read_records(prompts_file), {}, max_turns=1))
+    openings = [chat_ids(tok, ([{"role": "system", "content": p.system}] if p.system else [])
+                         + [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True) for p in prompts]
+    max_length = max(len(ids) for ids in openings) + 3  # every prompt fits; the longest has room for 3 tokens
+    regenerate(model, tok, iter(prompts), out, n=5, batch_size=batch_size, max_new_tokens=MAX_NEW,
+               max_length=max_length, progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    lengths = [len(chat_ids(tok, r["messages"][:-1], add_generation_prompt=True)) for r in records]
+    assert lengths == sorted(lengths) and len(set(lengths)) > 1  # written shortest first
+    for k, record in enumerate(records):
+        batch = lengths[k - k % batch_size: k - k % batch_size + batch_size]
+        room = min(MAX_NEW, max_length - min(batch))  # a batch stops when its shortest conversation is full
+        assert room == (3 if batch_size == 1 and k == len(records) - 1 else MAX_NEW)
+        ids = torch.tensor([chat_ids(tok, record["messages"][:-1], add_generation_prompt=True)])
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=room, do_sample=False,
+                                  pad_token_id=0)[0, ids.shape[1]:].tolist()
+        if 2 in expected:
+            expected = expected[: expected.index(2)]
+        assert record["messages"][-1]["content"] == tok.decode(expected, skip_special_tokens=True)
 
 
 def test_max_length_stops_a_conversation_before_it_overflows(tiny_llama, tmp_path):

@@ -119,9 +119,15 @@ def _answer_texts(tokenizer, new_tokens: torch.Tensor, eos_ids: set[int]) -> lis
 
 
 def generate_answers(model, tokenizer, conversations: list[list[dict[str, str]]], max_new_tokens: int,
-                     temperature: float = 0.0, top_p: float = 1.0) -> list[str]:
-    """The target's answer to each conversation (its chat template with a generation prompt), as one batch."""
+                     temperature: float = 0.0, top_p: float = 1.0, max_length: int | None = None) -> list[str]:
+    """The target's answer to each conversation (its chat template with a generation prompt), as one batch.
+
+    With ``max_length``, the batch stops once its shortest conversation would pass ``max_length`` tokens: training
+    cuts every conversation there, so later tokens would never be read.
+    """
     prompts = [chat_ids(tokenizer, c, add_generation_prompt=True) for c in conversations]
+    if max_length:
+        max_new_tokens = max(1, min(max_new_tokens, max_length - min(len(p) for p in prompts)))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # left padding: [B, T]
@@ -152,7 +158,11 @@ def regenerate(
     """Write the first ``n`` prompts' conversations, answered by the target, to ``out_path`` (skipping done ids).
 
     ``max_length`` stops a conversation once its prompt would leave no room for an answer within it (training cuts
-    there anyway); a conversation whose first prompt is already that long is skipped and counted.
+    there anyway); a conversation whose first prompt is already that long is skipped and counted. Answers end where
+    their conversation reaches ``max_length`` tokens (the batch's shortest conversation decides).
+
+    Prompts are answered shortest first (by their first prompt's tokens), so that a batch's left padding and its
+    answer budget fit all its rows alike; the records keep their ids, and a rerun resumes whatever is left.
     """
     from tqdm.auto import tqdm
 
@@ -175,6 +185,7 @@ def regenerate(
             todo.append(prompt)
         if n is not None and len(seen) >= n:
             break
+    todo.sort(key=lambda p: len(chat_ids(tokenizer, _opening(p), add_generation_prompt=True)))  # stable
     bar = tqdm(total=len(todo), desc="regenerating", unit="conv", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as out:
         for start in range(0, len(todo), batch_size):
@@ -186,6 +197,12 @@ def regenerate(
             bar.update(len(todo[start:start + batch_size]))
     bar.close()
     return report
+
+
+def _opening(prompt: Prompt) -> list[dict[str, str]]:
+    """The conversation up to its first user turn (what the first answer is generated from)."""
+    system = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    return system + [{"role": "user", "content": prompt.turns[0]}]
 
 
 def _answer_batch(model, tokenizer, batch: list[Prompt], max_new_tokens: int, temperature: float, top_p: float,
@@ -209,7 +226,7 @@ def _answer_batch(model, tokenizer, batch: list[Prompt], max_new_tokens: int, te
         if not asking:
             continue
         answers = generate_answers(model, tokenizer, [conversations[j] for j in asking], max_new_tokens,
-                                   temperature, top_p)
+                                   temperature, top_p, max_length)
         for j, answer in zip(asking, answers):
             conversations[j].append({"role": "assistant", "content": answer})
     for prompt, messages in zip(batch, conversations):

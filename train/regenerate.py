@@ -2,7 +2,8 @@
 
 Every user turn of every conversation is replayed through the target with its chat template; the conversation is
 carried forward with the target's answers in place of the original assistant turns. Generation is batched with left
-padding (Hugging Face ``generate``), greedy by default (``temperature: 0``) or sampled (``temperature``, ``top_p``).
+padding (Hugging Face ``generate``), shortest prompts first, greedy by default (``temperature: 0``) or sampled
+(``temperature``, ``top_p``).
 
 Output: JSONL in OpenAI-messages form, one ``{"id": ..., "messages": [...]}`` per line (plus ``category`` for
 MT-bench prompts), appended and flushed record by record. A rerun reads what is already there, skips the ids it holds

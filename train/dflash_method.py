@@ -161,12 +161,11 @@ class DFlashTrainModule(nn.Module):
 @dataclass
 class ScoredBlocks:
     """One batch's blocks at the positions they are scored at: the draft's logits [N, Vd], the teacher (kl: the
-    target's logits over the draft vocabulary [N, Vd]; ce: its greedy token as a draft id [N], -100 outside), each
-    position's block index k [N] and the target's rows of their predictions (b, p + k - 1)."""
+    target's logits over the draft vocabulary [N, Vd]; ce: its greedy token as a draft id [N], -100 outside), the
+    positions' (b, a, k) indices (k: the block index) and the target's rows of their predictions (b, p + k - 1)."""
 
     logits: torch.Tensor
     teacher: torch.Tensor
-    k: torch.Tensor
     target_rows: torch.Tensor  # [N, H] the target's last hidden states the teacher reads
     scored: tuple[torch.Tensor, ...]  # the (b, a, k) indices of the positions (heads.dflash.block_targets)
 
@@ -271,7 +270,7 @@ class DFlashMethod(TrainMethod):
             teacher = self._teacher_logits(rows)
         else:
             teacher = core.target_to_draft(target_greedy(model, rows))
-        return ScoredBlocks(logits=logits, teacher=teacher, k=k, target_rows=rows, scored=scored)
+        return ScoredBlocks(logits=logits, teacher=teacher, target_rows=rows, scored=scored)
 
     def _teacher_logits(self, rows: torch.Tensor) -> torch.Tensor:
         """The target's logits over the draft vocabulary [N, Vd] (float32) of its last hidden states [N, H]."""

@@ -200,16 +200,20 @@ def regenerate(
     return report
 
 
+def _system_turn(prompt: Prompt) -> list[dict[str, str]]:
+    """The conversation before its first user turn: the system prompt, if any."""
+    return [{"role": "system", "content": prompt.system}] if prompt.system else []
+
+
 def _opening(prompt: Prompt) -> list[dict[str, str]]:
     """The conversation up to its first user turn (what the first answer is generated from)."""
-    system = [{"role": "system", "content": prompt.system}] if prompt.system else []
-    return system + [{"role": "user", "content": prompt.turns[0]}]
+    return _system_turn(prompt) + [{"role": "user", "content": prompt.turns[0]}]
 
 
 def _answer_batch(model, tokenizer, batch: list[Prompt], max_new_tokens: int, temperature: float, top_p: float,
                   max_length: int | None, report: RegenerateReport) -> Iterator[dict[str, Any]]:
     """Replay a batch of prompts turn by turn; yields the finished records in prompt order."""
-    conversations = [[{"role": "system", "content": p.system}] if p.system else [] for p in batch]
+    conversations = [_system_turn(p) for p in batch]
     stopped = [False] * len(batch)
     for turn in range(max(len(p.turns) for p in batch)):
         active = [j for j, p in enumerate(batch) if turn < len(p.turns) and not stopped[j]]

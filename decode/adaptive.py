@@ -165,7 +165,7 @@ class AdaptiveDepth:
     optimism: float = 1.0  # standard errors added to each level's acceptance when choosing (0: the estimate alone)
     tried: dict[int, float] = field(default_factory=dict)  # level j -> verified trees that reached it
     reached: dict[int, float] = field(default_factory=dict)  # level j -> of those, accepted branches that reached it
-    nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed
+    nodes: dict[int, int] = field(default_factory=dict)  # depth asked -> nodes the drafter proposed (or said it would)
     full_depth: int | None = None  # the deepest draft the drafter proposes (given, or seen on the first step); a
     # drafter that stops early by itself (a confidence threshold) gives it, so a short first draft does not cap it
     draft_s: float = 0.0  # moving average of seconds spent drafting a step, any depth (the estimate before any
@@ -189,8 +189,15 @@ class AdaptiveDepth:
         return min(1.0, mean + self.optimism * math.sqrt(mean * (1.0 - mean) / count))
 
     def _nodes(self, depth: int) -> int:
-        known = [d for d in self.nodes if d >= depth]
-        return self.nodes[depth] if depth in self.nodes else (self.nodes[min(known)] if known else depth + 1)
+        """Tree nodes of a draft to ``depth``: as seen (or as the drafter said), else the nearest deeper depth's, else
+        a chain grown from the deepest shallower one's (never fewer nodes than a shallower cut holds)."""
+        if depth in self.nodes:
+            return self.nodes[depth]
+        deeper = [d for d in self.nodes if d > depth]
+        if deeper:
+            return self.nodes[min(deeper)]
+        shallower = [d for d in self.nodes if d < depth]
+        return self.nodes[max(shallower)] + depth - max(shallower) if shallower else depth + 1
 
     def expected(self, depth: int, optimistic: bool = False) -> float:
         """Expected tokens of a step that drafts to ``depth``: the target's own plus the accepted drafted ones."""

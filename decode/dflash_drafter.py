@@ -69,6 +69,11 @@ class DFlashBlockDrafter(DrafterBase):
     def max_draft_depth(self) -> int:
         return self.drafter.block_size - 1
 
+    def draft_nodes(self, depth: int) -> int:
+        """The root, the chain cut to ``depth`` and the first position's ``top_k - 1`` siblings."""
+        depth = min(max(depth, 0), self.max_draft_depth)
+        return 1 + depth + (self.top_k - 1 if depth > 0 else 0)
+
     @property
     def context_length(self) -> int:
         """Positions the context covers, read or kept to be read."""

@@ -61,6 +61,10 @@ class MedusaDrafter(DrafterBase):
     def max_draft_depth(self) -> int:
         return int(self.tree.max_depth)
 
+    def draft_nodes(self, depth: int) -> int:
+        """The static tree's nodes down to ``depth``, the root included."""
+        return int((self.tree.depth <= max(depth, 0)).sum())
+
     def _logits(self, depth: int, features: list[torch.Tensor]) -> torch.Tensor:
         """Logits [depth, V'] of heads 0..depth-1 over the draft vocabulary; a shared LM head takes them as one
         batch of rows (one pass over its weight)."""

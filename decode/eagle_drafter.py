@@ -61,6 +61,13 @@ class EagleTreeDrafter(DrafterBase):
     def max_draft_depth(self) -> int:
         return int(self.depth)
 
+    def draft_nodes(self, depth: int) -> int:
+        """The root and the best ``total_tokens`` of the candidates grown to ``depth``: ``top_k`` at the first
+        level, ``top_k`` children of each of ``top_k`` nodes at every level after it (decode/dynamic_tree.py)."""
+        depth = min(max(depth, 0), self.depth)
+        grown = self.top_k + (depth - 1) * self.top_k * self.top_k if depth > 0 else 0
+        return 1 + min(self.total_tokens, grown)
+
     def _features(self, hidden_states, rows=None) -> torch.Tensor:
         """Target hidden states (L + 1 tensors [N, H]) -> step-0 draft features [1, n, H] (rows picked)."""
         picked = [h if rows is None else h[rows] for h in hidden_states]

@@ -137,13 +137,18 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
 
 
 def depth_policy(model: torch.nn.Module, linear_kernel: str, full_depth: int | None = None,
-                 verify_share: float = 1.0) -> AdaptiveDepth:
+                 verify_share: float = 1.0, drafter: Drafter | None = None) -> AdaptiveDepth:
     """Adaptive draft depth under this machine's verify cost curve, measured with the kernels the engine will run;
     ``full_depth``: the deepest draft the drafter proposes (None: the first step shows it); ``verify_share``: the
-    share of a forward its verify pass runs (a layer-skip drafter's ``verify_share``; 1 for the others)."""
+    share of a forward its verify pass runs (a layer-skip drafter's ``verify_share``; 1 for the others);
+    ``drafter``: the drafter whose ``draft_nodes`` give each depth's tree size from the first step (a static tree's
+    first levels can cost several forwards: guessed as a chain, they were drafted whole at the start)."""
     device = next(model.parameters()).device
     curve = measured_cost_curve(model, "small_batch" if use_small_batch(linear_kernel, device) else "torch")
-    return AdaptiveDepth(curve, full_depth=full_depth, verify_share=verify_share)
+    nodes = {}
+    if drafter is not None and full_depth is not None:
+        nodes = {d: n for d in range(1, full_depth + 1) if (n := drafter.draft_nodes(d)) is not None}
+    return AdaptiveDepth(curve, full_depth=full_depth, verify_share=verify_share, nodes=nodes)
 
 
 def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
@@ -151,7 +156,7 @@ def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
     """The engine for ``drafter`` under its settings (a family without a setting has it off): adaptive depth if
     ``adaptive``; with ``suffix``, the drafter and the suffix drafter merged into one tree per step
     (decode/hybrid.py:build_hybrid; the hybrid then applies the depth policy to the drafter's part)."""
-    policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share)
+    policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share, drafter)
               if settings.get("adaptive") else None)
     if settings.get("suffix"):
         from decode.hybrid import build_hybrid

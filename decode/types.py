@@ -124,6 +124,9 @@ class Drafter(Protocol):
     def modules(self) -> Sequence[torch.nn.Module]:
         """The neural modules the drafter runs (the engine gives their linear layers its small-batch kernels)."""
 
+    def draft_nodes(self, depth: int) -> int | None:
+        """Tree nodes (the root included) of a draft cut to ``depth``, when known before drafting; else None."""
+
 
 class DrafterBase:
     """No-op hooks, no modules, and every optional capability at its default; subclasses implement ``propose``.
@@ -140,6 +143,9 @@ class DrafterBase:
       levels); None when it does not say (adaptive depth then learns it from the first draft).
     - ``draft_forward_per_level``: drafting runs one forward per tree level (EAGLE trees, layer-skip chains) rather
       than one per proposal; the benchmark's draft-step cost divides by the levels then.
+    - ``draft_nodes(depth)``: how many tree nodes (the root included) a draft cut to ``depth`` holds, when the
+      family knows it before drafting (a static tree, a dynamic tree's budget, a block); None when it does not.
+      Adaptive depth weighs each depth's verify cost by it from the first step, instead of guessing a chain.
     - ``alone``: the drafter whose own cost the benchmark measures: itself, or a hybrid's trained drafter.
     """
 
@@ -160,6 +166,9 @@ class DrafterBase:
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return ()
+
+    def draft_nodes(self, depth: int) -> int | None:
+        return None
 
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         raise NotImplementedError

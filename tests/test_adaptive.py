@@ -241,3 +241,57 @@ def test_beside_a_confident_suffix_a_drafter_drafts_only_where_it_adds():
     # draft, less than the tokens per cost the suffix's nodes already give
     assert policy.rate(1, beside=confident) < policy.rate(0, beside=confident)
     assert policy.rate(0, beside=confident) == pytest.approx(3.5 / CPU_LIKE.cost(5))
+
+
+# the SmolLM2-135M verify curve of a 2-core AVX-512 CPU (ms, cached by decode.adaptive): flat to 4 nodes, then steep
+SMOLLM2_CPU = CostCurve(sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+                        ms=(26.65, 27.51, 27.86, 28.17, 41.15, 47.37, 61.04, 62.0, 80.41, 87.66, 134.17))
+
+
+def test_a_static_tree_is_weighed_at_its_size_from_the_first_step():
+    """mc_sim_7b_63's first level alone is 10 nodes, which cost as much as two forwards on a CPU. Guessed as a
+    chain before the first draft (depth + 1 nodes), its first drafts looked cheap and whole 60-node trees were
+    drafted at the start of every answer; told each depth's size, the policy drafts nothing until drafts pay."""
+    tree = load_tree("mc_sim_7b_63", num_heads=4)
+    sizes = {d: int(tree.truncate(d).num_nodes) for d in range(1, tree.max_depth + 1)}
+    assert AdaptiveDepth(SMOLLM2_CPU, full_depth=tree.max_depth).choose(100) >= 3  # a chain guess: deep and costly
+    told = AdaptiveDepth(SMOLLM2_CPU, full_depth=tree.max_depth, nodes=dict(sizes))
+    assert told.choose(100) == 0
+    # once a shallower cut was seen, a deeper one is never guessed smaller than it
+    seen = AdaptiveDepth(SMOLLM2_CPU, full_depth=tree.max_depth)
+    seen.observe(3, draft_of(tree.truncate(3)), 0, 0.0)
+    assert seen.choose(100) == 0
+    assert seen.rate(4, optimistic=True) <= seen.expected(4, optimistic=True) / SMOLLM2_CPU.cost(sizes[3] + 1)
+
+
+class _EveryDepth:
+    """A depth policy that asks depths 1, 2, .. ``top`` in turn and keeps the node count of each cut draft."""
+
+    def __init__(self, top: int):
+        self.top, self.step, self.seen = top, 0, {}
+
+    def choose(self, max_depth, beside=None):
+        self.step += 1
+        return min(max_depth, (self.step - 1) % self.top + 1)
+
+    def observe(self, asked, draft, accepted, draft_seconds):
+        if asked:  # not the last step's root alone
+            self.seen.setdefault(asked, set()).add(int(draft.tree.num_nodes))
+
+
+@pytest.mark.parametrize("family,settings", [("medusa", {}), ("eagle3", {}), ("eagle3", {"top_k": 3, "total_tokens": 10}),
+                                             ("dflash", {}), ("dflash", {"top_k": 3})])
+def test_each_family_says_how_many_nodes_a_depth_drafts(tiny_llama, family, settings):
+    """``draft_nodes(d)`` is the size of the draft the engine verifies when the policy asks depth d."""
+    from decode import registry
+    from heads.target import Target
+
+    model, tokenizer = tiny_llama
+    entry = registry.entry(family)
+    target = Target(model, tokenizer, "tiny-llama")
+    drafter = entry.build(entry.random_heads(model), target, entry.settings(None, settings))
+    policy = _EveryDepth(drafter.max_draft_depth)
+    SpeculativeDecoder(model, drafter, depth_policy=policy).generate(torch.arange(3, 12), max_new_tokens=40)
+    assert set(policy.seen) == set(range(1, drafter.max_draft_depth + 1))
+    for depth, sizes in policy.seen.items():
+        assert sizes == {drafter.draft_nodes(depth)}, (family, depth)

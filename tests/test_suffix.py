@@ -118,9 +118,34 @@ def test_a_flat_scored_chain_is_calibrated_per_depth():
     for _ in range(200):
         pooled.update(3, [1.0] * 16, accepted=1)
     assert best_size(pooled.probabilities([1.0] * 16, 3), CPU_CURVE, 16) == 16
-    # a depth never verified leans on the one above it in the same bucket; a new bucket on every bucket's depth 1
-    assert cal.factor(3, 17) == pytest.approx(cal.factor(3, 16))
+    # a depth never verified leans on the one above it in the same bucket (times the chance to go on, never above
+    # 1); a new bucket on every bucket's depth 1
+    assert cal.factor(3, 17) <= cal.factor(3, 16)
     assert cal.factor(5, 1) == pytest.approx(cal.factor(3, 1), rel=0.1)
+
+
+def test_before_any_evidence_a_deep_node_is_worth_less():
+    """On text not seen yet, one earlier occurrence's 16-token continuation: each level goes on at the prior's
+    ``prior_continue``, so a few first tokens are verified, not the whole continuation. With every depth at the
+    prior rate (``prior_continue`` 1) the whole chain looked worth more than two forwards' cost on a CPU. Evidence
+    then decides how deep a bucket's branches go."""
+    cpu = CostCurve.from_relative({1: 1.0, 4: 1.057, 6: 1.54, 16: 2.33, 32: 3.29})  # SmolLM2-135M, a 2-core CPU
+    fresh = Calibration()
+    probs = fresh.probabilities([1.0] * 16, 1, range(1, 17))
+    assert probs == pytest.approx([fresh.prior_rate * fresh.prior_continue ** d for d in range(16)])
+    assert 1 <= best_size(probs, cpu, 16) <= 3
+    hopeful = Calibration(prior_continue=1.0)
+    assert best_size(hopeful.probabilities([1.0] * 16, 1, range(1, 17)), cpu, 16) == 16
+    # what a bucket showed at the levels it verified carries deeper: a long copy (every verified level accepted, the
+    # first 3 of them) is hoped to go on and is tried whole; continuations that halved level by level are not
+    copying, fading = Calibration(), Calibration()
+    for step in range(40):
+        for depth in range(1, 4):
+            copying.update(8, [1.0], accepted=1, depth=depth)
+            fading.update(1, [1.0], accepted=int(step % 2 ** depth == 0), depth=depth)  # 1/2, 1/4, 1/8
+    assert min(copying.factors(8, 16)) > 0.75
+    assert best_size(copying.probabilities([1.0] * 16, 8, range(1, 17)), cpu, 16) == 16
+    assert fading.factor(1, 6) < 0.03 and best_size(fading.probabilities([1.0] * 16, 1, range(1, 17)), cpu, 16) <= 3
 
 
 def test_the_drafter_records_each_depth_of_its_branch(tiny_llama):

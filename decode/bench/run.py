@@ -46,15 +46,20 @@ def check_lossless(results: dict[str, dict], where: dict) -> list[dict]:
 
 
 def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool, lossless: bool,
-                progress: bool = True) -> tuple[list[dict], list[dict]]:
+                progress: bool = True, fresh: bool = False) -> tuple[list[dict], list[dict]]:
     """Every method on each prompt in turn (all methods on prompt 1, then on prompt 2, ...); second turns carry HF
-    generate's first answer as the assistant turn. Returns the per-run records and the losslessness mismatches."""
+    generate's first answer as the assistant turn. ``fresh``: each engine method gets a new decoder for every
+    question (its turns share it), as a process that answers one question starts. Returns the per-run records and
+    the losslessness mismatches."""
     base = methods[0].session
     tokenizer, s = base.target.tokenizer, base.settings
     turns = [q["turns"][:2 if second_turns else 1] for q in questions]
     bar = tqdm(total=sum(map(len, turns)) * len(methods), desc="bench", unit="run", disable=not progress)
     records, mismatches = [], []
     for q, q_turns in zip(questions, turns):
+        if fresh:
+            for m in methods:
+                m.fresh()
         messages: list[dict] = []
         for turn, text in enumerate(q_turns, start=1):
             messages.append({"role": "user", "content": text})
@@ -76,7 +81,7 @@ def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool
 
 
 BENCH_KEYS = ("methods", "prompts", "limit", "per_category", "heads", "prompt_lookup_num_tokens", "draft",
-              "early_exit_sweep_prompts", "early_exit_layers", "early_exit_generate", "second_turns", "out")
+              "early_exit_sweep_prompts", "early_exit_layers", "early_exit_generate", "second_turns", "fresh", "out")
 
 
 def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
@@ -95,14 +100,15 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
               "settings": {"prompts": str(c["prompts"]), "questions": len(questions),
-                           "second_turns": bool(c["second_turns"]), **s, "acceptance": base.sampling.acceptance,
+                           "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]), **s, "acceptance": base.sampling.acceptance,
                            "linear_kernel": base.decoder.linear_kernel, "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
               "verify_cost": cost_curves(base, cfg)}
     first = _first_turn(base, questions[0])
     report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"
-    records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress)
+    records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress,
+                                      fresh=bool(c["fresh"]))
     report["categories"], report["figures"] = summarize_runs(records, methods)
     report["sources"] = source_groups(records)
     report.update(lossless_checked=lossless, mismatches=mismatches, runs=records)

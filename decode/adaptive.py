@@ -162,7 +162,9 @@ class AdaptiveDepth:
     measured seconds per drafted step over one forward's, kept per depth drafted (a chain drafter such as layer-skip
     pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every
     ``explore_every`` steps a depth one level deeper than the best is verified, so the estimates follow the text;
-    while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps).
+    while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps). A depth that
+    could not beat the best even if every level were accepted is never looked at (the next deeper one that could is
+    looked at instead, or none).
     ``verify_share`` scales the verify cost of a drafted step: 1 for a verify pass over the whole target; a layer-skip
     drafter's pass skips the first layers its draft already ran on the chain, whose time is in the drafting cost.
     The choice is optimistic under uncertainty (as UCB bandits are): each ``a_j`` counts ``optimism`` standard errors
@@ -218,13 +220,15 @@ class AdaptiveDepth:
         """Expected tokens of a step that drafts to ``depth``: the target's own plus the accepted drafted ones."""
         return 1.0 + sum(self.acceptance(j, optimistic) for j in range(1, depth + 1))
 
-    def rate(self, depth: int, optimistic: bool = False, beside: Beside = ROOT) -> float:
+    def rate(self, depth: int, optimistic: bool = False, beside: Beside = ROOT, ceiling: bool = False) -> float:
         """Expected tokens per one-token forward time when drafting to ``depth`` (``optimistic``: see
         :meth:`acceptance`), in a tree that already holds ``beside`` (another drafter's nodes: see :class:`Beside`).
-        This drafter's tokens count only where that drafter's first level misses, and its nodes add to the tree."""
+        This drafter's tokens count only where that drafter's first level misses, and its nodes add to the tree.
+        ``ceiling``: the rate if every level were accepted, the most drafting to ``depth`` could ever give."""
         if depth == 0:
             return beside.expected / self.curve.cost(beside.nodes)
-        expected = beside.expected + beside.miss * (self.expected(depth, optimistic) - 1.0)
+        drafted = float(depth) if ceiling else self.expected(depth, optimistic) - 1.0
+        expected = beside.expected + beside.miss * drafted
         draft = self.draft_seconds(depth) / (self.curve.ms[0] / 1000.0) if self.measure_draft else 0.0
         return expected / (self.verify_share * self.curve.cost(beside.nodes + self._nodes(depth) - 1) + draft)
 
@@ -252,10 +256,16 @@ class AdaptiveDepth:
         self.since_explore += 1
         if self.since_explore <= self.interval:
             return best
-        # one level deeper than the best, the cheapest look; looked at less often while looking does not pay
+        # the shallowest deeper depth, the cheapest look; looked at less often while looking does not pay. A depth
+        # that could not beat the best even if every level were accepted is not looked at (on a CPU, a Medusa
+        # tree's 10-node first level costs more than the two tokens it could give)
         self.since_explore = 0
+        here = self.rate(best, optimistic=True, beside=beside)
+        look = next((d for d in range(best + 1, top + 1) if self.rate(d, beside=beside, ceiling=True) > here), None)
+        if look is None:
+            return best
         self.interval = min(2 * self.interval, 32 * self.explore_every)
-        return best + 1
+        return look
 
     def observe(self, asked: int, draft, accepted: int, draft_seconds: float) -> None:
         depth = int(draft.tree.max_depth)

@@ -295,3 +295,16 @@ def test_each_family_says_how_many_nodes_a_depth_drafts(tiny_llama, family, sett
     assert set(policy.seen) == set(range(1, drafter.max_draft_depth + 1))
     for depth, sizes in policy.seen.items():
         assert sizes == {drafter.draft_nodes(depth)}, (family, depth)
+
+
+def test_a_depth_that_could_never_pay_is_not_looked_at():
+    """On this CPU curve mc_sim_7b_63's cuts cost more forwards than the tokens they could give even if every level
+    were accepted (10 nodes for at most 2 tokens, ...): heads that accept nothing are never looked at again. A chain
+    of the same depth could pay, so it is still looked at every so often."""
+    tree = load_tree("mc_sim_7b_63", num_heads=4)
+    sizes = {d: int(tree.truncate(d).num_nodes) for d in range(1, tree.max_depth + 1)}
+    policy = AdaptiveDepth(SMOLLM2_CPU, measure_draft=False, full_depth=tree.max_depth, nodes=dict(sizes))
+    assert all(policy.rate(d, ceiling=True) <= policy.rate(0) for d in range(1, tree.max_depth + 1))
+    assert run_policy(policy, lambda depth: 0, steps=200) == [0] * 200
+    chain = AdaptiveDepth(SMOLLM2_CPU, measure_draft=False, full_depth=4)
+    assert any(run_policy(chain, lambda depth: 0, steps=200, tree="chain-4")[100:])

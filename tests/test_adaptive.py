@@ -279,8 +279,8 @@ class _EveryDepth:
             self.seen.setdefault(asked, set()).add(int(draft.tree.num_nodes))
 
 
-@pytest.mark.parametrize("family,settings", [("medusa", {}), ("eagle3", {}), ("eagle3", {"top_k": 3, "total_tokens": 10}),
-                                             ("dflash", {}), ("dflash", {"top_k": 3})])
+@pytest.mark.parametrize("family,settings", [
+    ("medusa", {}), ("eagle3", {}), ("eagle3", {"top_k": 3, "total_tokens": 10}), ("dflash", {}), ("dflash", {"top_k": 3})])
 def test_each_family_says_how_many_nodes_a_depth_drafts(tiny_llama, family, settings):
     """``draft_nodes(d)`` is the size of the draft the engine verifies when the policy asks depth d."""
     from decode import registry

@@ -100,8 +100,9 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
               "settings": {"prompts": str(c["prompts"]), "questions": len(questions),
-                           "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]), **s, "acceptance": base.sampling.acceptance,
-                           "linear_kernel": base.decoder.linear_kernel, "heads": heads_folders(c["heads"])},
+                           "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]), **s,
+                           "acceptance": base.sampling.acceptance, "linear_kernel": base.decoder.linear_kernel,
+                           "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
               "verify_cost": cost_curves(base, cfg)}
     first = _first_turn(base, questions[0])

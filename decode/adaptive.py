@@ -246,7 +246,8 @@ class AdaptiveDepth:
         if self.full_depth is None:
             return max_depth  # the first step shows how deep the drafter goes
         top = min(max_depth, self.full_depth)
-        best = max(range(top + 1), key=lambda d: self.rate(d, optimistic=True, beside=beside))
+        rates = [self.rate(d, optimistic=True, beside=beside) for d in range(top + 1)]
+        best = max(range(top + 1), key=rates.__getitem__)
         if best > self.last_best:
             self.interval = self.explore_every  # deeper paid off: look further again soon
         self.last_best = best
@@ -260,8 +261,8 @@ class AdaptiveDepth:
         # that could not beat the best even if every level were accepted is not looked at (on a CPU, a Medusa
         # tree's 10-node first level costs more than the two tokens it could give)
         self.since_explore = 0
-        here = self.rate(best, optimistic=True, beside=beside)
-        look = next((d for d in range(best + 1, top + 1) if self.rate(d, beside=beside, ceiling=True) > here), None)
+        look = next((d for d in range(best + 1, top + 1) if self.rate(d, beside=beside, ceiling=True) > rates[best]),
+                    None)
         if look is None:
             return best
         self.interval = min(2 * self.interval, 32 * self.explore_every)

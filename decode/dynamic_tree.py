@@ -87,6 +87,14 @@ def select_top(scores: torch.Tensor, count: int) -> torch.Tensor:
     return order[:count]
 
 
+def dynamic_tree_nodes(depth: int, top_k: int, total_tokens: int) -> int:
+    """Nodes (the root included) of a tree :func:`grow_dynamic_tree` grows to ``depth`` when every expansion has
+    ``top_k`` children: ``top_k`` at the first level, ``top_k`` children of each of ``top_k`` nodes at every level
+    after it, the best ``total_tokens`` of them kept."""
+    grown = top_k + (depth - 1) * top_k * top_k if depth > 0 else 0
+    return 1 + min(total_tokens, grown)
+
+
 def grow_dynamic_tree(
     root_token: int,
     root_children: tuple[torch.Tensor, torch.Tensor],

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from decode.cache import Backlog, new_cache
-from decode.dynamic_tree import DraftTreeExpander, grow_dynamic_tree, topk_children
+from decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dynamic_tree, topk_children
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
 from heads.eagle import EagleDrafter
@@ -62,11 +62,7 @@ class EagleTreeDrafter(DrafterBase):
         return int(self.depth)
 
     def draft_nodes(self, depth: int) -> int:
-        """The root and the best ``total_tokens`` of the candidates grown to ``depth``: ``top_k`` at the first
-        level, ``top_k`` children of each of ``top_k`` nodes at every level after it (decode/dynamic_tree.py)."""
-        depth = min(max(depth, 0), self.depth)
-        grown = self.top_k + (depth - 1) * self.top_k * self.top_k if depth > 0 else 0
-        return 1 + min(self.total_tokens, grown)
+        return dynamic_tree_nodes(min(max(depth, 0), self.depth), self.top_k, self.total_tokens)
 
     def _features(self, hidden_states, rows=None) -> torch.Tensor:
         """Target hidden states (L + 1 tensors [N, H]) -> step-0 draft features [1, n, H] (rows picked)."""

@@ -29,6 +29,15 @@ group's product and hands each later member its slice when that member is called
 other input: its own product). A plain decoding step of SmolLM2 on a 2-core AMD EPYC (Zen 5) took 23.2 ms instead of
 24.6 ms (docs/benchmarks.md): each product a step skips saves its padding, its kernel call and its copies. Each output
 element is the same dot product as before.
+
+**Packed weights (oneDNN).** The fastest product measured for small row counts on a CPU is none of the BLAS calls
+above but oneDNN's, on a weight reordered once into the blocked layout its kernel reads (``PACKED`` in a plan: what
+PyTorch's compiler and vLLM's CPU backend run). It streams the weight once at any row count, so that verifying 16
+rows costs little more than one: on a 2-core AMD EPYC (Zen 5) a one-token forward of SmolLM2 took 24.4 ms instead of
+27.6, and a 16-node verify 33.3 ms instead of 64.5 (docs/benchmarks.md). The packed copy is as large as the weight:
+it is made at the first decode (:func:`packed_weight`), kept while the module lives and made again when the weight
+changes; the option is measured only where every linear weight of the model packed takes at most
+``PACK_MEMORY_SHARE`` of the machine's memory (:func:`packing_fits`).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,7 +64,10 @@ MAX_ROWS = 64  # above this the ordinary x @ W.T kernel is as good (compute boun
 KERNELS = ("auto", "torch", "small_batch")
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others take the next one up's choice
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
-PLAN_METHOD = 2  # part of the cache key: plans measured by an earlier method are measured again
+PLAN_METHOD = 3  # part of the cache key: plans measured by an earlier method are measured again
+PACKED = -1  # a RowPlan width: oneDNN's product on the weight packed once for it (see the module doc)
+PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64: within 3%)
+PACK_MEMORY_SHARE = 0.25  # packing is measured only if the packed copies take at most this share of the memory
 
 
 def padded_rows(rows: int) -> int:
@@ -63,27 +76,37 @@ def padded_rows(rows: int) -> int:
     return -(-rows // 4) * 4 if rows <= 8 else -(-rows // 8) * 8
 
 
-def candidate_widths(rows: int) -> list[int]:
-    """The options measured for ``rows`` rows: 0 (PyTorch's own product) and the widths ``(W @ x.T).T`` may pad to:
-    the rows themselves, and rounded up to a multiple of 2, 4, 8 or 16, at most doubled and at most ``MAX_ROWS``."""
+def candidate_widths(rows: int, packed: bool = False) -> list[int]:
+    """The options measured for ``rows`` rows: ``PACKED`` (oneDNN on a packed weight) if ``packed``, 0 (PyTorch's
+    own product) and the widths ``(W @ x.T).T`` may pad to: the rows themselves, and rounded up to a multiple of 2,
+    4, 8 or 16, at most doubled and at most ``MAX_ROWS``."""
     widths = {rows, *(-(-rows // m) * m for m in (2, 4, 8, 16))}
-    return [0] + sorted(w for w in widths if w <= min(2 * rows, MAX_ROWS))
+    return [PACKED] * packed + [0] + sorted(w for w in widths if w <= min(2 * rows, MAX_ROWS))
 
 
 @dataclass(frozen=True)
 class RowPlan:
     """For 1..``MAX_ROWS`` input rows, ``widths[rows - 1]``: the width the rows are padded to for ``(W @ x.T).T``,
-    or 0 for PyTorch's own ``F.linear``."""
+    0 for PyTorch's own ``F.linear``, or ``PACKED`` for oneDNN's product on the packed weight. More rows than
+    ``MAX_ROWS`` take the packed product if ``MAX_ROWS`` rows do, else PyTorch's."""
 
     widths: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if len(self.widths) != MAX_ROWS or any(w != 0 and not r <= w <= MAX_ROWS
+        if len(self.widths) != MAX_ROWS or any(w not in (0, PACKED) and not r <= w <= MAX_ROWS
                                                for r, w in enumerate(self.widths, start=1)):
-            raise ValueError(f"RowPlan: need {MAX_ROWS} widths, each 0 or from its row count to {MAX_ROWS}.")
+            raise ValueError(f"RowPlan: need {MAX_ROWS} widths, each 0, {PACKED} (packed) or from its row count to "
+                             f"{MAX_ROWS}.")
 
     def width(self, rows: int) -> int:
-        return self.widths[rows - 1] if 1 <= rows <= MAX_ROWS else 0
+        if 1 <= rows <= MAX_ROWS:
+            return self.widths[rows - 1]
+        return PACKED if rows > MAX_ROWS and self.widths[-1] == PACKED else 0
+
+    @property
+    def packs(self) -> bool:
+        """Whether some row count takes the packed product (so the weights are packed on entry)."""
+        return PACKED in self.widths
 
     @classmethod
     def default(cls) -> "RowPlan":
@@ -94,17 +117,19 @@ class RowPlan:
     def from_choices(cls, chosen: dict[int, int]) -> "RowPlan":
         """From the width chosen for each measured row count (``PROBE_ROWS``): a row count between two measured ones
         takes the choice of the next one up (padding it there, or PyTorch's product if that was chosen); one above
-        them all is not padded, and takes ``(W @ x.T).T`` if the largest measured did."""
+        them all takes the largest one's kernel (unpadded if that was ``(W @ x.T).T``)."""
         probes = sorted(chosen)
         widths = []
         for rows in range(1, MAX_ROWS + 1):
             probe = next((p for p in probes if p >= rows), None)
-            widths.append(chosen[probe] if probe is not None else (rows if chosen[probes[-1]] else 0))
+            top = chosen[probes[-1]]
+            widths.append(chosen[probe] if probe is not None else (top if top in (0, PACKED) else rows))
         return cls(tuple(widths))
 
 
 def choose_widths(seconds: dict[tuple[int, int], float]) -> dict[int, int]:
-    """{(rows, width): time} -> {rows: the fastest width} (on a tie, the smaller width; 0, PyTorch's, first)."""
+    """{(rows, width): time} -> {rows: the fastest width} (on a tie, the smaller width: ``PACKED``, then 0,
+    PyTorch's, then the narrowest padding)."""
     best: dict[int, tuple[float, int]] = {}
     for (rows, width), t in seconds.items():
         if rows not in best or (t, width) < best[rows]:
@@ -112,11 +137,19 @@ def choose_widths(seconds: dict[tuple[int, int], float]) -> dict[int, int]:
     return {rows: width for rows, (_, width) in best.items()}
 
 
-def _product(weight: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
-    """x [rows, in] @ weight.T as the plan's kernel: 0 -> F.linear; else (W @ x.T).T with x zero-padded to width.
+def _packed_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ W.T by oneDNN, W packed by :func:`pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def _product(weight: torch.Tensor, x: torch.Tensor, width: int, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ weight.T as the plan's kernel: ``PACKED`` -> oneDNN on ``packed`` (``weight`` packed by
+    :func:`pack_weight`; without it, F.linear); 0 -> F.linear; else (W @ x.T).T with x zero-padded to width.
     Both x and the result are made row-major: the BLAS is several times slower on a column-major x.T (the layout a
     previous small-batch product leaves), and elementwise ops after it slower on a transposed result."""
-    if width == 0:
+    if width == PACKED and packed is not None:
+        return _packed_product(x, packed)
+    if width <= 0:
         return F.linear(x, weight)
     rows = x.shape[0]
     if width != rows:
@@ -126,23 +159,101 @@ def _product(weight: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def time_widths(weights: Sequence[torch.Tensor], probes: Sequence[int] = PROBE_ROWS, repeats: int = PLAN_REPEATS,
-                clock: Callable[[], float] = time.perf_counter) -> dict[tuple[int, int], float]:
+                clock: Callable[[], float] = time.perf_counter,
+                packed: bool | None = None) -> dict[tuple[int, int], float]:
     """Median time of one pass over ``weights`` (a forward's worth of products, so that weights come from memory as
     in a forward) per (rows, width) option of :func:`candidate_widths`, options interleaved across repeats (in
-    alternating order, so that a drift of the machine's speed hits all alike)."""
+    alternating order, so that a drift of the machine's speed hits all alike). ``packed``: whether to time oneDNN's
+    product on packed weights too (default: where :func:`can_pack` says this machine can; the weights are packed
+    before the timing)."""
     weights = list(weights)
-    options = [(rows, width) for rows in probes for width in candidate_widths(rows)]
+    if packed is None:
+        packed = all(can_pack(w) for w in weights)
+    packs = [pack_weight(w) for w in weights] if packed else [None] * len(weights)
+    options = [(rows, width) for rows in probes for width in candidate_widths(rows, packed)]
     inputs = {rows: [torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
               for rows in probes}
     times: dict[tuple[int, int], list[float]] = {o: [] for o in options}
     for r in range(repeats + 1):  # the first round warms up; every other round runs the options backwards
         for rows, width in options if r % 2 else options[::-1]:
             t0 = clock()
-            for w, x in zip(weights, inputs[rows]):
-                _product(w, x, width)
+            for w, x, p in zip(weights, inputs[rows], packs):
+                _product(w, x, width, p)
             if r:
                 times[(rows, width)].append(clock() - t0)
     return {o: statistics.median(t) for o, t in times.items()}
+
+
+# --- packed weights (oneDNN) -----------------------------------------------------------------------------------------
+
+_CAN_PACK: dict[tuple[torch.dtype, str], bool] = {}
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether this machine's PyTorch runs oneDNN's packed product for ``weight``'s dtype on its device (CPUs only;
+    tried once per dtype on a small weight, checked against F.linear)."""
+    key = (weight.dtype, weight.device.type)
+    if key not in _CAN_PACK:
+        ok = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        if ok:
+            try:
+                with torch.no_grad():
+                    w = torch.randn(8, 16).to(weight.dtype)
+                    x = torch.randn(3, 16).to(weight.dtype)
+                    ok = bool(torch.allclose(_product(w, x, PACKED, pack_weight(w)).float(),
+                                             F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
+            except (RuntimeError, AttributeError, NotImplementedError):
+                ok = False
+        _CAN_PACK[key] = ok
+    return _CAN_PACK[key]
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered into the layout oneDNN's linear kernel reads (a copy, as large)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def packing_fits(weights: Sequence[torch.Tensor], memory_bytes: int | None = None) -> bool:
+    """Whether packed copies of ``weights`` take at most ``PACK_MEMORY_SHARE`` of ``memory_bytes`` (default: this
+    machine's physical memory): the copy is kept beside the weights while the model lives."""
+    if memory_bytes is None:
+        import psutil
+
+        memory_bytes = psutil.virtual_memory().total
+    return sum(w.numel() * w.element_size() for w in weights) <= PACK_MEMORY_SHARE * memory_bytes
+
+
+# module -> (what its packed weight was made from, a sample of its values, the packed weight); dropped with the module
+_PACKS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+PACK_SAMPLE = 256  # values of a weight compared on each entry with those it was packed from
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: it cannot change outside inference mode
+        return 0
+
+
+def packed_weight(module: nn.Module, weight: torch.Tensor, versions: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``weight`` packed for ``module`` (its own weight, or its projection group's), from the copy kept for it if
+    ``weight`` has not changed since (same storage, shape and dtype; none of ``versions`` written in place; a stride
+    of ``PACK_SAMPLE`` of its values equal, which catches writes through ``.data`` that skip the version counter,
+    as a LoRA merge does), else packed anew and kept. None where this machine cannot pack it."""
+    if not can_pack(weight):
+        return None
+    key = (weight.data_ptr(), tuple(weight.shape), weight.stride(), weight.dtype,
+           tuple(_version(v) for v in versions))
+    flat = weight.detach().reshape(-1)
+    sample = flat[::max(1, flat.numel() // PACK_SAMPLE)]
+    kept = _PACKS.get(module)
+    if kept is not None and kept[0] == key and torch.equal(kept[1], sample):
+        return kept[2]
+    _PACKS.pop(module, None)  # free the stale copy before making the new one
+    packed = pack_weight(weight)
+    _PACKS[module] = (key, sample.clone(), packed)
+    return packed
 
 
 def linear_weights(*modules: nn.Module | None) -> list[torch.Tensor]:
@@ -174,14 +285,16 @@ def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
     key = json.dumps({"shapes": [list(w.shape) for w in weights], "dtype": str(weights[0].dtype),
                       "device": str(weights[0].device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                      "method": PLAN_METHOD, "max_rows": MAX_ROWS}, sort_keys=True)
+                      "method": PLAN_METHOD, "max_rows": MAX_ROWS, "packing": packing_offered(weights)},
+                     sort_keys=True)
     return cache_dir() / "kernel_plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def measured_row_plan(model: nn.Module) -> RowPlan:
     """The :class:`RowPlan` for ``model``'s linear layers on this machine: measured on its own weights the first
-    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache. Off a CPU the small-batch
-    product is not used and the default plan is returned unmeasured."""
+    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache; the packed product is among
+    the options where :func:`packing_offered` says so. Off a CPU the small-batch product is not used and the default
+    plan is returned unmeasured."""
     weights = linear_weights(model)
     if not weights or weights[0].device.type != "cpu":
         return RowPlan.default()
@@ -190,9 +303,15 @@ def measured_row_plan(model: nn.Module) -> RowPlan:
         return RowPlan(tuple(int(w) for w in json.loads(path.read_text())["widths"]))
     except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
         pass
-    plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights))))
+    plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights), packed=packing_offered(weights))))
     write_row_plan(weights, plan)
     return plan
+
+
+def packing_offered(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether a plan for ``weights`` (a model's linear weights, all of them) may choose the packed product: this
+    machine can pack them and the copies fit (:func:`can_pack`, :func:`packing_fits`)."""
+    return bool(weights) and all(can_pack(w) for w in weights) and packing_fits(weights)
 
 
 def write_row_plan(weights: Sequence[torch.Tensor], plan: RowPlan) -> Path:
@@ -206,13 +325,15 @@ def write_row_plan(weights: Sequence[torch.Tensor], plan: RowPlan) -> Path:
 
 
 class SmallBatchLinear(nn.Linear):
-    """``nn.Linear`` computing ``(W @ x.T).T`` on rows padded as its :class:`RowPlan` says, when the input has
-    1..MAX_ROWS rows on a CPU and no gradient is needed (see the module doc). The first linear of a projection group
-    (``_group``) computes the group's product and leaves each later member its slice (``_handed``)."""
+    """``nn.Linear`` computing its product as its :class:`RowPlan` says for the number of input rows: ``(W @ x.T).T``
+    on rows padded to a width, or oneDNN's product on the weight packed on entry (``_packed``), when the input is on a
+    CPU and no gradient is needed (see the module doc). The first linear of a projection group (``_group``) computes
+    the group's product and leaves each later member its slice (``_handed``)."""
 
     _row_plan: RowPlan = RowPlan.default()
     _group: "ProjectionGroup | None" = None
     _handed: "tuple[torch.Tensor, torch.Tensor] | None" = None
+    _packed: "torch.Tensor | None" = None  # this linear's weight, or its group's, packed (PACKED plans only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         handed = self.__dict__.pop("_handed", None)
@@ -221,11 +342,12 @@ class SmallBatchLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         width = self._row_plan.width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if width == 0 or x.device.type != "cpu" or grad:
+        packed = self._packed
+        if width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad:
             return F.linear(x, self.weight, self.bias)
         group = self._group
         weight, bias = (self.weight, self.bias) if group is None else (group.weight, group.bias)
-        y = _product(weight, x.reshape(rows, x.shape[-1]), width)
+        y = _product(weight, x.reshape(rows, x.shape[-1]), width, packed)
         if bias is not None:
             y = y + bias
         if group is None:
@@ -330,7 +452,9 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
     """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear` padding rows as
     ``plan`` says (default: :meth:`RowPlan.default`); yields how many were swapped. Subclasses of ``nn.Linear``
     (quantized, LoRA, ...) are left alone. The projection groups under ``grouped`` (among ``modules``; their
-    parameters become views of one tensor per group, see the module doc) compute one product per group."""
+    parameters become views of one tensor per group, see the module doc) compute one product per group. Where
+    ``plan`` takes the packed product, each swapped linear's weight (a group's first member: the group's) is packed
+    on entry, or its kept copy reused (:func:`packed_weight`)."""
     swapped: list[nn.Module] = []
     groups: list[ProjectionGroup] = []
     if enabled:
@@ -346,6 +470,13 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
         groups = [g for g in projection_groups(*grouped) if all(type(m) is SmallBatchLinear for m in g.members)]
         for group in groups:
             group.members[0].__dict__["_group"] = group
+        if plan is not None and plan.packs:
+            firsts = {id(g.members[0]): g for g in groups}
+            for sub in swapped:
+                group = firsts.get(id(sub))
+                weight, versions = ((sub.weight, (sub.weight,)) if group is None
+                                    else (group.weight, tuple(m.weight for m in group.members)))
+                sub.__dict__["_packed"] = packed_weight(sub, weight, versions)
     try:
         yield len(swapped)
     finally:
@@ -355,4 +486,5 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
                 member.__dict__.pop("_handed", None)
         for sub in swapped:
             sub.__dict__.pop("_row_plan", None)
+            sub.__dict__.pop("_packed", None)
             sub.__class__ = nn.Linear

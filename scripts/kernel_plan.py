@@ -5,7 +5,8 @@
 
 The engine measures the plan by itself on its first decode and caches it; this script measures it again (same
 method: a pass over a stride of the model's weights per option, medians of ``--repeats`` interleaved rounds), prints
-per row count the time of PyTorch's own product and of each padded width, writes the plan into the cache (so the
+per row count the time of PyTorch's own product, of oneDNN's on packed weights (where offered) and of each padded
+width, writes the plan into the cache (so the
 engine uses it from now on) and the table as JSON to ``--out``. The config is conf/decode/decode.yaml with the
 overrides after ``--`` (its ``model``, ``dtype``, ``device``).
 """
@@ -23,8 +24,8 @@ if str(REPO) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from decode.kernels import (PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights, sample_weights,
-                                time_widths, write_row_plan)
+    from decode.kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights,
+                                packing_offered, sample_weights, time_widths, write_row_plan)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=PLAN_REPEATS)
@@ -42,22 +43,26 @@ def main(argv: list[str] | None = None) -> dict:
         target = load_target(target_config_from_overrides(args.overrides))
         weights = linear_weights(target.model)
         sample = sample_weights(weights)
-        seconds = time_widths(sample, repeats=args.repeats)
+        packing = packing_offered(weights)
+        seconds = time_widths(sample, repeats=args.repeats, packed=packing)
         plan = RowPlan.from_choices(choose_widths(seconds))
         path = write_row_plan(weights, plan)
     rows = {r: {str(w): 1000 * t for (rr, w), t in sorted(seconds.items()) if rr == r} for r in PROBE_ROWS}
     report = {"model": target.name, "threads": torch.get_num_threads(), "weights_timed": len(sample),
-              "weights": len(weights), "repeats": args.repeats, "ms": rows, "widths": list(plan.widths)}
+              "weights": len(weights), "repeats": args.repeats, "packing": packing, "ms": rows, "widths": list(plan.widths)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{target.name}: one pass over {len(sample)} of its {len(weights)} linear weights, ms (median of "
-          f"{args.repeats}); width 0 is PyTorch's own x @ W.T")
-    print("| rows | " + " | ".join(["PyTorch", "padded to: ms"]) + " | chosen |")
-    print("|---|---|---|---|")
+          f"{args.repeats}); width 0 is PyTorch's own x @ W.T, {PACKED} oneDNN's product on packed weights"
+          + ("" if packing else " (not offered here: see decode.kernels.packing_offered)"))
+    print("| rows | PyTorch | packed | padded to: ms | chosen |")
+    print("|---|---|---|---|---|")
+    names = {0: "PyTorch", PACKED: "packed"}
     for r in PROBE_ROWS:
-        padded = ", ".join(f"{w}: {ms:.1f}" for w, ms in rows[r].items() if w != "0")
+        padded = ", ".join(f"{w}: {ms:.1f}" for w, ms in rows[r].items() if int(w) > 0)
+        packed = f"{rows[r][str(PACKED)]:.1f}" if str(PACKED) in rows[r] else "-"
         chosen = plan.width(r)
-        print(f"| {r} | {rows[r]['0']:.1f} | {padded} | {chosen or 'PyTorch'} |")
+        print(f"| {r} | {rows[r]['0']:.1f} | {packed} | {padded} | {names.get(chosen, chosen)} |")
     print(f"plan written to {path}")
     return report
 

@@ -196,6 +196,23 @@ def test_greedy_equals_hf_under_either_linear_kernel(target, kernel):
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
+@pytest.mark.parametrize("kernel", ["packed", "padded"])
+def test_greedy_equals_hf_under_each_small_batch_product(monkeypatch, target, kernel):
+    """A machine's plan may choose oneDNN's product on packed weights or the padded (W @ x.T).T for any row count:
+    each, forced for every count, verifies what HF generate decodes."""
+    import decode.engine
+    from decode.kernels import MAX_ROWS, PACKED, RowPlan, can_pack
+
+    if kernel == "packed" and not can_pack(torch.zeros(1)):
+        pytest.skip("this PyTorch cannot pack weights for oneDNN here")
+    plan = RowPlan((PACKED,) * MAX_ROWS if kernel == "packed" else tuple([2] + list(range(2, MAX_ROWS + 1))))
+    monkeypatch.setattr(decode.engine, "measured_row_plan", lambda model: plan)
+    arch, model, _ = target
+    oracle = OracleDrafter(load_tree(TREES["default"]), model.config.vocab_size, seed=5)
+    run_greedy(model, oracle, arch, oracle, linear_kernel="small_batch")
+    assert oracle.longest_accept >= 3
+
+
 def test_greedy_equals_hf_with_a_dynamic_tree_drafter(target):
     arch, model, _ = target
     oracle = OracleDrafter(None, model.config.vocab_size, seed=7)

@@ -8,8 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from decode.kernels import (MAX_ROWS, PROBE_ROWS, RowPlan, SmallBatchLinear, candidate_widths, choose_widths,
-                            measured_row_plan, sample_weights, small_batch_linears, use_small_batch)
+from decode.kernels import (MAX_ROWS, PACKED, PROBE_ROWS, RowPlan, SmallBatchLinear, can_pack, candidate_widths,
+                            choose_widths, measured_row_plan, sample_weights, small_batch_linears, use_small_batch)
+
+
+def kernels_can_pack() -> bool:
+    return can_pack(torch.zeros(1))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -196,7 +200,8 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["widths"] == report["widths"] and len(report["widths"]) == MAX_ROWS
     assert set(report["ms"]) == set(PROBE_ROWS)
-    assert all(set(report["ms"][r]) == {str(w) for w in candidate_widths(r)} for r in PROBE_ROWS)
+    assert report["packing"] == kernels.packing_offered(kernels.linear_weights(load_target(model_config("tiny")).model))
+    assert all(set(report["ms"][r]) == {str(w) for w in candidate_widths(r, report["packing"])} for r in PROBE_ROWS)
     assert "| 1 |" in printed and "plan written to" in printed
     # the engine reads that plan from the cache instead of measuring again
     monkeypatch.setattr(kernels, "time_widths", lambda *a, **k: pytest.fail("measured again"))
@@ -274,3 +279,113 @@ def test_projections_that_cannot_be_one_product_are_left_alone():
     group = group_storage([e, f])
     assert group is not None and group.sizes == (4, 3) and group.weight.shape == (7, 6) and group.bias.shape == (7,)
     assert torch.equal(group.weight[4:], f.weight) and torch.equal(group.bias[:4], e.bias)
+
+
+# --- packed weights (oneDNN) -------------------------------------------------------------------------------------------
+
+needs_packing = pytest.mark.skipif(not kernels_can_pack(), reason="this PyTorch cannot pack weights for oneDNN here")
+
+
+def _within_rounding(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> None:
+    """``out`` equals x @ W.T + b up to float32 rounding of each dot product in any summation order: at most
+    (in_features + 1) * eps * sum_i |x_i w_i| (+ |b|) per element."""
+    ref = nn.functional.linear(x, lin.weight, lin.bias)
+    bound = nn.functional.linear(x.abs(), lin.weight.abs(), None if lin.bias is None else lin.bias.abs())
+    eps = torch.finfo(torch.float32).eps
+    assert out.shape == ref.shape
+    assert ((out - ref).abs() <= (lin.in_features + 1) * eps * bound + 1e-30).all()
+
+
+def _recording_packed(monkeypatch) -> list[int]:
+    from decode import kernels
+
+    calls = []
+    real = kernels._packed_product
+    monkeypatch.setattr(kernels, "_packed_product", lambda x, p: calls.append(x.shape[0]) or real(x, p))
+    return calls
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_plan_computes_the_same_at_every_row_count(monkeypatch, bias):
+    """Every row count (above MAX_ROWS too, as the plan's last choice was packed) through oneDNN on the weight packed
+    once on entry; each result the same dot products as nn.Linear's."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40, bias=bias)
+    plan = RowPlan((PACKED,) * MAX_ROWS)
+    calls = _recording_packed(monkeypatch)
+    row_counts = (1, 2, 5, 16, MAX_ROWS, MAX_ROWS + 7)
+    with small_batch_linears(lin, plan=plan), torch.no_grad():
+        for rows in row_counts:
+            x = torch.randn(rows, 96)
+            _within_rounding(lin(x), x, lin)
+        x3 = torch.randn(2, 3, 96)  # leading dims kept
+        _within_rounding(lin(x3), x3, lin)
+    assert calls == list(row_counts) + [6]
+    assert "_packed" not in lin.__dict__  # the packed copy goes with the swap (and is kept for the module)
+
+
+@needs_packing
+def test_a_packed_weight_is_kept_across_entries_and_packed_again_when_it_changes(monkeypatch):
+    from decode import kernels
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 24)
+    plan = RowPlan((PACKED,) * MAX_ROWS)
+    packs = []
+    real = kernels.pack_weight
+    monkeypatch.setattr(kernels, "pack_weight", lambda w: packs.append(w.shape) or real(w))
+    x = torch.randn(3, 32)
+    with small_batch_linears(lin, plan=plan), torch.no_grad():
+        lin(x)
+    with small_batch_linears(lin, plan=plan), torch.no_grad():
+        lin(x)
+    assert len(packs) == 1  # the second entry reused the copy
+    changes = [
+        lambda: lin.weight.mul_(2.0),  # in place: the version counter moves
+        lambda: lin.weight.data.add_(1.0),  # through .data (as a LoRA merge writes): only the values tell
+        lambda: setattr(lin.weight, "data", torch.randn(24, 32)),  # new storage
+        lambda: lin.load_state_dict({"weight": torch.randn(24, 32), "bias": lin.bias.detach().clone()}),
+    ]
+    for i, change in enumerate(changes):
+        with torch.no_grad():
+            change()
+        with small_batch_linears(lin, plan=plan), torch.no_grad():
+            _within_rounding(lin(x), x, lin)  # a stale copy would give the old weight's product
+        assert len(packs) == 2 + i
+
+
+@needs_packing
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_grouped_projections_take_the_packed_product_of_the_group(monkeypatch, arch):
+    """A group's first member packs the group's stacked weight: 4 packed products a layer and one for the LM head,
+    and the logits equal PyTorch's own within float32 rounding (each a dot product of at most 128 terms)."""
+    from heads.target import build_tiny
+
+    model, _ = build_tiny(arch)
+    model.eval()
+    ids = torch.tensor([[5, 9, 40, 7, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+    calls = _recording_packed(monkeypatch)
+    with small_batch_linears(model, plan=RowPlan((PACKED,) * MAX_ROWS), grouped=(model,)), torch.no_grad():
+        out = model(ids).logits
+    assert len(calls) == 4 * model.config.num_hidden_layers + 1
+    assert (out - ref).abs().max() <= 1e-5 * max(float(ref.abs().max()), 1.0)
+
+
+def test_a_plan_with_packed_rows_carries_them_above_the_probes():
+    plan = RowPlan.from_choices({1: PACKED, 4: 4, 32: PACKED})
+    assert plan.width(1) == PACKED and plan.width(3) == 4 and plan.width(5) == PACKED
+    assert plan.width(MAX_ROWS) == PACKED and plan.width(MAX_ROWS + 100) == PACKED and plan.packs
+    assert RowPlan.from_choices({1: 2, 32: 0}).width(MAX_ROWS + 1) == 0
+    assert not RowPlan.default().packs
+    assert candidate_widths(3, packed=True) == [PACKED, 0, 3, 4]
+
+
+def test_packing_is_offered_only_where_the_copies_fit():
+    from decode.kernels import packing_fits
+
+    weights = [torch.zeros(100, 10), torch.zeros(50, 10)]  # 6,000 bytes
+    assert packing_fits(weights, memory_bytes=24_000)  # a quarter of the memory
+    assert not packing_fits(weights, memory_bytes=23_996)

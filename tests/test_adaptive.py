@@ -243,7 +243,8 @@ def test_beside_a_confident_suffix_a_drafter_drafts_only_where_it_adds():
     assert policy.rate(0, beside=confident) == pytest.approx(3.5 / CPU_LIKE.cost(5))
 
 
-# the SmolLM2-135M verify curve of a 2-core AVX-512 CPU (ms, cached by decode.adaptive): flat to 4 nodes, then steep
+# the SmolLM2-135M verify curve of a 2-core AVX-512 CPU with the padded products (ms, cached by decode.adaptive; the
+# machine's curve where oneDNN's packed product is not offered): flat to 4 nodes, then steep
 SMOLLM2_CPU = CostCurve(sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
                         ms=(26.65, 27.51, 27.86, 28.17, 41.15, 47.37, 61.04, 62.0, 80.41, 87.66, 134.17))
 

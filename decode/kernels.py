@@ -343,7 +343,8 @@ class SmallBatchLinear(nn.Linear):
         width = self._row_plan.width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         packed = self._packed
-        if width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad:
+        if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
+                or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
             return F.linear(x, self.weight, self.bias)
         group = self._group
         weight, bias = (self.weight, self.bias) if group is None else (group.weight, group.bias)
@@ -467,7 +468,10 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
                     if plan is not None:
                         sub.__dict__["_row_plan"] = plan
                     swapped.append(sub)
-        groups = [g for g in projection_groups(*grouped) if all(type(m) is SmallBatchLinear for m in g.members)]
+        # a group an enclosing block already runs stays that block's (entered again, e.g. by a decoder inside a
+        # training run that swapped the target, this block sets and undoes only what it swapped itself)
+        groups = [g for g in projection_groups(*grouped)
+                  if all(type(m) is SmallBatchLinear for m in g.members) and "_group" not in g.members[0].__dict__]
         for group in groups:
             group.members[0].__dict__["_group"] = group
         if plan is not None and plan.packs:

@@ -389,3 +389,45 @@ def test_packing_is_offered_only_where_the_copies_fit():
     weights = [torch.zeros(100, 10), torch.zeros(50, 10)]  # 6,000 bytes
     assert packing_fits(weights, memory_bytes=24_000)  # a quarter of the memory
     assert not packing_fits(weights, memory_bytes=23_996)
+
+
+@needs_packing
+def test_an_autocast_region_keeps_pytorch_s_product():
+    """Under CPU autocast the input arrives in bfloat16 while the weight (and its packed copy) is float32: the layer
+    computes what F.linear computes there (cast to bfloat16), not a product of mixed dtypes."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16)
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = lin(x)
+        with small_batch_linears(lin, plan=RowPlan((PACKED,) * MAX_ROWS)):
+            out = lin(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+
+
+@needs_packing
+def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups():
+    """A decoder entering the kernels on a model whose linears an enclosing block already swapped and grouped swaps
+    nothing again, and on exit leaves the outer block's groups and packed weights in place."""
+    from heads.target import build_tiny
+
+    model, _ = build_tiny("llama")
+    model.eval()
+    plan = RowPlan((PACKED,) * MAX_ROWS)
+    ids = torch.tensor([[5, 9, 40, 7, 3]])
+    layers = model.config.num_hidden_layers
+    with small_batch_linears(model, plan=plan, grouped=(model,)), torch.no_grad():
+        with small_batch_linears(model, plan=plan, grouped=(model,)) as inner:
+            assert inner == 0
+        calls = []
+        from decode import kernels
+
+        real = kernels._packed_product
+        kernels._packed_product = lambda x, p: calls.append(1) or real(x, p)
+        try:
+            model(ids)
+        finally:
+            kernels._packed_product = real
+    assert len(calls) == 4 * layers + 1  # still grouped, still packed
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))

@@ -33,8 +33,8 @@ element is the same dot product as before.
 **Packed weights (oneDNN).** The fastest product measured for small row counts on a CPU is none of the BLAS calls
 above but oneDNN's, on a weight reordered once into the blocked layout its kernel reads (``PACKED`` in a plan: what
 PyTorch's compiler and vLLM's CPU backend run). It streams the weight once at any row count, so that verifying 16
-rows costs little more than one: on a 2-core AMD EPYC (Zen 5) a one-token forward of SmolLM2 took 24.4 ms instead of
-27.6, and a 16-node verify 33.3 ms instead of 64.5 (docs/benchmarks.md). The packed copy is as large as the weight:
+rows costs little more than one: on a 2-core AMD EPYC (Zen 5) a 16-node verify forward of SmolLM2 took 34.3 ms
+instead of 64.3, against 26.0 for one token (docs/benchmarks.md). The packed copy is as large as the weight:
 it is made at the first decode (:func:`packed_weight`), kept while the module lives and made again when the weight
 changes; the option is measured only where every linear weight of the model packed takes at most
 ``PACK_MEMORY_SHARE`` of the machine's memory (:func:`packing_fits`).
@@ -60,7 +60,7 @@ from torch import nn
 
 from heads.errors import SettingError
 
-MAX_ROWS = 64  # above this the ordinary x @ W.T kernel is as good (compute bound)
+MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
 KERNELS = ("auto", "torch", "small_batch")
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others take the next one up's choice
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each

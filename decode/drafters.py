@@ -35,17 +35,29 @@ class VanillaDrafter(DrafterBase):
         return root_only(state, self.device or torch.device("cpu"))
 
 
+MEDUSA_TREES = {"cpu": "small_16", "other": "mc_sim_7b_63"}  # tree=auto, by the heads' device (docs/benchmarks.md)
+
+
+def medusa_tree(tree: "str | Tree | Sequence[Sequence[int]]", device: torch.device | str):
+    """The Medusa tree ``tree`` names: ``auto`` is ``small_16`` on a CPU, where a tree of 40-64 nodes costs two
+    forwards or more, and Medusa's own ``mc_sim_7b_63`` on an accelerator; anything else is itself."""
+    if not (isinstance(tree, str) and tree == "auto"):
+        return tree
+    return MEDUSA_TREES["cpu" if torch.device(device).type == "cpu" else "other"]
+
+
 class MedusaDrafter(DrafterBase):
     """Medusa: head k reads the target's last hidden state (after the final norm) of the last accepted token and
     proposes the token k + 2 ahead; a static tree picks which top-k ranks of which heads to verify.
 
-    ``tree``: a :class:`Tree`, rank paths, a tree YAML file, a name in conf/trees/, ``chain``, ``chain-K`` or
-    ``single``. Its depth must not exceed the number of heads.
+    ``tree``: ``auto`` (:func:`medusa_tree`: by the heads' device), a :class:`Tree`, rank paths, a tree YAML file, a
+    name in conf/trees/, ``chain``, ``chain-K`` or ``single``. Its depth must not exceed the number of heads.
     """
 
-    def __init__(self, heads: MedusaHeads, tree: "str | Tree | Sequence[Sequence[int]]" = "mc_sim_7b_63"):
+    def __init__(self, heads: MedusaHeads, tree: "str | Tree | Sequence[Sequence[int]]" = "auto"):
         self.heads = heads.eval()
-        self.tree = load_tree(tree, num_heads=heads.config.num_heads)
+        device = next(heads.parameters()).device
+        self.tree = load_tree(medusa_tree(tree, device), num_heads=heads.config.num_heads)
         if self.tree.rank_paths is None:
             raise ValueError("MedusaDrafter needs a static tree of rank paths (Tree.from_paths or a tree file).")
         self.top_k = self.tree.max_rank + 1

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose
@@ -67,3 +68,19 @@ def test_the_benchmark_names_a_missing_key_before_loading_anything():
     for key in ("methods", "prompt_lookup_num_tokens", "out"):
         with pytest.raises(DecodeSetupError, match=rf"\['{key}'\]"):
             run_bench(OmegaConf.create({k: v for k, v in bench.items() if k != key}))
+
+
+def test_medusa_s_default_tree_follows_the_target_s_device():
+    """tree=auto: the 16-node small_16 on a CPU (a 40-64-node tree costs two forwards or more there), Medusa's own
+    mc_sim_7b_63 on an accelerator; a named tree is kept as given."""
+    from decode.drafters import medusa_tree
+
+    assert medusa_tree("auto", "cpu") == "small_16"
+    assert medusa_tree("auto", torch.device("cuda", 0)) == "mc_sim_7b_63"
+    assert medusa_tree("mc_sim_7b_63", "cpu") == "mc_sim_7b_63" and medusa_tree("chain-3", "cuda") == "chain-3"
+    from decode.tree import load_tree
+
+    session = load_session(compose("decode", ["heads=random", "model=tiny"]))  # random Medusa heads, on the CPU
+    assert session.draft_settings["tree"] == "auto"
+    drafter = getattr(session.decoder.drafter, "inner", session.decoder.drafter)  # the hybrid's Medusa part
+    assert torch.equal(drafter.tree.parents, load_tree("small_16", num_heads=4).parents)

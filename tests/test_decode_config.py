@@ -71,15 +71,14 @@ def test_the_benchmark_names_a_missing_key_before_loading_anything():
 
 
 def test_medusa_s_default_tree_follows_the_target_s_device():
-    """tree=auto: the 16-node small_16 on a CPU (a 40-64-node tree costs two forwards or more there), Medusa's own
-    mc_sim_7b_63 on an accelerator; a named tree is kept as given."""
+    """tree=auto: the 16-node small_16 on a CPU, Medusa's own mc_sim_7b_63 on an accelerator; a named tree is kept
+    as given; a session on the CPU drafts small_16."""
     from decode.drafters import medusa_tree
+    from decode.tree import load_tree
 
     assert medusa_tree("auto", "cpu") == "small_16"
     assert medusa_tree("auto", torch.device("cuda", 0)) == "mc_sim_7b_63"
     assert medusa_tree("mc_sim_7b_63", "cpu") == "mc_sim_7b_63" and medusa_tree("chain-3", "cuda") == "chain-3"
-    from decode.tree import load_tree
-
     session = load_session(compose("decode", ["heads=random", "model=tiny"]))  # random Medusa heads, on the CPU
     assert session.draft_settings["tree"] == "auto"
     drafter = getattr(session.decoder.drafter, "inner", session.decoder.drafter)  # the hybrid's Medusa part

@@ -119,10 +119,10 @@ class RowPlan:
         takes the choice of the next one up (padding it there, or PyTorch's product if that was chosen); one above
         them all takes the largest one's kernel (unpadded if that was ``(W @ x.T).T``)."""
         probes = sorted(chosen)
+        top = chosen[probes[-1]]
         widths = []
         for rows in range(1, MAX_ROWS + 1):
             probe = next((p for p in probes if p >= rows), None)
-            top = chosen[probes[-1]]
             widths.append(chosen[probe] if probe is not None else (top if top in (0, PACKED) else rows))
         return cls(tuple(widths))
 

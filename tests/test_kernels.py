@@ -407,7 +407,7 @@ def test_an_autocast_region_keeps_pytorch_s_product():
 
 
 @needs_packing
-def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups():
+def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups(monkeypatch):
     """A decoder entering the kernels on a model whose linears an enclosing block already swapped and grouped swaps
     nothing again, and on exit leaves the outer block's groups and packed weights in place."""
     from heads.target import build_tiny
@@ -417,17 +417,10 @@ def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups():
     plan = RowPlan((PACKED,) * MAX_ROWS)
     ids = torch.tensor([[5, 9, 40, 7, 3]])
     layers = model.config.num_hidden_layers
+    calls = _recording_packed(monkeypatch)
     with small_batch_linears(model, plan=plan, grouped=(model,)), torch.no_grad():
         with small_batch_linears(model, plan=plan, grouped=(model,)) as inner:
             assert inner == 0
-        calls = []
-        from decode import kernels
-
-        real = kernels._packed_product
-        kernels._packed_product = lambda x, p: calls.append(1) or real(x, p)
-        try:
-            model(ids)
-        finally:
-            kernels._packed_product = real
+        model(ids)
     assert len(calls) == 4 * layers + 1  # still grouped, still packed
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))

@@ -46,7 +46,7 @@ CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the fastest of each
 CURVE_CHECK_REPEATS = 3  # one-token forwards that check a kept curve, once per process
 CURVE_AGREEMENT = 0.15  # repeats that agree: the two fastest of a size within 15%; a kept curve still holds: its one-
 # node time within 15% of a fresh one
-CURVE_METHOD = 5  # part of the cache key: curves measured by an earlier method are measured again
+CURVE_METHOD = 6  # part of the cache key: curves measured by an earlier method are measured again
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from decode.cache import commit_kv, new_cache
+from decode.attention import GQA_SDPA, grouped_query_attention
 from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
@@ -37,7 +38,7 @@ from decode.verify import Sampling, Verdict, verify
 from heads.errors import SelfspecError, SettingError
 from heads.target import cache_kwarg
 
-TREE_MASK_ATTENTION = ("sdpa", "eager")
+TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (decode/attention.py)
 
 
 class TreeAttentionError(SelfspecError, RuntimeError):
@@ -323,7 +324,7 @@ class SpeculativeDecoder:
         exact)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan,
-                                 grouped=(self.model,)):
+                                 grouped=(self.model,)), grouped_query_attention(self.model, *self.drafter.modules()):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock)
 
     @property

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decode.attention import grouped_query_attention
 from heads.errors import SettingError
 
 MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
@@ -438,13 +439,15 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
     return kernel == "small_batch" or (kernel == "auto" and torch.device(device).type == "cpu")
 
 
-def decoding_linears(model: nn.Module, *modules: nn.Module | None, linear_kernel: str = "auto"):
+@contextmanager
+def decoding_linears(model: nn.Module, *modules: nn.Module | None, linear_kernel: str = "auto") -> Iterator[int]:
     """:func:`small_batch_linears` over ``model`` and ``modules`` as decoding with ``linear_kernel`` runs them on the
-    model's device: swapped where the kernel says so, with this machine's measured plan (for measurements that must
-    see the costs decoding pays)."""
+    model's device: swapped where the kernel says so, with this machine's measured plan; and their attention as the
+    engine runs it (decode/attention.py). For measurements that must see the costs decoding pays."""
     small = use_small_batch(linear_kernel, next(model.parameters()).device)
-    return small_batch_linears(model, *modules, enabled=small, plan=measured_row_plan(model) if small else None,
-                               grouped=(model,))
+    with small_batch_linears(model, *modules, enabled=small, plan=measured_row_plan(model) if small else None,
+                             grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
+        yield swapped
 
 
 @contextmanager

@@ -15,6 +15,7 @@ from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import prefill
 from decode.step import tree_forward
+from decode.attention import grouped_query_attention
 from decode.kernels import small_batch_linears
 from decode.pipeline import Session, required
 from decode.types import root_only
@@ -49,7 +50,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
         return None
     prompt = decoder.prompt_tensor(ids)
     with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch, plan=decoder.row_plan,
-                             grouped=(decoder.model,)):
+                             grouped=(decoder.model,)), grouped_query_attention(decoder.model, *drafter.modules()):
         state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
         drafter.start(state, out)
         propose, forward = [], []

@@ -26,7 +26,9 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
+SDPA_TAKES_GQA = is_torch_greater_or_equal("2.5")  # SDPA's enable_gqa came with PyTorch 2.5
 GQA_SDPA = "selfspec_sdpa_gqa"  # the attention implementation's name inside a grouped_query_attention block
 
 
@@ -36,7 +38,7 @@ def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     """transformers' sdpa attention, except that several masked queries of a grouped-query layer on a CPU read the
     key/value heads in place (``enable_gqa``) instead of repeated copies. Returns ([B, N, H, D], None) as sdpa does."""
     # query [B, H, N, D]; key, value [B, H_kv, L, D]; attention_mask [B, 1, N, L]
-    if (attention_mask is not None and query.shape[2] > 1 and key.shape[1] != query.shape[1]
+    if (SDPA_TAKES_GQA and attention_mask is not None and query.shape[2] > 1 and key.shape[1] != query.shape[1]
             and query.device.type == "cpu" and dropout == 0.0
             and kwargs.get("softcap") is None and kwargs.get("position_bias") is None):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,

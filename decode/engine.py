@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from decode.cache import commit_kv, new_cache
 from decode.attention import GQA_SDPA, grouped_query_attention
+from decode.cache import commit_kv, new_cache
 from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree

@@ -11,6 +11,8 @@ from decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attenti
 from decode.cache import new_cache
 from decode.drafters import VanillaDrafter
 from decode.engine import SpeculativeDecoder
+from decode.tree import chain_tree
+from decode.types import Draft
 from heads.target import build_tiny, cache_kwarg
 
 
@@ -96,9 +98,6 @@ class _ChainOracle(VanillaDrafter):
         self.prompt_length, self.answer, self.depth = prompt_length, answer, depth
 
     def propose(self, state, max_depth):
-        from decode.tree import chain_tree
-        from decode.types import Draft
-
         done = state.length - self.prompt_length + 1
         nxt = self.answer[done:done + min(self.depth, max_depth)]
         tokens = torch.tensor([state.next_token, *nxt])

@@ -10,12 +10,12 @@ from typing import Any, Callable
 import torch
 
 from decode.adaptive import CURVE_SIZES, verify_cost_curve
+from decode.attention import grouped_query_attention
 from decode.bench.methods import Method
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import prefill
 from decode.step import tree_forward
-from decode.attention import grouped_query_attention
 from decode.kernels import small_batch_linears
 from decode.pipeline import Session, required
 from decode.types import root_only

@@ -34,8 +34,8 @@ def test_every_registered_drafter_composes_and_decodes(name):
     if "suffix" in registry.entry(name).defaults:  # trained families decode as hybrid trees by default
         assert isinstance(drafter, HybridDrafter)
         drafter = drafter.inner
-    expected = {"medusa": (MedusaDrafter, 17),  # tree=auto on a CPU: small_16 and the root "eagle": (EagleTreeDrafter, None), "eagle3": (EagleTreeDrafter, None),
-                "vanilla": (VanillaDrafter, None)}
+    expected = {"medusa": (MedusaDrafter, 17),  # tree=auto on a CPU: small_16 and the root
+                "eagle": (EagleTreeDrafter, None), "eagle3": (EagleTreeDrafter, None), "vanilla": (VanillaDrafter, None)}
     if name in expected:
         cls, nodes = expected[name]
         assert isinstance(drafter, cls)

@@ -35,7 +35,7 @@ import torch
 
 from decode.cache import new_cache
 from decode.step import synchronize, tree_forward
-from decode.kernels import decoding_linears, measured_row_plan, use_small_batch
+from decode.kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import ROOT, Beside, DecodeState, Draft
 from heads.kv import crop_cache
@@ -303,7 +303,7 @@ def verify_cost_curve(
     mc_sim_7b_63 and chains beyond its size) over a ``cache_length`` cache, with the linear layers of
     ``linear_kernel`` (see decode.kernels; small-batch ones pad rows as this machine's measured plan says), sizes
     interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
-    with decoding_linears(model, linear_kernel=linear_kernel):
+    with measured_decoding_kernels(model, linear_kernel=linear_kernel):
         forward, reset = _verify_forwards(model, cache_length, sizes, tree)
         times = time_interleaved(forward, sizes, repeats, reset=reset)
     rows = []
@@ -439,7 +439,7 @@ def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", ca
     if path not in _SETTLED:
         limit = getattr(model.config, "max_position_embeddings", cache_length)
         length = max(1, min(cache_length, limit - max(CURVE_SIZES)))
-        with decoding_linears(model, linear_kernel=linear_kernel):
+        with measured_decoding_kernels(model, linear_kernel=linear_kernel):
             forward, reset = _verify_forwards(model, length, CURVE_SIZES)
             _SETTLED[path] = settled_curve(
                 path, lambda sizes, repeats: time_interleaved(forward, sizes, repeats, clock, reset))

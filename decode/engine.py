@@ -28,9 +28,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from decode.attention import GQA_SDPA, grouped_query_attention
+from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
-from decode.kernels import measured_row_plan, small_batch_linears, use_small_batch
+from decode.kernels import decoding_kernels, measured_row_plan, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
@@ -323,8 +323,7 @@ class SpeculativeDecoder:
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
         exact)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
-        with small_batch_linears(self.model, *self.drafter.modules(), enabled=self.small_batch, plan=self.row_plan,
-                                 grouped=(self.model,)), grouped_query_attention(self.model, *self.drafter.modules()):
+        with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan):
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock)
 
     @property

@@ -50,7 +50,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -440,14 +440,22 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
 
 
 @contextmanager
-def decoding_linears(model: nn.Module, *modules: nn.Module | None, linear_kernel: str = "auto") -> Iterator[int]:
-    """:func:`small_batch_linears` over ``model`` and ``modules`` as decoding with ``linear_kernel`` runs them on the
-    model's device: swapped where the kernel says so, with this machine's measured plan; and their attention as the
-    engine runs it (decode/attention.py). For measurements that must see the costs decoding pays."""
-    small = use_small_batch(linear_kernel, next(model.parameters()).device)
-    with small_batch_linears(model, *modules, enabled=small, plan=measured_row_plan(model) if small else None,
-                             grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
+def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan | None) -> Iterator[int]:
+    """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
+    :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
+    own), and their attention as decode/attention.py runs it. Yields how many linears were swapped."""
+    with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, grouped=(model,)) as swapped, \
+            grouped_query_attention(model, *modules):
         yield swapped
+
+
+def measured_decoding_kernels(model: nn.Module, *modules: nn.Module | None,
+                              linear_kernel: str = "auto") -> AbstractContextManager[int]:
+    """:func:`decoding_kernels` as decoding with ``linear_kernel`` runs them on the model's device (small-batch
+    linears where the kernel says so, with this machine's measured plan), for measurements that must see the costs
+    decoding pays."""
+    small = use_small_batch(linear_kernel, next(model.parameters()).device)
+    return decoding_kernels(model, *modules, plan=measured_row_plan(model) if small else None)
 
 
 @contextmanager

@@ -289,9 +289,9 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
     (``linear_kernel``, decode.kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
     "draft": {E: (layers + exit) / forward}}."""
-    from decode.kernels import decoding_linears
+    from decode.kernels import measured_decoding_kernels
 
-    with decoding_linears(model, *exits.values(), linear_kernel=linear_kernel):
+    with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
 
 

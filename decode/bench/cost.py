@@ -10,13 +10,12 @@ from typing import Any, Callable
 import torch
 
 from decode.adaptive import CURVE_SIZES, verify_cost_curve
-from decode.attention import grouped_query_attention
 from decode.bench.methods import Method
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import prefill
 from decode.step import tree_forward
-from decode.kernels import small_batch_linears
+from decode.kernels import decoding_kernels
 from decode.pipeline import Session, required
 from decode.types import root_only
 
@@ -49,8 +48,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
     if isinstance(drafter, VanillaDrafter):
         return None
     prompt = decoder.prompt_tensor(ids)
-    with small_batch_linears(decoder.model, *drafter.modules(), enabled=decoder.small_batch, plan=decoder.row_plan,
-                             grouped=(decoder.model,)), grouped_query_attention(decoder.model, *drafter.modules()):
+    with decoding_kernels(decoder.model, *drafter.modules(), plan=decoder.row_plan):
         state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
         drafter.start(state, out)
         propose, forward = [], []

@@ -2,6 +2,7 @@
 
 - :class:`MedusaDrafter`: a static tree of top-k ranks from Medusa heads at the last accepted hidden state.
 - :class:`VanillaDrafter`: no draft; the tree is the root alone, so the engine does plain autoregressive decoding.
+- :class:`OracleDrafter`: a known answer's next tokens, always accepted (measurements and tests).
 - EAGLE-style drafters (decode/eagle_drafter.py) grow a dynamic tree (``Tree.from_parents`` each step), keep their
   own KV cache, and follow the target's commits through :meth:`~decode.types.Drafter.on_commit`.
 
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from decode.tree import Tree, load_tree
+from decode.tree import Tree, chain_tree, load_tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from heads.medusa import MedusaHeads
 
@@ -33,6 +34,21 @@ class VanillaDrafter(DrafterBase):
 
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         return root_only(state, self.device or torch.device("cpu"))
+
+
+class OracleDrafter(DrafterBase):
+    """Proposes the next ``depth`` tokens of a known greedy ``answer`` (the target's own, decoded before) as a chain,
+    so that every draft is accepted: the engine's ceiling at depth ``depth`` (scripts/engine_ceiling.py), and tests
+    whose drafts must be accepted for the output to show a broken verify path."""
+
+    def __init__(self, answer: Sequence[int], depth: int):
+        self.answer, self.depth = list(answer), depth
+
+    def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        done = len(state.new_tokens)  # emitted so far, next_token (the root) last
+        ahead = self.answer[done:done + min(self.depth, max_depth)]
+        tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)
+        return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
 
 
 MEDUSA_TREES = {"cpu": "small_16", "other": "mc_sim_7b_63"}  # tree=auto, by the heads' device (docs/benchmarks.md)

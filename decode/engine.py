@@ -24,12 +24,14 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 
 from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
+from decode.greedy_head import GreedyHead, greedy_head, matches_model
 from decode.kernels import decoding_kernels, measured_row_plan, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
@@ -87,6 +89,7 @@ class DecodeResult:
 # --- target checks --------------------------------------------------------------------------------------------------
 
 _CHECKED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+_PLAIN_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()  # logits = lm_head(h)
 
 
 def context_limit(model: torch.nn.Module) -> int:
@@ -267,6 +270,9 @@ class SpeculativeDecoder:
     machine's measured plan says (:func:`decode.kernels.measured_row_plan`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
+    ``greedy_head``: with the small-batch kernels and greedy acceptance, the engine's tree forward reads the LM head
+    in bfloat16 with the float32 argmax kept exactly, where that is faster on this machine
+    (decode/greedy_head.py); False: the model's own head always.
     """
 
     def __init__(
@@ -277,6 +283,7 @@ class SpeculativeDecoder:
         decode: Callable[[list[int]], str] | None = None,
         linear_kernel: str = "auto",
         depth_policy: DepthPolicy | None = None,
+        greedy_head: bool = True,
     ):
         check_tree_attention(model)
         self.model = model
@@ -288,6 +295,7 @@ class SpeculativeDecoder:
         self.linear_kernel = linear_kernel
         self.small_batch = use_small_batch(linear_kernel, self.device)
         self.row_plan = measured_row_plan(model) if self.small_batch else None  # this machine's widths, cached
+        self.greedy_head = greedy_head
 
     def prompt_tensor(self, prompt_ids: "Sequence[int] | torch.Tensor") -> torch.Tensor:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -324,15 +332,27 @@ class SpeculativeDecoder:
         exact)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan):
-            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock)
+            head = self._head(sampling)
+            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head)
 
-    @property
-    def _verify_forward(self) -> Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput]:
+    def _head(self, sampling: Sampling) -> GreedyHead | None:
+        """Greedy verification's bfloat16 LM head (decode/greedy_head.py) if this decode can use it: the small-batch
+        kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine (timed once
+        per model, before the decode's clock starts)."""
+        if not (self.greedy_head and self.small_batch and sampling.acceptance == "greedy"
+                and self.drafter.verify_forward is None):
+            return None
+        return greedy_head(self.model)
+
+    def _verify_forward(self, head: GreedyHead | None) -> Callable[[torch.nn.Module, DecodeState, Draft],
+                                                                   ForwardOutput]:
         """The verify forward: the drafter's own when it has one (a layer-skip drafter runs only the layers its draft
-        did not), else one target forward over the tree."""
-        return self.drafter.verify_forward or tree_forward
+        did not), else one target forward over the tree (with ``head``: greedy verification's LM head)."""
+        if self.drafter.verify_forward is not None:
+            return self.drafter.verify_forward
+        return tree_forward if head is None else partial(tree_forward, head=head)
 
-    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock) -> DecodeResult:
+    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head) -> DecodeResult:
         if max_new_tokens < 1:
             raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if stop and self.decode is None:
@@ -355,7 +375,9 @@ class SpeculativeDecoder:
             on_tokens(kept)
 
         control = DepthControl(self.depth_policy)
-        verify_forward = self._verify_forward
+        if head is not None and self.model not in _PLAIN_HEADS:  # logits = lm_head(last hidden state)? once a model
+            _PLAIN_HEADS[self.model] = matches_model(self.model, out.hidden[-1:], out.logits)
+        verify_forward = self._verify_forward(head if head is not None and _PLAIN_HEADS[self.model] else None)
         while not state.done:
             t0 = clock()
             depth, draft = control.draft(self.drafter, state, rule.budget(state) - 1, self.device)

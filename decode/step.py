@@ -6,12 +6,16 @@ module and decode/types.py, not each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from decode.tree import tree_attention_mask, tree_position_ids
 from decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
 from heads.target import cache_kwarg
+
+if TYPE_CHECKING:
+    from decode.greedy_head import GreedyHead
 
 
 def synchronize(device: torch.device) -> None:
@@ -20,10 +24,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
-    """One target forward over the draft's N tokens on top of the cache (which grows by N rows)."""
+def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft,
+                 head: "GreedyHead | None" = None) -> ForwardOutput:
+    """One target forward over the draft's N tokens on top of the cache (which grows by N rows). ``head``: greedy
+    verification's LM head (decode/greedy_head.py): the model computes no logits (``logits_to_keep`` selects none),
+    and the returned ones come from ``head`` on its last hidden state, exact in their argmax only."""
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32)
+    keep = {} if head is None else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=draft.tokens.device)}
     out = model(
         input_ids=draft.tokens[None],  # [1, N]
         attention_mask=mask,  # [1, 1, N, length + N]
@@ -31,8 +39,11 @@ def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft) -> Fo
         use_cache=True,
         **{cache_kwarg(model): state.cache},
         output_hidden_states=True,
+        **keep,
     )
-    return ForwardOutput(logits=out.logits[0], hidden_states=tuple(h[0] for h in out.hidden_states))
+    hidden = tuple(h[0] for h in out.hidden_states)
+    logits = out.logits[0] if head is None else head.logits(hidden[-1])
+    return ForwardOutput(logits=logits, hidden_states=hidden)
 
 
 def truncate_draft(draft: Draft, max_depth: int) -> Draft:

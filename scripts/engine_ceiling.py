@@ -40,23 +40,6 @@ SHAPES = {
 }
 
 
-def oracle_drafter(answer: list[int], depth: int):
-    """A drafter that proposes the next ``depth`` tokens of a known greedy ``answer`` as a chain."""
-    import torch
-
-    from decode.tree import chain_tree
-    from decode.types import Draft, DrafterBase
-
-    class OracleDrafter(DrafterBase):
-        def propose(self, state, max_depth: int) -> Draft:
-            done = len(state.new_tokens)  # emitted so far, next_token (the root) last
-            ahead = answer[done:done + min(depth, max_depth)]
-            tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)
-            return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
-
-    return OracleDrafter()
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
@@ -113,7 +96,7 @@ def timed(device, fn):
 def run_methods(model, prompts: list[list[int]], depths: list[int], new_tokens: int) -> tuple[dict, list]:
     """Per method (hf, plain, oracle-D), one row per prompt (seconds, tokens, target forwards), and every engine
     answer that differs from HF's."""
-    from decode.drafters import VanillaDrafter
+    from decode.drafters import OracleDrafter, VanillaDrafter
     from decode.engine import SpeculativeDecoder
 
     device = next(model.parameters()).device
@@ -124,7 +107,7 @@ def run_methods(model, prompts: list[list[int]], depths: list[int], new_tokens: 
         s, answer = timed(device, lambda: hf_greedy(model, ids, new_tokens))
         rows["hf"].append({"s": s, "tokens": len(answer), "steps": len(answer)})
         for name in list(rows)[1:]:
-            drafter = VanillaDrafter() if name == "plain" else oracle_drafter(answer, int(name.split("-")[1]))
+            drafter = VanillaDrafter() if name == "plain" else OracleDrafter(answer, int(name.split("-")[1]))
             engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel="auto")
             if i == 0:
                 engine.generate(ids, max_new_tokens=8)  # warm-up

@@ -9,10 +9,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attention
 from decode.cache import new_cache
-from decode.drafters import VanillaDrafter
+from decode.drafters import OracleDrafter
 from decode.engine import SpeculativeDecoder
-from decode.tree import chain_tree
-from decode.types import Draft
 from heads.target import build_tiny, cache_kwarg
 
 
@@ -90,20 +88,6 @@ def test_config_restored_when_the_block_raises(tiny_llama):
     assert model.config._attn_implementation == "sdpa"
 
 
-class _ChainOracle(VanillaDrafter):
-    """Proposes the next ``depth`` tokens of a known greedy answer as a chain (each accepted)."""
-
-    def __init__(self, prompt_length: int, answer: list[int], depth: int = 5):
-        super().__init__()
-        self.prompt_length, self.answer, self.depth = prompt_length, answer, depth
-
-    def propose(self, state, max_depth):
-        done = state.length - self.prompt_length + 1
-        nxt = self.answer[done:done + min(self.depth, max_depth)]
-        tokens = torch.tensor([state.next_token, *nxt])
-        return Draft(tokens=tokens, tree=chain_tree(len(nxt)))
-
-
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
 def test_engine_greedy_equals_generate_through_the_block(request, fixture, monkeypatch):
     # Drafts of 6 nodes are accepted, so every step is a masked forward of several queries through the fast path.
@@ -115,7 +99,7 @@ def test_engine_greedy_equals_generate_through_the_block(request, fixture, monke
     calls = []
     real = sdpa_module.repeat_kv
     monkeypatch.setattr(sdpa_module, "repeat_kv", lambda *a: calls.append(1) or real(*a))
-    engine = SpeculativeDecoder(model, _ChainOracle(12, ref), eos_token_ids=[], linear_kernel="torch")
+    engine = SpeculativeDecoder(model, OracleDrafter(ref, depth=5), eos_token_ids=[], linear_kernel="torch")
     calls.clear()  # the constructor's tree-attention probe runs outside a decode, on plain sdpa
     result = engine.generate(prompt, max_new_tokens=40)
     assert result.tokens == ref

@@ -82,6 +82,7 @@ class GreedyHead:
         self.packed = pack_weight(low) if can_pack(low) else None
         self.low = None if self.packed is not None else low
         self.norms = (weight.double().norm(dim=1) * (1 + 2.0 ** -40)).float()  # [V], rounded up from float64
+        self.max_norm = float(self.norms.max())
         self.factor = error_factor(weight.shape[1]) * MARGIN
         self.candidates = 0  # candidate rows recomputed, summed over positions (for tests and reports)
         self.positions = 0
@@ -98,15 +99,23 @@ class GreedyHead:
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] float32 -> [N, V] float32 whose row argmaxes are the float32 product's (module doc)."""
+        """[N, H] float32 -> [N, V] float32 whose row argmaxes are the float32 product's (module doc).
+
+        A first, cheap filter keeps the rows within ``2 scale max|W_r|`` of a position's largest approximation
+        (``radius_r = scale |W_r|``): a row below that has an upper bound under the largest approximation's lower
+        bound. Among those rows (they include every row whose lower bound is the largest), the floor and the
+        candidates are computed with each row's own radius."""
         approx = self.approximate(hidden)
-        radius = self.radius(hidden)
-        floor = (approx - radius).amax(dim=1, keepdim=True)
-        candidate = approx + radius >= floor  # [N, V]
-        if not bool(torch.isfinite(floor).all()):  # an overflow or a NaN: no bound to trust
+        scale = self.factor * hidden.norm(dim=1, keepdim=True)  # [N, 1]
+        wide = approx.amax(dim=1, keepdim=True) - 2 * self.max_norm * scale  # [N, 1]
+        if not bool(torch.isfinite(wide).all()):  # an overflow or a NaN: no bound to trust
             return F.linear(hidden, self.weight)
-        rows = candidate.any(dim=0).nonzero()[:, 0]  # [R]: any position's candidates
-        approx[:, rows] = F.linear(hidden, self.weight[rows])  # float32 values are exact for every position
+        near = (approx >= wide).any(dim=0).nonzero()[:, 0]  # [R'] rows any position keeps
+        values, radius = approx[:, near], scale * self.norms[near]  # [N, R']
+        floor = (values - radius).amax(dim=1, keepdim=True)  # [N, 1]: the largest lower bound
+        candidate = values + radius >= floor  # [N, R']
+        rows = near[candidate.any(dim=0)]  # [R] any position's candidates
+        approx[:, rows] = F.linear(hidden, self.weight[rows])  # float32 values are right for every position
         self.candidates += int(candidate.sum())
         self.positions += hidden.shape[0]
         return approx

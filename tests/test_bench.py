@@ -334,3 +334,48 @@ def test_a_fresh_decoder_per_question_keeps_nothing_from_the_questions_before(tm
     assert (second["steps"], second["drafted"], second["accepted"]) == (first["steps"], first["drafted"],
                                                                        first["accepted"])
     assert "a fresh decoder per question" in (tmp_path / "bench-True" / "bench.md").read_text()
+
+
+def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_path, monkeypatch):
+    """vllm_rounds=2: vLLM's rows run on the first run of prompts, then the others on those prompts, then vLLM's on the
+    rest, then the others on the rest; vLLM's results of both rounds are checked and reported with the others. vLLM
+    itself is stood in for by HF generate (its own tests, tests/test_serving.py, run it for real)."""
+    import decode.bench.methods as methods_module
+    from decode.bench.methods import Method
+    from decode.pipeline import hf_generate
+
+    events = []
+
+    def fake_vllm(base, heads, names, prompts, cfg, out, log_name="vllm.log"):
+        events.append(("vllm", log_name, len(prompts)))
+        records = {}
+        for ids in prompts:
+            tokens, seconds = hf_generate(base, ids)
+            records[tuple(ids)] = {"tokens": tokens, "new_tokens": len(tokens), "total_s": seconds}
+        return {"vllm": records}, {"vllm": {"loaded": True, "error": None}}
+
+    real_run = Method.run
+
+    def run(self, ids, max_new_tokens=None):
+        if self.results is None and max_new_tokens is None:  # the timed runs, not the warm-ups
+            events.append((self.name, tuple(ids)))
+        return real_run(self, ids, max_new_tokens)
+
+    monkeypatch.setattr(methods_module, "run_vllm_methods", fake_vllm)
+    monkeypatch.setattr(Method, "run", run)
+    path = tmp_path / "five.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [f"Tell story {i}."]}) + "\n"
+                            for i in range(5)))
+    report = bench_main()([*FAST, f"prompts={path}", "methods=[hf,vanilla,vllm]", "vllm_rounds=2",
+                           f"out={tmp_path / 'bench'}"])
+    assert report["mismatches"] == [] and report["settings"]["vllm_rounds"] == 2
+    assert [e[:2] for e in events if e[0] == "vllm"] == [("vllm", "vllm-round1.log"), ("vllm", "vllm-round2.log")]
+    prompts = [e[1] for e in events if e[0] == "hf"]  # the prompts in the order the loop took them
+    order = [e[0] if e[0] == "vllm" else f"{e[0]}{prompts.index(e[1])}" for e in events]
+    assert order == ["vllm", "hf0", "vanilla0", "hf1", "vanilla1",
+                     "vllm", "hf2", "vanilla2", "hf3", "vanilla3", "hf4", "vanilla4"]
+    assert [e[2] for e in events if e[0] == "vllm"] == [2, 3]
+    assert report["figures"]["vllm"]["overall"]["prompts"] == 5
+    assert "alternating in 2 rounds" in (tmp_path / "bench" / "bench.md").read_text()
+    with pytest.raises(DecodeSetupError, match="vllm_rounds"):
+        bench_main()([*FAST, f"prompts={path}", "methods=[hf,vllm]", "vllm_rounds=0", f"out={tmp_path / 'b0'}"])

@@ -192,9 +192,10 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
 
 
 def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders: list[str], names: list[str],
-                 questions: list[dict]) -> list[Method]:
-    """vLLM's rows (decode/bench/vllm.py), decoded now on every first turn; rows that did not load are left out and
-    said so on stderr."""
+                 questions: list[dict], earlier: list[Method] | None = None, log_name: str = "vllm.log") -> list[Method]:
+    """vLLM's rows (decode/bench/vllm.py), decoded now on the first turns of ``questions``; rows that did not load
+    are left out and said so on stderr. ``earlier``: the rows of an earlier round (``vllm_rounds``): this round's
+    results are added to theirs, and a row that ran then and not now is an error."""
     asked = [n for n in names if n in VLLM_METHODS]
     if not asked:
         return []
@@ -208,7 +209,14 @@ def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders:
                           s["system_prompt"]) for q in questions]
     print(f"[selfspec] vLLM: {', '.join(asked)} on {len(prompts)} prompts (in its own venv)", file=sys.stderr)
     heads = {label: (session, folder) for (label, session), folder in zip(sessions.items(), folders)}
-    records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(c["out"])))
+    records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(c["out"])), log_name)
+    if earlier is not None:
+        for method in earlier:
+            if method.name not in records:
+                raise DecodeSetupError(f"{method.name} ran in vLLM in an earlier round but not in this one: "
+                                       f"{info.get(method.name, {}).get('error')}")
+            method.results.update(records[method.name])
+        return earlier
     methods = []
     for name, meta in info.items():
         if name not in records:

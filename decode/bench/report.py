@@ -38,7 +38,9 @@ def format_markdown(report: dict) -> str:
              f"target {report['target']} on {report['machine']['device']} ({report['dtype']}), "
              f"{report['settings']['questions']} questions, max_new_tokens={report['settings']['max_new_tokens']}, "
              f"acceptance {report['settings']['acceptance']}"
-             + (", a fresh decoder per question" if report["settings"].get("fresh") else ""), "",
+             + (", a fresh decoder per question" if report["settings"].get("fresh") else "")
+             + (f", vLLM's rows and the others alternating in {report['settings']['vllm_rounds']} rounds of prompts"
+                if report["settings"].get("vllm_rounds", 1) > 1 else ""), "",
              "| method | " + " | ".join(f"{c} vs HF" for c in cats) + " | tau | tokens/s | vs HF | vs vanilla "
              "| draft | verify | other | peak MiB |",
              "|---" * (len(cats) + 9) + "|"]

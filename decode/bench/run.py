@@ -16,7 +16,9 @@ from decode.bench.figures import source_groups, summarize_runs
 from decode.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
 from decode.bench.prompts import load_prompts
 from decode.bench.report import machine_info, write_outputs
+from decode.bench.vllm import VLLM_METHODS
 from decode.pipeline import Session, prompt_ids, required
+from decode.types import DecodeSetupError
 from heads.config import to_dict
 
 
@@ -81,7 +83,16 @@ def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool
 
 
 BENCH_KEYS = ("methods", "prompts", "limit", "per_category", "heads", "prompt_lookup_num_tokens", "draft",
-              "early_exit_sweep_prompts", "early_exit_layers", "early_exit_generate", "second_turns", "fresh", "out")
+              "early_exit_sweep_prompts", "early_exit_layers", "early_exit_generate", "second_turns", "fresh", "out",
+              "vllm_rounds")
+
+
+def rounds_of(questions: list[dict], rounds: int) -> list[list[dict]]:
+    """``questions`` in ``rounds`` runs of consecutive questions, as even as can be (at most one round a question)."""
+    if rounds < 1:
+        raise DecodeSetupError(f"vllm_rounds={rounds}: give 1 (vLLM's rows all before the others) or more.")
+    n, r = len(questions), min(rounds, len(questions))
+    return [questions[i * n // r:(i + 1) * n // r] for i in range(r)]
 
 
 def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
@@ -94,13 +105,16 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     folders = heads_folders(c["heads"]) if {"heads", "hybrid", "vllm_heads"} & set(names) else []
     base, sessions = load_sessions(cfg, folders)
     methods = build_methods(base, sessions, names, int(c["prompt_lookup_num_tokens"]), to_dict(c["draft"]))
-    methods += vllm_methods(cfg, base, sessions, folders, names, questions)
+    rounds = rounds_of(questions, int(c["vllm_rounds"])) if set(names) & set(VLLM_METHODS) else [questions]
+    log = "vllm.log" if len(rounds) == 1 else "vllm-round1.log"
+    methods += vllm_methods(cfg, base, sessions, folders, names, rounds[0], log_name=log)
     early_exit = _warm_up(methods, base, questions, c)
     s, param = base.settings, next(base.target.model.parameters())
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
               "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
               "settings": {"prompts": str(c["prompts"]), "questions": len(questions),
-                           "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]), **s,
+                           "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]),
+                           "vllm_rounds": len(rounds), **s,
                            "acceptance": base.sampling.acceptance, "linear_kernel": base.decoder.linear_kernel,
                            "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
@@ -108,8 +122,14 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     first = _first_turn(base, questions[0])
     report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"
-    records, mismatches = run_prompts(methods, questions, report["settings"]["second_turns"], lossless, progress,
-                                      fresh=bool(c["fresh"]))
+    records, mismatches = [], []
+    for i, group in enumerate(rounds):
+        if i:  # vLLM's rows on this round's prompts, then the others (decode/bench/vllm.py)
+            vllm_methods(cfg, base, sessions, folders, names, group, log_name=f"vllm-round{i + 1}.log",
+                         earlier=[m for m in methods if m.results is not None])
+        found = run_prompts(methods, group, report["settings"]["second_turns"], lossless, progress,
+                            fresh=bool(c["fresh"]))
+        records, mismatches = records + found[0], mismatches + found[1]
     report["categories"], report["figures"] = summarize_runs(records, methods)
     report["sources"] = source_groups(records)
     report.update(lossless_checked=lossless, mismatches=mismatches, runs=records)

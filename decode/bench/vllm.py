@@ -12,8 +12,10 @@ method, its tokens checked against HF generate's with the others.
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads).
 
 vLLM starts an engine per method (20-30 s each), so its rows cannot be interleaved prompt by prompt with the others:
-they run first, all prompts in one vLLM process, each after a warm-up prompt; the interleaved loop then reads their
-results. First turns only.
+they run before them, in one vLLM process, each after a warm-up prompt; the interleaved loop then reads their results.
+With ``vllm_rounds`` R > 1 the prompts are split into R runs of consecutive prompts, and each round runs vLLM's rows
+(a vLLM process) and then the others on its prompts, so that a drift of the machine's speed over minutes hits both
+engines alike (R times the engine starts, which are not timed). First turns only.
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
 
 
 def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[list[int]], cfg: Any,
-                     out: Path) -> tuple[dict[str, dict], dict[str, dict]]:
-    """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}): ({method:
-    {tuple(ids): record}}, {method: info})."""
+                     out: Path, log_name: str = "vllm.log") -> tuple[dict[str, dict], dict[str, dict]]:
+    """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}), vLLM's log written to
+    ``out / log_name``: ({method: {tuple(ids): record}}, {method: info})."""
     from decode.pipeline import required
 
     c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
@@ -87,7 +89,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [str(Path(__file__).resolve().parents[2])]  # the repository
         job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)})}
-    result = run_vllm(job, c["vllm_venv"], log_path=out / "vllm.log")
+    result = run_vllm(job, c["vllm_venv"], log_path=out / log_name)
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):
         info[run["name"]] = {"vllm": result.get("vllm_version"), "speculative_config": spec.get("speculative_config"),

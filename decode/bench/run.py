@@ -123,10 +123,11 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"
     records, mismatches = [], []
+    vllm_rows = [m for m in methods if m.results is not None]
     for i, group in enumerate(rounds):
-        if i:  # vLLM's rows on this round's prompts, then the others (decode/bench/vllm.py)
+        if i and vllm_rows:  # vLLM's rows on this round's prompts, then the others (decode/bench/vllm.py)
             vllm_methods(cfg, base, sessions, folders, names, group, log_name=f"vllm-round{i + 1}.log",
-                         earlier=[m for m in methods if m.results is not None])
+                         earlier=vllm_rows)
         found = run_prompts(methods, group, report["settings"]["second_turns"], lossless, progress,
                             fresh=bool(c["fresh"]))
         records, mismatches = records + found[0], mismatches + found[1]

@@ -268,7 +268,7 @@ class AdaptiveDepth:
         self.interval = min(2 * self.interval, 32 * self.explore_every)
         return look
 
-    def observe(self, asked: int, draft, accepted: int, draft_seconds: float) -> None:
+    def observe(self, asked: int, draft, accepted: int | None, draft_seconds: float) -> None:
         depth = int(draft.tree.max_depth)
         if asked == 0 or depth == 0:
             return
@@ -278,7 +278,7 @@ class AdaptiveDepth:
         for level in range(1, depth):  # a first estimate of shallower cuts: this tree's nodes down to that level
             self.nodes.setdefault(level, sum(1 for d in levels if d <= level))
         self.nodes[min(asked, self.full_depth)] = int(draft.tree.num_nodes)
-        for level in range(1, depth + 1):
+        for level in range(1, depth + 1 if accepted is not None else 1):  # None: acceptance not counted
             self.tried[level] = self.tried.get(level, 0.0) + 1.0
             self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
         known = bool(self.draft_by_depth) or self.draft_s > 0

@@ -165,9 +165,13 @@ class HybridDrafter(DrafterBase):
             return
         asked, inner, plan, (suffix_nodes, inner_nodes), propose_seconds = self._step
         self._step = None
-        self.suffix.record(plan, accepted_from(verdict.path, suffix_nodes))
-        DepthControl(self.policy).observe(asked, inner, accepted_from(verdict.path, inner_nodes),
-                                          propose_seconds + inner_seconds)
+        suffix_accepted = accepted_from(verdict.path, suffix_nodes)
+        self.suffix.record(plan, suffix_accepted)
+        # ``marginal``: the policy counts the inner drafter's tokens where the suffix's first level misses (Beside),
+        # so its acceptance is learned on those steps only; a step the suffix's nodes won says nothing of that rate
+        # (both parts are right on the same easy text). Its draft's size and time count on every step.
+        accepted = None if self.marginal and suffix_accepted > 0 else accepted_from(verdict.path, inner_nodes)
+        DepthControl(self.policy).observe(asked, inner, accepted, propose_seconds + inner_seconds)
 
 
 def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth | None = None) -> HybridDrafter:

@@ -82,6 +82,6 @@ class DepthControl:
         draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
         return depth, on_device(truncate_draft(draft, depth), device)
 
-    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
+    def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
         if self.policy is not None:
             self.policy.observe(asked, draft, accepted, draft_seconds)

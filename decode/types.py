@@ -90,9 +90,10 @@ class DepthPolicy(Protocol):
         """A depth in 0..max_depth for the next draft, in a tree that already holds ``beside`` (a hybrid's other
         drafter's nodes; a policy may ignore it)."""
 
-    def observe(self, asked: int, draft: Draft, accepted: int, draft_seconds: float) -> None:
-        """The draft verified after asking for depth ``asked``, how many drafted nodes were accepted, and the seconds
-        drafting took (propose and commit hooks)."""
+    def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
+        """The draft verified after asking for depth ``asked``, how many drafted nodes were accepted (None: a step
+        whose acceptance does not count, its draft's size and time still do), and the seconds drafting took (propose
+        and commit hooks)."""
 
 
 class Drafter(Protocol):

@@ -301,3 +301,38 @@ def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_h
         assert res.tokens == own[len(prompt): len(prompt) + 40]
     assert calls[True] < calls[False]
     assert calls[True] >= 3  # the second half, which the suffix cannot draft: the chain drafts there
+
+
+def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(tiny_llama):
+    """``marginal``: the policy counts the drafter's tokens on the steps where the suffix's first level misses
+    (``Beside``), so it learns their acceptance on those steps only. A step the suffix's nodes won (both parts are
+    right on the same text) counts the draft's size and time, not its acceptance. Without ``marginal`` every step's
+    acceptance counts."""
+    model, _ = tiny_llama
+    steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+    corpus = SuffixArray.build([own[: len(prompt) + 24]])  # the suffix knows the answer's first half only
+    for marginal in (False, True):
+        policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
+        suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
+        drafter = HybridDrafter(CountingChain(own[len(prompt) + 1:]), suffix, policy, max_nodes=16,
+                                marginal=marginal)
+        steps, won = [], []
+        record, observe = suffix.record, policy.observe
+        suffix.record = lambda plan, accepted: won.append(accepted) or record(plan, accepted)
+        policy.observe = lambda asked, draft, accepted, s: (
+            steps.append((won[-1], asked, accepted)) or observe(asked, draft, accepted, s))
+        res = SpeculativeDecoder(model, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=40)
+        assert res.tokens == own[len(prompt): len(prompt) + 40]
+        drafted = [(w, a) for w, asked, a in steps if asked > 0]
+        counted = [a for w, a in drafted if a is not None]
+        if marginal:
+            assert all((a is None) == (w > 0) for w, a in drafted)
+            assert 0 < len(counted) < len(drafted)  # both kinds of step happened
+        else:
+            assert len(counted) == len(drafted)
+        assert policy.tried.get(1, 0.0) == len(counted)  # acceptance counted on those steps only
+        assert policy.full_depth == 3 and policy.nodes  # the draft's size learned on every drafted step

@@ -277,19 +277,25 @@ class CountingChain(DrafterBase):
         return self.depth
 
 
+def half_known_answer(model) -> tuple[CostCurve, list[int], list[int]]:
+    """A steep cost curve, a prompt and the target's own greedy 48-token answer after it (prompt included): the
+    tests below give the suffix drafter the answer's first half (24 tokens) as its corpus."""
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+    return CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0}), prompt, own
+
+
 def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_has_the_step(tiny_llama):
     """``marginal`` (the default): an always-right chain drafter beside a suffix drafter that has the target's own
     answer in its corpus. Weighed alone, the chain pays every step; weighed beside the suffix's nodes, which are
     right too, it adds almost nothing where the suffix has candidates and is skipped there, and it still drafts
     where the suffix has none. The output is the target's either way."""
     model, _ = tiny_llama
-    steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
-    prompt = [5, 6, 7, 8]
-    with torch.no_grad():
-        own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, eos_token_id=None,
-                             pad_token_id=0)[0].tolist()
+    steep, prompt, own = half_known_answer(model)
     truth = own[len(prompt) + 1:]  # after the root (the prefill's token)
-    corpus = SuffixArray.build([own[: len(prompt) + 24]])  # the suffix knows the answer's first half only
+    corpus = SuffixArray.build([own[: len(prompt) + 24]])
     calls, outputs = {}, {}
     for marginal in (False, True):
         inner = CountingChain(truth)
@@ -309,12 +315,8 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
     right on the same text) counts the draft's size and time, not its acceptance. Without ``marginal`` every step's
     acceptance counts."""
     model, _ = tiny_llama
-    steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
-    prompt = [5, 6, 7, 8]
-    with torch.no_grad():
-        own = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, eos_token_id=None,
-                             pad_token_id=0)[0].tolist()
-    corpus = SuffixArray.build([own[: len(prompt) + 24]])  # the suffix knows the answer's first half only
+    steep, prompt, own = half_known_answer(model)
+    corpus = SuffixArray.build([own[: len(prompt) + 24]])
     for marginal in (False, True):
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)

@@ -31,7 +31,7 @@ import torch
 
 from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
-from decode.greedy_head import GreedyHead, greedy_head, matches_model
+from decode.greedy_head import GreedyHead, greedy_head
 from decode.kernels import decoding_kernels, measured_row_plan, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
@@ -89,7 +89,6 @@ class DecodeResult:
 # --- target checks --------------------------------------------------------------------------------------------------
 
 _CHECKED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-_PLAIN_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()  # logits = lm_head(h)
 
 
 def context_limit(model: torch.nn.Module) -> int:
@@ -375,9 +374,8 @@ class SpeculativeDecoder:
             on_tokens(kept)
 
         control = DepthControl(self.depth_policy)
-        if head is not None and self.model not in _PLAIN_HEADS:  # logits = lm_head(last hidden state)? once a model
-            _PLAIN_HEADS[self.model] = matches_model(self.model, out.hidden[-1:], out.logits)
-        verify_forward = self._verify_forward(head if head is not None and _PLAIN_HEADS[self.model] else None)
+        fits = head is not None and head.fits(self.model, out.hidden[-1:], out.logits)  # logits = lm_head(h)?
+        verify_forward = self._verify_forward(head if fits else None)
         while not state.done:
             t0 = clock()
             depth, draft = control.draft(self.drafter, state, rule.budget(state) - 1, self.device)

@@ -30,7 +30,7 @@ not a drafter's own verify forward). It is used where it pays: the first time a 
 one bfloat16 product (with its bound) is timed against the float32 one, and taken only if clearly faster
 (``SPEEDUP``), as on a CPU with native bfloat16 products (AVX-512 BF16, AMX). A model whose logits are not its
 ``lm_head`` applied to its last hidden state (a soft cap, a scale) is left alone: the engine checks that on the
-prefill (:func:`matches_model`).
+prefill, once per head (:meth:`GreedyHead.fits`).
 
 Measured on SmolLM2-135M, 2-core AMD EPYC (Zen 5): one row 1.35 ms in float32 against 0.85 ms this way, 12 rows
 2.62 against 2.00 ms (the machine's fast memory mode; about twice the saving in its slow one), 2-4 candidate rows a
@@ -87,6 +87,14 @@ class GreedyHead:
         self.factor = error_factor(weight.shape[1]) * MARGIN
         self.candidates = 0  # candidate rows recomputed, summed over positions (for tests and reports)
         self.positions = 0
+        self.reads_model: bool | None = None  # the model's logits are this head on its last hidden state (fits)
+
+    def fits(self, model: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Whether ``model``'s logits are its head on its last hidden state (:func:`matches_model` on one forward's
+        ``hidden`` and ``logits``, a prefill's), checked once."""
+        if self.reads_model is None:
+            self.reads_model = matches_model(model, hidden, logits)
+        return self.reads_model
 
     def approximate(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32: the bfloat16 product."""
@@ -94,9 +102,13 @@ class GreedyHead:
         y = _packed_product(low, self.packed) if self.packed is not None else F.linear(low, self.low)
         return y.float()
 
+    def scale(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, 1]: each position's radius per unit of row norm."""
+        return self.factor * hidden.norm(dim=1, keepdim=True)
+
     def radius(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V]: the bound on the distance between each approximate logit and a float32 one."""
-        return (self.factor * hidden.norm(dim=1, keepdim=True)) * self.norms
+        return self.scale(hidden) * self.norms
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -107,7 +119,7 @@ class GreedyHead:
         bound. Among those rows (they include every row whose lower bound is the largest), the floor and the
         candidates are computed with each row's own radius."""
         approx = self.approximate(hidden)
-        scale = self.factor * hidden.norm(dim=1, keepdim=True)  # [N, 1]
+        scale = self.scale(hidden)  # [N, 1]
         wide = approx.amax(dim=1, keepdim=True) - 2 * self.max_norm * scale  # [N, 1]
         if not bool(torch.isfinite(wide).all()):  # an overflow or a NaN: no bound to trust
             return F.linear(hidden, self.weight)
@@ -122,11 +134,17 @@ class GreedyHead:
         return approx
 
 
+def plain_head(model: nn.Module) -> nn.Linear | None:
+    """``model``'s ``lm_head`` if it is an ``nn.Linear`` without bias, else None."""
+    head = getattr(model, "lm_head", None)
+    return head if isinstance(head, nn.Linear) and head.bias is None else None
+
+
 def matches_model(model: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> bool:
     """Whether ``logits`` ([N, V], a forward's) are the model's ``lm_head`` applied to ``hidden`` ([N, H], its last
     hidden state), bit for bit: no soft cap, scale or bias the head would miss."""
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
+    head = plain_head(model)
+    if head is None:
         return False
     with torch.no_grad():
         return torch.equal(head(hidden), logits)
@@ -149,8 +167,8 @@ def greedy_head(model: nn.Module) -> GreedyHead | None:
     """The :class:`GreedyHead` for ``model``'s LM head if it pays on this machine (kept while the model lives, made
     again if the weight changes), else None: not a float32 ``nn.Linear`` without bias on a CPU, or its bfloat16
     product with the bound not at most ``SPEEDUP`` of its own product's time (one row, timed once)."""
-    head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
+    head = plain_head(model)
+    if head is None:
         return None
     weight = head.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import decode.engine as engine_module
 import decode.greedy_head as greedy_module
 from decode.drafters import OracleDrafter
 from decode.engine import SpeculativeDecoder
@@ -98,7 +97,6 @@ def test_a_non_finite_hidden_state_takes_the_float32_head():
 def fresh_heads(monkeypatch):
     """No head kept from another test (the tiny targets are shared); every head pays (timing aside)."""
     monkeypatch.setattr(greedy_module, "_HEADS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(engine_module, "_PLAIN_HEADS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(greedy_module, "SPEEDUP", float("inf"))
 
 

@@ -43,8 +43,14 @@ class OracleDrafter(DrafterBase):
 
     def __init__(self, answer: Sequence[int], depth: int):
         self.answer, self.depth = list(answer), depth
+        self.calls = 0  # drafts proposed
+
+    @property
+    def max_draft_depth(self) -> int:
+        return self.depth
 
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
+        self.calls += 1
         done = len(state.new_tokens)  # emitted so far, next_token (the root) last
         ahead = self.answer[done:done + min(self.depth, max_depth)]
         tokens = torch.tensor([state.next_token] + ahead, device=state.prompt_ids.device)

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.drafters import MedusaDrafter
+from decode.drafters import MedusaDrafter, OracleDrafter
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
 from decode.registry import random_eagle_heads, random_medusa_heads
 from decode.suffix import SuffixArray, SuffixDrafter
 from decode.tree import Tree
-from decode.types import Draft, DrafterBase
+from decode.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -260,23 +260,6 @@ def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_su
     assert isinstance(alone.decoder.drafter, MedusaDrafter) and alone.decoder.depth_policy is not None
 
 
-class CountingChain(DrafterBase):
-    """Drafts the target's own greedy continuation as a chain (always accepted), and counts its drafts."""
-
-    def __init__(self, truth: list[int], depth: int = 3):
-        self.truth, self.depth, self.calls = truth, depth, 0
-
-    def propose(self, state, max_depth):
-        self.calls += 1
-        future = self.truth[len(state.new_tokens):][: min(self.depth, max_depth)]
-        tokens = torch.tensor([state.next_token, *future])
-        return Draft(tokens=tokens, tree=Tree.from_parents(list(range(-1, len(future)))))
-
-    @property
-    def max_draft_depth(self):
-        return self.depth
-
-
 def half_known_answer(model) -> tuple[CostCurve, list[int], list[int]]:
     """A steep cost curve, a prompt and the target's own greedy 48-token answer after it (prompt included): the
     tests below give the suffix drafter the answer's first half (24 tokens) as its corpus."""
@@ -294,11 +277,10 @@ def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_h
     where the suffix has none. The output is the target's either way."""
     model, _ = tiny_llama
     steep, prompt, own = half_known_answer(model)
-    truth = own[len(prompt) + 1:]  # after the root (the prefill's token)
     corpus = SuffixArray.build([own[: len(prompt) + 24]])
     calls, outputs = {}, {}
     for marginal in (False, True):
-        inner = CountingChain(truth)
+        inner = OracleDrafter(own[len(prompt):], depth=3)  # the target's answer: every draft accepted
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
         drafter = HybridDrafter(inner, suffix, policy, max_nodes=16, marginal=marginal)
@@ -320,7 +302,7 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
     for marginal in (False, True):
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(CountingChain(own[len(prompt) + 1:]), suffix, policy, max_nodes=16,
+        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, policy, max_nodes=16,
                                 marginal=marginal)
         steps, won = [], []
         record, observe = suffix.record, policy.observe
@@ -331,6 +313,7 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
         assert res.tokens == own[len(prompt): len(prompt) + 40]
         drafted = [(w, a) for w, asked, a in steps if asked > 0]
         counted = [a for w, a in drafted if a is not None]
+        assert all(a > 0 for a in counted)  # the drafter's chain is accepted wherever it counts
         if marginal:
             assert all((a is None) == (w > 0) for w, a in drafted)
             assert 0 < len(counted) < len(drafted)  # both kinds of step happened

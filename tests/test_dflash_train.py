@@ -177,6 +177,34 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
             DFlashMethod(dflash_cfg(tmp_path, *overrides))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, arch):
+    from heads.eagle import decoder_of
+    from heads.target import Target, build_tiny
+    from train.dflash_method import DFlashMethod
+
+    model, tokenizer = build_tiny(arch)
+    t = Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    random = DFlashMethod(dflash_cfg(tmp_path / "r")).build_drafter(t).drafter
+    for layer in (-1, 0):
+        drafter = DFlashMethod(dflash_cfg(tmp_path / f"l{layer}", "heads.num_layers=2",
+                                          f"heads.init_from_layer={layer}")).build_drafter(t).drafter
+        source = dict(decoder_of(model).layers[layer].named_parameters())
+        for mine in drafter.layers:
+            for name, p in mine.named_parameters():
+                if name in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                    assert torch.equal(p, torch.ones_like(p))  # the target has none: they keep their start
+                else:
+                    assert torch.equal(p, source[name]), name
+                    assert p.data_ptr() != source[name].data_ptr()  # a copy: training cannot reach the target
+        assert not torch.equal(random.layers[0].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for bad, match in (("heads.init_from_layer=7", "layers 0..3"), ("heads.init_from_layer=last", "init_from_layer")):
+        with pytest.raises(ValueError, match=match):
+            DFlashMethod(dflash_cfg(tmp_path / "bad", bad)).build_drafter(t)
+
+
 # --- training -----------------------------------------------------------------------------------------------------
 
 

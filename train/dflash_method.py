@@ -8,6 +8,8 @@ Config (``cfg.heads``, conf/heads/dflash.yaml):
 - ``draft_vocab_size`` / ``draft_vocab_coverage``: the reduced draft vocabulary, counted on the training split as
   for EAGLE-3 (train.data.count_draft_vocab);
 - ``anchors_per_sequence``: blocks drafted per sequence in one training forward, at random answer positions;
+- ``init_from_layer``: a target layer whose weights start every drafter layer (:func:`init_layers_from_target`;
+  null: random, which measured best on the hour recipe);
 - ``loss``: ``token_loss`` (kl: the target's distribution over the draft vocabulary | ce: the target's own greedy
   token), ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)), and ``retrieved_weight`` with
   ``retrieval_min_match``: a block position whose token copying from the text itself would have given
@@ -52,6 +54,7 @@ from heads.dflash import (
     retrieval_hits,
     sample_anchors,
 )
+from heads.eagle import decoder_of
 from heads.errors import SettingError
 from heads.medusa import expected_accept_length
 from heads.runtime import rows_through
@@ -80,6 +83,7 @@ class DFlashSettings:
     draft_vocab_coverage: float | None
     anchors_per_sequence: int
     loss: dict  # token_loss (kl | ce), gamma
+    init_from_layer: int | None = None  # a target layer whose weights start every drafter layer; None: random
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DFlashSettings":
@@ -132,6 +136,28 @@ def choose_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     unused = [i for i, tok in decoder.items()
               if getattr(tok, "special", False) and i not in named and i < vocab_size and str(tok) not in template]
     return max(unused) if unused else vocab_size - 1
+
+
+def init_layers_from_target(drafter: DFlashDrafter, model: nn.Module, layer: int) -> None:
+    """Start every drafter layer from the target's decoder layer ``layer`` (-1: the last): its attention
+    projections, MLP and the two norms, copied (the target is only read). The drafter's q/k norms keep their start
+    (ones), and a target's projection biases (Qwen2) are not copied: the drafter's layers have none."""
+    layers = decoder_of(model).layers
+    if not -len(layers) <= layer < len(layers):
+        raise SettingError(f"heads.init_from_layer={layer}: the target has layers 0..{len(layers) - 1} (-1: the last).")
+    source = layers[layer]
+    names = [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names += [f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    theirs = dict(source.named_parameters())
+    with torch.no_grad():
+        for target_layer in drafter.layers:
+            mine = dict(target_layer.named_parameters())
+            for name in names:
+                if name not in theirs or theirs[name].shape != mine[name].shape:
+                    raise SettingError(f"heads.init_from_layer={layer}: the target's layer has no {name} of shape "
+                                       f"{tuple(mine[name].shape)}; use null (random).")
+                mine[name].copy_(theirs[name].detach().to(mine[name].dtype))
 
 
 class DFlashTrainModule(nn.Module):
@@ -205,6 +231,8 @@ class DFlashMethod(TrainMethod):
         vocabulary (prepare_data not run) it starts with the first draft_vocab_size ids."""
         model = target.model
         drafter = DFlashDrafter(self.settings.dflash_config(target), model, d2t=self.d2t)
+        if self.settings.init_from_layer is not None:
+            init_layers_from_target(drafter, model, self.settings.init_from_layer)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
         lm_head = model.get_output_embeddings()
         draft_ids = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))

@@ -186,7 +186,7 @@ def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, a
     model, tokenizer = build_tiny(arch)
     t = Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    random = DFlashMethod(dflash_cfg(tmp_path / "r")).build_drafter(t).drafter
+    fresh = DFlashMethod(dflash_cfg(tmp_path / "r")).build_drafter(t).drafter  # random start
     for layer in (-1, 0):
         drafter = DFlashMethod(dflash_cfg(tmp_path / f"l{layer}", "heads.num_layers=2",
                                           f"heads.init_from_layer={layer}")).build_drafter(t).drafter
@@ -198,7 +198,7 @@ def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, a
                 else:
                     assert torch.equal(p, source[name]), name
                     assert p.data_ptr() != source[name].data_ptr()  # a copy: training cannot reach the target
-        assert not torch.equal(random.layers[0].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
+        assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, drafter.layers[0].mlp.up_proj.weight)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     for bad, match in (("heads.init_from_layer=7", "layers 0..3"), ("heads.init_from_layer=last", "init_from_layer")):
         with pytest.raises(ValueError, match=match):

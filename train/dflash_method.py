@@ -151,8 +151,8 @@ def init_layers_from_target(drafter: DFlashDrafter, model: nn.Module, layer: int
     names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
     theirs = dict(source.named_parameters())
     with torch.no_grad():
-        for target_layer in drafter.layers:
-            mine = dict(target_layer.named_parameters())
+        for drafter_layer in drafter.layers:
+            mine = dict(drafter_layer.named_parameters())
             for name in names:
                 if name not in theirs or theirs[name].shape != mine[name].shape:
                     raise SettingError(f"heads.init_from_layer={layer}: the target's layer has no {name} of shape "

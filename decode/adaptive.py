@@ -278,9 +278,10 @@ class AdaptiveDepth:
         for level in range(1, depth):  # a first estimate of shallower cuts: this tree's nodes down to that level
             self.nodes.setdefault(level, sum(1 for d in levels if d <= level))
         self.nodes[min(asked, self.full_depth)] = int(draft.tree.num_nodes)
-        for level in range(1, depth + 1 if accepted is not None else 1):  # None: acceptance not counted
-            self.tried[level] = self.tried.get(level, 0.0) + 1.0
-            self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
+        if accepted is not None:  # None: this step's acceptance does not count (its size and time do)
+            for level in range(1, depth + 1):
+                self.tried[level] = self.tried.get(level, 0.0) + 1.0
+                self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
         known = bool(self.draft_by_depth) or self.draft_s > 0
         before = self.draft_seconds(depth)
         self.draft_by_depth[depth] = 0.9 * before + 0.1 * draft_seconds if known else draft_seconds

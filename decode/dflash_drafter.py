@@ -14,6 +14,24 @@ As EAGLE's draft cache (decode/eagle_drafter.py), the context is caught up lazil
 the features, and the next ``propose`` projects everything kept since the last one in one batch, so steps on which
 adaptive depth has drafting off cost nothing.
 
+**The decode form** (:class:`BlockForward`). A proposal reads every drafter weight once for four rows, so on a CPU its
+cost is the bytes of its weights (mostly the draft LM head) and the calls around them. Decoding runs the drafter's
+own arithmetic (the module's forward; a test holds them equal) on a copy of its weights made for it, as serving
+engines do:
+
+- each layer's ``q/k/v`` and ``gate/up`` projections as one product each (vLLM's merged linears), and ``k/v`` as one
+  for the context's catch-up;
+- the context's keys and values in one buffer per layer that grows by doubling: a commit writes its rows in place,
+  and a proposal writes the block's keys and values after them (scratch rows, overwritten by the next commit)
+  instead of concatenating the whole context each time;
+- the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
+  (:func:`heads.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
+  autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
+  (Zen 5): 3.3 ms with the module in float32, 1.? ms in this form (docs/benchmarks.md).
+
+The copy is made again when the module's parameters change (training, a new load). The draft's precision never
+touches losslessness: verification keeps or rejects each drafted token against the target's own output.
+
 With ``top_k`` > 1 the draft is a small tree: the chain, plus the first position's next ``top_k - 1`` tokens as the
 chain head's siblings (leaves). Drafts are deterministic (argmax / top-k), so the engine verifies them with
 point-mass draft probabilities (``probs=None``), lossless for sampling as well as greedy decoding.
@@ -22,6 +40,9 @@ point-mass draft probabilities (``probs=None``), lossless for sampling as well a
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from decode.cache import Backlog, CacheError
 from decode.tree import Tree
@@ -29,29 +50,169 @@ from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_on
 from decode.verify import Verdict
 from heads.dflash import DFlashDrafter
 from heads.errors import SettingError
+from heads.runtime import native_bf16
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values [1, kv_heads, C, head_dim]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def fresh_context_kv(drafter: DFlashDrafter, features: torch.Tensor, start: int = 0) -> ContextKV:
-    """Every layer's context keys and values of ``features`` [n, n_layers * H] at positions start .. start + n - 1."""
-    positions = torch.arange(start, start + features.shape[0], device=features.device)[None]  # [1, n]
-    return drafter.context_kv(drafter.context(features[None]), positions)
+def draft_dtype(setting: str | None, heads: nn.Module) -> torch.dtype:
+    """``draft.dtype``: ``auto`` (bfloat16 for float32 weights on a device that multiplies it natively, else the
+    weights' own dtype), ``float32``, ``bfloat16`` or ``float16``."""
+    own = next(heads.parameters()).dtype
+    if setting in (None, "auto"):
+        device = next(heads.parameters()).device
+        return torch.bfloat16 if own == torch.float32 and native_bf16(device) else own
+    if setting not in DTYPES:
+        raise SettingError(f"draft.dtype={setting!r}: use auto, {', '.join(DTYPES)}.")
+    return DTYPES[setting]
 
 
-def chain_with_siblings(root: int, chain: torch.Tensor, siblings: torch.Tensor) -> Draft:
-    """The chain [d] under the root, then ``siblings`` [s] of its first node (the root's later children)."""
-    d = int(chain.numel())
-    parents = [-1, *range(d), *([0] * int(siblings.numel()))]
+def chain_with_siblings(root: int, chain: torch.Tensor, siblings: torch.Tensor,
+                        trees: dict | None = None) -> Draft:
+    """The chain [d] under the root, then ``siblings`` [s] of its first node (the root's later children). ``trees``:
+    the trees made so far, by shape (a drafter proposes a few shapes over and over), read and added to."""
+    d, s = int(chain.numel()), int(siblings.numel())
     tokens = torch.cat([torch.tensor([root], device=chain.device), chain, siblings])
-    return Draft(tokens=tokens, tree=Tree.from_parents(parents).to(chain.device))
+    tree = None if trees is None else trees.get((d, s, chain.device))
+    if tree is None:
+        tree = Tree.from_parents([-1, *range(d), *([0] * s)]).to(chain.device)
+        if trees is not None:
+            trees[(d, s, chain.device)] = tree
+    return Draft(tokens=tokens, tree=tree)
+
+
+def _roped(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [1, heads, n, hd] rotated by the positions' (cos, sin) [1, n, hd] (transformers' apply_rotary_pos_emb)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def _fused(weights: list[torch.Tensor], dtype: torch.dtype) -> nn.Linear:
+    """One bias-free linear whose weight stacks ``weights`` (rows), in ``dtype``."""
+    w = torch.cat([t.detach() for t in weights]).to(dtype)
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=dtype)
+    linear.weight = nn.Parameter(w, requires_grad=False)
+    return linear
+
+
+class BlockLayer(nn.Module):
+    """One drafter layer's weights in the decode form (module docstring)."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        a, m = layer.self_attn, layer.mlp
+        if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)):
+            raise SettingError("DFlash drafter layers have no attention biases (vLLM's layout); these heads do.")
+        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.qkv = _fused([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype)
+        self.kv = _fused([a.k_proj.weight, a.v_proj.weight], dtype)
+        self.o = _fused([a.o_proj.weight], dtype)
+        self.gate_up = _fused([m.gate_proj.weight, m.up_proj.weight], dtype)
+        self.down = _fused([m.down_proj.weight], dtype)
+        self.act = m.act_fn
+        self.norms = {name: (norm.weight.detach().to(dtype), norm.variance_epsilon) for name, norm in (
+            ("input", layer.input_layernorm), ("post", layer.post_attention_layernorm), ("q", a.q_norm),
+            ("k", a.k_norm))}
+
+    def norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        weight, eps = self.norms[name]
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    def keys_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context rows x [n, H] -> roped keys and values [1, kv_heads, n, hd] (DFlashAttention.keys_values)."""
+        n = x.shape[0]
+        k, v = self.kv(x).view(n, 2 * self.kv_heads, self.head_dim).transpose(0, 1)[None].split(self.kv_heads, 1)
+        return _roped(self.norm("k", k), *rope), v
+
+    def forward(self, x: torch.Tensor, rope, keys: torch.Tensor, values: torch.Tensor, end: int) -> torch.Tensor:
+        """The block x [Q, H] at rows ``end - Q .. end - 1`` of ``keys`` / ``values`` [1, kv, cap, hd] (written
+        here; the rows before them are the context) -> [Q, H]."""
+        q_len, nh, nkv = x.shape[0], self.heads, self.kv_heads
+        qkv = self.qkv(self.norm("input", x)).view(q_len, nh + 2 * nkv, self.head_dim).transpose(0, 1)[None]
+        q, k, v = qkv.split([nh, nkv, nkv], dim=1)
+        q, k = _roped(self.norm("q", q), *rope), _roped(self.norm("k", k), *rope)
+        keys[:, :, end - q_len : end] = k
+        values[:, :, end - q_len : end] = v
+        out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=nkv != nh)
+        h = x + self.o(out[0].transpose(0, 1).reshape(q_len, -1))
+        gate, up = self.gate_up(self.norm("post", h)).chunk(2, dim=-1)
+        return h + self.down(self.act(gate) * up)
+
+
+class BlockForward(nn.Module):
+    """A DFlash drafter's decode form: its weights in ``dtype``, projections merged, and its context's keys and
+    values in growing buffers (module docstring). ``context``: rows 0 .. ``length - 1`` of the buffers."""
+
+    def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.block_size = dtype, drafter.block_size
+        self.fc = _fused([drafter.fc.weight], dtype)
+        self.hidden_norm = (drafter.hidden_norm.weight.detach().to(dtype), drafter.hidden_norm.variance_epsilon)
+        self.layers = nn.ModuleList(BlockLayer(layer, dtype) for layer in drafter.layers)
+        self.final_norm = (drafter.norm.weight.detach().to(dtype), drafter.norm.variance_epsilon)
+        self.lm_head = _fused([drafter.lm_head.weight], dtype)
+        self.mask = drafter.mask_embedding.detach().to(dtype)
+        self._used = (drafter.rotary, drafter.target.get_input_embeddings())  # the module's, not copied or owned
+        self.buffers_: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def _room(self, rows: int) -> None:
+        """Buffers with room for ``rows`` rows, their first ``length`` rows kept (capacity doubles)."""
+        if self.buffers_ and self.buffers_[0][0].shape[2] >= rows:
+            return
+        grown = []
+        for i, layer in enumerate(self.layers):
+            cap = max(rows, 2 * (self.buffers_[i][0].shape[2] if self.buffers_ else 0), 256)
+            shape = (1, layer.kv_heads, cap, layer.head_dim)
+            k, v = (self.mask.new_empty(shape) for _ in range(2))
+            if self.buffers_:
+                k[:, :, : self.length] = self.buffers_[i][0][:, :, : self.length]
+                v[:, :, : self.length] = self.buffers_[i][1][:, :, : self.length]
+            grown.append((k, v))
+        self.buffers_ = grown
+
+    def extend(self, features: torch.Tensor, start: int) -> None:
+        """Append the context rows of ``features`` [n, n_layers * H] at positions ``start`` .. (= ``length``)."""
+        if start != self.length:
+            raise CacheError(f"context rows for position {start} appended after {self.length} rows.")
+        n = features.shape[0]
+        weight, eps = self.hidden_norm
+        context = F.rms_norm(self.fc(features.to(self.dtype)), weight.shape, weight, eps)
+        rope = self._used[0](context, torch.arange(start, start + n, device=context.device)[None])
+        self._room(start + n + self.block_size)
+        for layer, (keys, values) in zip(self.layers, self.buffers_):
+            k, v = layer.keys_values(context, rope)
+            keys[:, :, start : start + n] = k
+            values[:, :, start : start + n] = v
+        self.length = start + n
+
+    def context_kv(self) -> ContextKV:
+        """Views of every layer's context keys and values [1, kv, length, hd]."""
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self.buffers_]
+
+    def logits(self, token: int, rows: int) -> torch.Tensor:
+        """Draft-vocabulary logits [rows, Vd] of block positions 1 .. rows, the block ``[token, mask ...]`` at
+        positions ``length ..``."""
+        device = self.mask.device
+        x = torch.cat([self._used[1].weight[token][None].to(self.dtype), self.mask.expand(self.block_size - 1, -1)])
+        end = self.length + self.block_size
+        self._room(end)
+        rope = self._used[0](x, torch.arange(self.length, end, device=device)[None])
+        for layer, (keys, values) in zip(self.layers, self.buffers_):
+            x = layer(x, rope, keys, values, end)
+        weight, eps = self.final_norm
+        return self.lm_head(F.rms_norm(x[1 : 1 + rows], weight.shape, weight, eps))
 
 
 class DFlashBlockDrafter(DrafterBase):
     """DFlash block drafts (module docstring): a chain of up to ``block_size - 1`` tokens from one drafter forward,
-    with the first position's ``top_k - 1`` next tokens as siblings of the chain's first node."""
+    with the first position's ``top_k - 1`` next tokens as siblings of the chain's first node. ``dtype``: the decode
+    form's (:func:`draft_dtype`; None: the module's own)."""
 
-    def __init__(self, heads: DFlashDrafter, top_k: int = 1):
+    def __init__(self, heads: DFlashDrafter, top_k: int = 1, dtype: torch.dtype | None = None):
         if not isinstance(heads, DFlashDrafter):
             raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (heads.dflash.DFlashDrafter), got "
                             f"{type(heads).__name__}.")
@@ -59,11 +220,27 @@ class DFlashBlockDrafter(DrafterBase):
             raise SettingError(f"DFlash top_k={top_k}: 1 drafts a chain, more adds the first position's next tokens.")
         self.drafter = heads.eval()
         self.top_k = int(top_k)
-        self.kv: ContextKV | None = None  # the context read so far
+        self.dtype = dtype or next(heads.parameters()).dtype
+        self._form: BlockForward | None = None
+        self._made_from: tuple | None = None  # the parameters' identity and versions the decode form was made from
         self._backlog = Backlog()  # committed features [n, n_layers * H] the context has not read
+        self._trees: dict = {}  # the draft trees made so far, by shape
+
+    def _fresh_form(self) -> BlockForward:
+        """The decode form, made again when the module's parameters changed since it was made."""
+        made_from = tuple((p.data_ptr(), p._version) for p in self.drafter.parameters())
+        if self._form is None or made_from != self._made_from:
+            self._form = BlockForward(self.drafter, self.dtype)
+            self._made_from = made_from
+        return self._form
 
     def modules(self) -> tuple[torch.nn.Module, ...]:
-        return (self.drafter,)
+        return (self._fresh_form(),)
+
+    @property
+    def kv(self) -> ContextKV:
+        """Every layer's context keys and values, as read so far [1, kv, C, hd]."""
+        return self._form.context_kv() if self._form is not None else []
 
     @property
     def max_draft_depth(self) -> int:
@@ -82,18 +259,13 @@ class DFlashBlockDrafter(DrafterBase):
     def _catch_up(self) -> None:
         """Project every feature kept since the last propose and append it to the context, in one batch."""
         taken = self._backlog.take()
-        if taken is None:
-            return
-        start, (features,) = taken
-        new = fresh_context_kv(self.drafter, features, start)
-        if self.kv is None:
-            self.kv = new
-        else:
-            self.kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(self.kv, new)]
+        if taken is not None:
+            start, (features,) = taken
+            self._form.extend(features, start)
 
     @torch.no_grad()
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
-        self.kv = None
+        self._fresh_form().reset()
         self._backlog = Backlog()
         self._backlog.add(self.drafter.target_features(prefill.hidden_states))
 
@@ -105,14 +277,10 @@ class DFlashBlockDrafter(DrafterBase):
     def _block_logits(self, state: DecodeState, depth: int) -> torch.Tensor:
         """Draft-vocabulary logits [depth, Vd] of block positions 1 .. depth after the context's state.length rows."""
         self._catch_up()
-        if self.context_length != state.length:
-            raise CacheError(f"the DFlash context covers {self.context_length} positions, the target's cache "
+        if self.context_length != state.length or self._form.length != state.length:
+            raise CacheError(f"the DFlash context covers {self._form.length} positions, the target's cache "
                              f"{state.length}: the drafter missed a start or a commit.")
-        device = self.kv[0][0].device
-        block = self.drafter.block_inputs(torch.tensor([[state.next_token]], device=device))  # [1, bs, H]
-        positions = torch.arange(state.length, state.length + self.drafter.block_size, device=device)[None]
-        hidden = self.drafter(block, positions, self.kv, None)  # [1, bs, H]
-        return self.drafter.logits(hidden[0, 1 : 1 + depth])
+        return self._form.logits(state.next_token, depth).float()  # (argmax in bfloat16 is 4x slower on a CPU)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
@@ -127,4 +295,5 @@ class DFlashBlockDrafter(DrafterBase):
             top = logits[0].topk(min(self.top_k, logits.shape[-1])).indices  # [k]
             chain[0], siblings = top[0], top[1:]
         to_target = self.drafter.draft_to_target
-        return chain_with_siblings(state.next_token, to_target(chain).to(device), to_target(siblings).to(device))
+        return chain_with_siblings(state.next_token, to_target(chain).to(device), to_target(siblings).to(device),
+                                   self._trees)

@@ -129,9 +129,9 @@ def _eagle(heads, target, settings) -> Drafter:
 
 
 def _dflash(heads, target, settings) -> Drafter:
-    from decode.dflash_drafter import DFlashBlockDrafter
+    from decode.dflash_drafter import DFlashBlockDrafter, draft_dtype
 
-    return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]))
+    return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]), dtype=draft_dtype(settings["dtype"], heads))
 
 
 def _suffix(heads, target, settings) -> Drafter:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from decode.adaptive import AdaptiveDepth, CostCurve
+from decode.cache import CacheError
 from decode.dflash_drafter import DFlashBlockDrafter
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter
@@ -136,9 +137,23 @@ class ContextCheck(DFlashBlockDrafter):
         assert len(self.kv) == len(fresh) == drafter.config.num_layers
         for (k, v), (fk, fv) in zip(self.kv, fresh):
             assert k.shape[-2] == v.shape[-2] == state.length
-            torch.testing.assert_close(k, fk, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v, fv, atol=1e-4, rtol=1e-4)
+            if self.dtype == torch.float32:  # the same arithmetic in another summation order
+                torch.testing.assert_close(k, fk, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v, fv, atol=1e-4, rtol=1e-4)
+            else:
+                assert relative_error(k, fk) < BF16_PATH and relative_error(v, fv) < BF16_PATH
         self.checks += 1
+
+
+# bfloat16 rounds to 8 significant bits (relative error 2^-9 a rounding); the decode form's path from the features
+# to a key, value or logit rounds about ten times in sequence (the inputs, the weights, each product, each norm), so
+# its result is within some 10 * 2^-9 ~ 0.02 of the float32 one in norm. Twice that is the bound.
+BF16_PATH = 20 * 2.0 ** -9
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float32."""
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def adaptive_policy():
@@ -172,6 +187,90 @@ def test_greedy_equals_hf_generate(trained, top_k, hybrid, adaptive):
     assert drafter.checks == steps + len(prompts)  # the context checked after every prefill and every commit
     # the chains were accepted, clearly (most of them on the prompts the drafter learned)
     assert drafter.accepted >= 0.25 * drafter.proposed and drafter.accepted > 0, (drafter.accepted, drafter.proposed)
+
+
+def test_bfloat16_drafts_are_accepted_and_greedy_output_is_unchanged(trained):
+    """The decode form in bfloat16 (``draft.dtype=auto`` on a CPU with native bf16): its context stays within
+    bfloat16's rounding of the module's, its chains are accepted as often, and the output is the target's."""
+    model, heads, prompts = trained
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        drafter = ContextCheck(heads, dtype=dtype)
+        decoder = decoder_for(model, drafter, hybrid=False, adaptive=False)
+        for i, ids in enumerate(prompts):
+            ref, eos = hf_greedy(model, ids, i)
+            decoder.eos_token_ids = frozenset([eos])
+            assert decoder.generate(ids, max_new_tokens=MAX_NEW).tokens == ref, f"{dtype}, prompt {i}"
+        runs[dtype] = drafter.accepted / drafter.proposed
+    assert runs[torch.bfloat16] >= 0.25 and runs[torch.bfloat16] > runs[torch.float32] - 0.1, runs
+
+
+def test_the_decode_form_computes_the_modules_block(trained):
+    """BlockForward (merged projections, the context in growing buffers) gives the module's own logits for the
+    block after a context long enough to grow its buffers twice: float32 to rounding, bfloat16 within its bound."""
+    from decode.dflash_drafter import BlockForward
+
+    model, heads, _ = trained
+    g = torch.Generator().manual_seed(0)
+    n = 600  # the buffers start at 256 rows and double
+    ids = torch.randint(3, 200, (1, n), generator=g)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        features = heads.target_features(hs)[0]  # [n, layers * H]
+        kv = heads.context_kv(heads.context(features[None]), torch.arange(n)[None])
+        block = heads.block_inputs(torch.tensor([[7]]))
+        ref = heads.logits(heads(block, torch.arange(n, n + heads.block_size)[None], kv, None)[0, 1:])
+        for dtype in (torch.float32, torch.bfloat16):
+            form = BlockForward(heads, dtype)
+            for start, end in ((0, 100), (100, 101), (101, 350), (350, n)):  # commits of several sizes
+                form.extend(features[start:end], start)
+            assert form.length == n and form.context_kv()[0][0].shape[2] == n
+            logits = form.logits(7, heads.block_size - 1).float()
+            if dtype == torch.float32:  # sums of up to 1,728 float32 products in another order: n * 2^-24 ~ 1e-4
+                torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+            else:
+                assert relative_error(logits, ref) < BF16_PATH
+        with pytest.raises(CacheError, match="position 5"):
+            form.extend(features[5:9], 5)
+
+
+def test_the_decode_form_follows_the_modules_weights(trained):
+    """A drafter whose module is trained further (its parameters written in place) drafts from the new weights at
+    the next decode: the decode form is made again."""
+    model, heads, prompts = trained
+    heads = copy_drafter(heads, model)
+    drafter = DFlashBlockDrafter(heads)
+    decoder = SpeculativeDecoder(model, drafter)
+    ids = prompts[0]
+    before = decoder.generate(ids, max_new_tokens=MAX_NEW).stats.accepted_per_step
+    form = drafter.modules()[0]
+    with torch.no_grad():
+        heads.lm_head.weight.zero_()  # every draft position's logits tie: the draft is token 0's, rarely right
+    assert drafter.modules()[0] is not form and not drafter.modules()[0].lm_head.weight.any()
+    after = decoder.generate(ids, max_new_tokens=MAX_NEW).stats.accepted_per_step
+    assert sum(before) > 0 and sum(after) < sum(before)
+
+
+def copy_drafter(heads: DFlashDrafter, model) -> DFlashDrafter:
+    """A drafter with ``heads``' weights, to change without touching the module-scoped one."""
+    other = DFlashDrafter(DFlashConfig(**heads.config.to_dict()), model)
+    other.load_state_dict(heads.state_dict())
+    return other.eval()
+
+
+def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
+    """``draft.dtype=auto`` is bfloat16 exactly where the CPU multiplies it natively; names are checked."""
+    import decode.dflash_drafter as dd
+    from heads.errors import SettingError
+
+    model, _ = tiny_llama
+    heads = DFlashDrafter(DFlashConfig.from_target(model, block_size=3), model)
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(dd, "native_bf16", lambda device, native=native: native)
+        assert dd.draft_dtype("auto", heads) == expected and dd.draft_dtype(None, heads) == expected
+    assert dd.draft_dtype("float32", heads) == torch.float32 and dd.draft_dtype("bfloat16", heads) == torch.bfloat16
+    with pytest.raises(SettingError, match="draft.dtype='fp8'"):
+        dd.draft_dtype("fp8", heads)
 
 
 def test_the_context_catches_up_lazily_while_drafting_is_off(trained):
@@ -262,8 +361,10 @@ def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     session = load_session(compose("decode", args))
     assert session.drafter == "dflash" and isinstance(session.decoder.drafter, HybridDrafter)
     assert isinstance(session.decoder.drafter.inner, DFlashBlockDrafter) and session.decoder.drafter.policy is not None
-    alone = load_session(compose("decode", args + ["draft.suffix=false", "draft.top_k=2", "draft.adaptive=false"]))
+    alone = load_session(compose("decode", args + ["draft.suffix=false", "draft.top_k=2", "draft.adaptive=false",
+                                                   "draft.dtype=float32"]))
     assert isinstance(alone.decoder.drafter, DFlashBlockDrafter) and alone.decoder.drafter.top_k == 2
+    assert alone.decoder.drafter.dtype == torch.float32
     assert alone.decoder.depth_policy is None and alone.decoder.drafter.max_draft_depth == heads.block_size - 1
     ids = [5, 6, 7, 8]
     ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,

@@ -27,7 +27,8 @@ engines do:
 - the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
   (:func:`heads.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
   autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
-  (Zen 5): 3.3 ms with the module in float32, 1.? ms in this form (docs/benchmarks.md).
+  (Zen 5): 3.2 ms through the module in float32, 3.0-3.2 ms in this form in float32, 2.3-2.4 ms in bfloat16
+  (docs/benchmarks.md).
 
 The copy is made again when the module's parameters change (training, a new load). The draft's precision never
 touches losslessness: verification keeps or rejects each drafted token against the target's own output.
@@ -58,13 +59,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def draft_dtype(setting: str | None, heads: nn.Module) -> torch.dtype:
     """``draft.dtype``: ``auto`` (bfloat16 for float32 weights on a device that multiplies it natively, else the
-    weights' own dtype), ``float32``, ``bfloat16`` or ``float16``."""
+    weights' own dtype), ``own`` (the weights' own: what a serving engine drafts in, the target's), ``float32``,
+    ``bfloat16`` or ``float16``."""
     own = next(heads.parameters()).dtype
+    if setting == "own":
+        return own
     if setting in (None, "auto"):
         device = next(heads.parameters()).device
         return torch.bfloat16 if own == torch.float32 and native_bf16(device) else own
     if setting not in DTYPES:
-        raise SettingError(f"draft.dtype={setting!r}: use auto, {', '.join(DTYPES)}.")
+        raise SettingError(f"draft.dtype={setting!r}: use auto, own, {', '.join(DTYPES)}.")
     return DTYPES[setting]
 
 
@@ -153,7 +157,7 @@ class BlockForward(nn.Module):
         self.lm_head = _fused([drafter.lm_head.weight], dtype)
         self.mask = drafter.mask_embedding.detach().to(dtype)
         self._used = (drafter.rotary, drafter.target.get_input_embeddings())  # the module's, not copied or owned
-        self.buffers_: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0
 
     def reset(self) -> None:
@@ -161,18 +165,18 @@ class BlockForward(nn.Module):
 
     def _room(self, rows: int) -> None:
         """Buffers with room for ``rows`` rows, their first ``length`` rows kept (capacity doubles)."""
-        if self.buffers_ and self.buffers_[0][0].shape[2] >= rows:
+        if self._kv and self._kv[0][0].shape[2] >= rows:
             return
         grown = []
         for i, layer in enumerate(self.layers):
-            cap = max(rows, 2 * (self.buffers_[i][0].shape[2] if self.buffers_ else 0), 256)
+            cap = max(rows, 2 * (self._kv[i][0].shape[2] if self._kv else 0), 256)
             shape = (1, layer.kv_heads, cap, layer.head_dim)
             k, v = (self.mask.new_empty(shape) for _ in range(2))
-            if self.buffers_:
-                k[:, :, : self.length] = self.buffers_[i][0][:, :, : self.length]
-                v[:, :, : self.length] = self.buffers_[i][1][:, :, : self.length]
+            if self._kv:
+                k[:, :, : self.length] = self._kv[i][0][:, :, : self.length]
+                v[:, :, : self.length] = self._kv[i][1][:, :, : self.length]
             grown.append((k, v))
-        self.buffers_ = grown
+        self._kv = grown
 
     def extend(self, features: torch.Tensor, start: int) -> None:
         """Append the context rows of ``features`` [n, n_layers * H] at positions ``start`` .. (= ``length``)."""
@@ -183,7 +187,7 @@ class BlockForward(nn.Module):
         context = F.rms_norm(self.fc(features.to(self.dtype)), weight.shape, weight, eps)
         rope = self._used[0](context, torch.arange(start, start + n, device=context.device)[None])
         self._room(start + n + self.block_size)
-        for layer, (keys, values) in zip(self.layers, self.buffers_):
+        for layer, (keys, values) in zip(self.layers, self._kv):
             k, v = layer.keys_values(context, rope)
             keys[:, :, start : start + n] = k
             values[:, :, start : start + n] = v
@@ -191,7 +195,7 @@ class BlockForward(nn.Module):
 
     def context_kv(self) -> ContextKV:
         """Views of every layer's context keys and values [1, kv, length, hd]."""
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self.buffers_]
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
 
     def logits(self, token: int, rows: int) -> torch.Tensor:
         """Draft-vocabulary logits [rows, Vd] of block positions 1 .. rows, the block ``[token, mask ...]`` at
@@ -201,7 +205,7 @@ class BlockForward(nn.Module):
         end = self.length + self.block_size
         self._room(end)
         rope = self._used[0](x, torch.arange(self.length, end, device=device)[None])
-        for layer, (keys, values) in zip(self.layers, self.buffers_):
+        for layer, (keys, values) in zip(self.layers, self._kv):
             x = layer(x, rope, keys, values, end)
         weight, eps = self.final_norm
         return self.lm_head(F.rms_norm(x[1 : 1 + rows], weight.shape, weight, eps))

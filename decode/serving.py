@@ -90,8 +90,8 @@ def chain_settings(head_type: str, k: int) -> dict:
         return {"tree": f"chain-{k}", "adaptive": False, "suffix": False}
     if head_type in ("eagle", "eagle3"):
         return {"depth": k, "top_k": 1, "total_tokens": k, "adaptive": False, "suffix": False}
-    if head_type == "dflash":  # the whole block as a chain (checked_formats: k = block_size - 1)
-        return {"adaptive": False, "suffix": False}
+    if head_type == "dflash":  # the whole block as a chain (checked_formats: k = block_size - 1), drafted in the
+        return {"adaptive": False, "suffix": False, "dtype": "own"}  # heads' dtype, the target's, as vLLM drafts
     raise ServingError(f"{head_type} heads have no vLLM format.")
 
 

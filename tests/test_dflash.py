@@ -269,6 +269,8 @@ def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
         monkeypatch.setattr(dd, "native_bf16", lambda device, native=native: native)
         assert dd.draft_dtype("auto", heads) == expected and dd.draft_dtype(None, heads) == expected
     assert dd.draft_dtype("float32", heads) == torch.float32 and dd.draft_dtype("bfloat16", heads) == torch.bfloat16
+    monkeypatch.setattr(dd, "native_bf16", lambda device: True)
+    assert dd.draft_dtype("own", heads) == torch.float32  # the heads' own, even where bfloat16 is native
     with pytest.raises(SettingError, match="draft.dtype='fp8'"):
         dd.draft_dtype("fp8", heads)
 

@@ -70,3 +70,35 @@ def test_commit_equals_fresh_forward(attn):
     assert layer_lengths(cache) == [9 + len(path)] * 4
     for mine, ref in zip(cache.layers, fresh.layers):
         assert torch.allclose(mine.keys, ref.keys, atol=1e-5) and torch.allclose(mine.values, ref.values, atol=1e-5)
+
+
+def test_the_growing_cache_holds_what_concatenation_holds():
+    """The engine's cache (rows written in place into buffers with room) holds, after any sequence of appends,
+    commits and crops that outgrows its buffers several times, exactly what transformers' concatenating
+    DynamicCache holds after the same sequence; appends within the room move nothing."""
+    from transformers import DynamicCache
+
+    from decode.cache import MIN_ROOM, GrowingCache
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = new_cache(), DynamicCache()
+    assert isinstance(ours, GrowingCache)
+    length, grown = 0, 0
+    for step in range(200):
+        n = int(torch.randint(1, 17, (1,), generator=g)) if step else 40  # a prompt, then trees of 1-16 rows
+        for layer in range(2):
+            k, v = (torch.randn(1, 3, n, 4, generator=g) for _ in range(2))
+            before = ours.layers[layer].keys.data_ptr() if step else None
+            got = ours.update(k, v, layer)
+            want = theirs.update(k.clone(), v.clone(), layer)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            if step and got[0].data_ptr() != before:
+                grown += 1
+        keep = sorted(torch.randperm(n, generator=g)[: int(torch.randint(0, n + 1, (1,), generator=g))].tolist())
+        for cache in (ours, theirs):
+            commit_kv(cache, length, keep)
+        length += len(keep)
+        assert layer_lengths(ours) == layer_lengths(theirs) == [length, length]
+    assert length > 3 * MIN_ROOM and 2 <= grown // 2 <= 8  # it grew a few times, not at every step
+    for a, b in zip(ours.layers, theirs.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -21,9 +21,10 @@ engines do:
 
 - each layer's ``q/k/v`` and ``gate/up`` projections as one product each (vLLM's merged linears), and ``k/v`` as one
   for the context's catch-up;
-- the context's keys and values in one buffer per layer that grows by doubling: a commit writes its rows in place,
-  and a proposal writes the block's keys and values after them (scratch rows, overwritten by the next commit)
-  instead of concatenating the whole context each time;
+- the context's keys and values in one cache layer per drafter layer, the engine's own (decode/cache.py:
+  :class:`GrowingLayer`, rows written in place into buffers with room): a commit appends its rows, and a proposal
+  appends the block's keys and values for its attention and crops them off again, instead of concatenating the
+  whole context each time;
 - the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
   (:func:`heads.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
   autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
@@ -45,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from decode.cache import Backlog, CacheError
+from decode.cache import Backlog, CacheError, GrowingLayer
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
@@ -128,16 +129,16 @@ class BlockLayer(nn.Module):
         k, v = self.kv(x).view(n, 2 * self.kv_heads, self.head_dim).transpose(0, 1)[None].split(self.kv_heads, 1)
         return _roped(self.norm("k", k), *rope), v
 
-    def forward(self, x: torch.Tensor, rope, keys: torch.Tensor, values: torch.Tensor, end: int) -> torch.Tensor:
-        """The block x [Q, H] at rows ``end - Q .. end - 1`` of ``keys`` / ``values`` [1, kv, cap, hd] (written
-        here; the rows before them are the context) -> [Q, H]."""
+    def forward(self, x: torch.Tensor, rope, context: GrowingLayer) -> torch.Tensor:
+        """The block x [Q, H] after the ``context``'s keys and values -> [Q, H]. The block's own keys and values are
+        written after the context's rows for the attention and cropped off again (the next commit's go there)."""
         q_len, nh, nkv = x.shape[0], self.heads, self.kv_heads
         qkv = self.qkv(self.norm("input", x)).view(q_len, nh + 2 * nkv, self.head_dim).transpose(0, 1)[None]
         q, k, v = qkv.split([nh, nkv, nkv], dim=1)
         q, k = _roped(self.norm("q", q), *rope), _roped(self.norm("k", k), *rope)
-        keys[:, :, end - q_len : end] = k
-        values[:, :, end - q_len : end] = v
-        out = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], enable_gqa=nkv != nh)
+        keys, values = context.update(k, v)
+        context.crop(-q_len)
+        out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=nkv != nh)
         h = x + self.o(out[0].transpose(0, 1).reshape(q_len, -1))
         gate, up = self.gate_up(self.norm("post", h)).chunk(2, dim=-1)
         return h + self.down(self.act(gate) * up)
@@ -145,7 +146,7 @@ class BlockLayer(nn.Module):
 
 class BlockForward(nn.Module):
     """A DFlash drafter's decode form: its weights in ``dtype``, projections merged, and its context's keys and
-    values in growing buffers (module docstring). ``context``: rows 0 .. ``length - 1`` of the buffers."""
+    values in cache layers (module docstring)."""
 
     def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
         super().__init__()
@@ -157,26 +158,16 @@ class BlockForward(nn.Module):
         self.lm_head = _fused([drafter.lm_head.weight], dtype)
         self.mask = drafter.mask_embedding.detach().to(dtype)
         self._used = (drafter.rotary, drafter.target.get_input_embeddings())  # the module's, not copied or owned
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.length = 0
+        self._context = [GrowingLayer() for _ in self.layers]  # every layer's context keys and values
+
+    @property
+    def length(self) -> int:
+        """Context positions read."""
+        return self._context[0].get_seq_length()
 
     def reset(self) -> None:
-        self.length = 0
-
-    def _room(self, rows: int) -> None:
-        """Buffers with room for ``rows`` rows, their first ``length`` rows kept (capacity doubles)."""
-        if self._kv and self._kv[0][0].shape[2] >= rows:
-            return
-        grown = []
-        for i, layer in enumerate(self.layers):
-            cap = max(rows, 2 * (self._kv[i][0].shape[2] if self._kv else 0), 256)
-            shape = (1, layer.kv_heads, cap, layer.head_dim)
-            k, v = (self.mask.new_empty(shape) for _ in range(2))
-            if self._kv:
-                k[:, :, : self.length] = self._kv[i][0][:, :, : self.length]
-                v[:, :, : self.length] = self._kv[i][1][:, :, : self.length]
-            grown.append((k, v))
-        self._kv = grown
+        for cache in self._context:
+            cache.reset()
 
     def extend(self, features: torch.Tensor, start: int) -> None:
         """Append the context rows of ``features`` [n, n_layers * H] at positions ``start`` .. (= ``length``)."""
@@ -186,27 +177,21 @@ class BlockForward(nn.Module):
         weight, eps = self.hidden_norm
         context = F.rms_norm(self.fc(features.to(self.dtype)), weight.shape, weight, eps)
         rope = self._used[0](context, torch.arange(start, start + n, device=context.device)[None])
-        self._room(start + n + self.block_size)
-        for layer, (keys, values) in zip(self.layers, self._kv):
-            k, v = layer.keys_values(context, rope)
-            keys[:, :, start : start + n] = k
-            values[:, :, start : start + n] = v
-        self.length = start + n
+        for layer, cache in zip(self.layers, self._context):
+            cache.update(*layer.keys_values(context, rope))
 
     def context_kv(self) -> ContextKV:
-        """Views of every layer's context keys and values [1, kv, length, hd]."""
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
+        """Every layer's context keys and values [1, kv, length, hd]."""
+        return [(cache.keys, cache.values) for cache in self._context]
 
     def logits(self, token: int, rows: int) -> torch.Tensor:
         """Draft-vocabulary logits [rows, Vd] of block positions 1 .. rows, the block ``[token, mask ...]`` at
         positions ``length ..``."""
-        device = self.mask.device
+        start = self.length
         x = torch.cat([self._used[1].weight[token][None].to(self.dtype), self.mask.expand(self.block_size - 1, -1)])
-        end = self.length + self.block_size
-        self._room(end)
-        rope = self._used[0](x, torch.arange(self.length, end, device=device)[None])
-        for layer, (keys, values) in zip(self.layers, self._kv):
-            x = layer(x, rope, keys, values, end)
+        rope = self._used[0](x, torch.arange(start, start + self.block_size, device=self.mask.device)[None])
+        for layer, cache in zip(self.layers, self._context):
+            x = layer(x, rope, cache)
         weight, eps = self.final_norm
         return self.lm_head(F.rms_norm(x[1 : 1 + rows], weight.shape, weight, eps))
 
@@ -281,7 +266,7 @@ class DFlashBlockDrafter(DrafterBase):
     def _block_logits(self, state: DecodeState, depth: int) -> torch.Tensor:
         """Draft-vocabulary logits [depth, Vd] of block positions 1 .. depth after the context's state.length rows."""
         self._catch_up()
-        if self.context_length != state.length or self._form.length != state.length:
+        if self._form.length != state.length:  # extend keeps the context at the backlog's end
             raise CacheError(f"the DFlash context covers {self._form.length} positions, the target's cache "
                              f"{state.length}: the drafter missed a start or a commit.")
         return self._form.logits(state.next_token, depth).float()  # (argmax in bfloat16 is 4x slower on a CPU)

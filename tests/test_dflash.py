@@ -206,13 +206,14 @@ def test_bfloat16_drafts_are_accepted_and_greedy_output_is_unchanged(trained):
 
 
 def test_the_decode_form_computes_the_modules_block(trained):
-    """BlockForward (merged projections, the context in growing buffers) gives the module's own logits for the
-    block after a context long enough to grow its buffers twice: float32 to rounding, bfloat16 within its bound."""
+    """BlockForward (merged projections, the context in the engine's cache layers) gives the module's own logits
+    for the block after a context long enough to grow its buffers twice: float32 to rounding, bfloat16 within its
+    bound."""
     from decode.dflash_drafter import BlockForward
 
     model, heads, _ = trained
     g = torch.Generator().manual_seed(0)
-    n = 600  # the buffers start at 256 rows and double
+    n = 600  # the cache buffers start at 256 rows and grow
     ids = torch.randint(3, 200, (1, n), generator=g)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states

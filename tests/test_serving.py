@@ -28,6 +28,7 @@ from decode.serving import (
     CheckSettings,
     ServingError,
     acceptance_per_position,
+    run_vllm,
     serve_check,
     vllm_available,
 )
@@ -38,17 +39,7 @@ LAYERS = 8  # EAGLE-3's default layers are three different ones (2, 4, 5)
 K = 3
 MAX_NEW = 32
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread", "vllm_in_one_process")
-
-
-@pytest.fixture(scope="module")
-def vllm_in_one_process():
-    """vLLM's engine core and its model worker in the worker's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    instead of two more processes per engine, each importing vLLM and torch again: the same model code, kernels and
-    counters, a third of the time (a Medusa check: 27 s against 75 s)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def vllm_or_skip():
@@ -226,3 +217,32 @@ def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypat
     monkeypatch.setenv("SELFSPEC_VLLM_VENV", str(tmp_path / "none"))
     with pytest.raises(ServingError, match="make_vllm_venv.sh"):  # before any model is loaded
         module.run_check(compose("serve_check", ["heads=somewhere", "prompts=humaneval"]))
+
+
+def test_vllm_runs_in_one_process_unless_the_caller_says_otherwise(tmp_path, monkeypatch):
+    """run_vllm gives the worker VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core and model worker in its own process:
+    faster at batch 1 on a small CPU) unless the caller's environment sets it; VLLM_PLUGINS stays empty regardless."""
+    import json
+    import subprocess
+
+    from decode import serving
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    seen = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr, timeout):
+        seen.append(env)
+        Path(cmd[-1]).write_text(json.dumps({"vllm_version": "x", "runs": [{"name": "plain", "loaded": True}]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(serving.subprocess, "run", fake_run)
+    job = {"runs": [{"name": "plain", "speculative_config": None}]}
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setenv("VLLM_PLUGINS", "someplugin")
+    run_vllm(job, venv)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    run_vllm(job, venv)
+    assert [env["VLLM_ENABLE_V1_MULTIPROCESSING"] for env in seen] == ["0", "1"]
+    assert all(env["VLLM_PLUGINS"] == "" for env in seen)

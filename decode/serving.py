@@ -154,10 +154,36 @@ def served_target_dir(target: Any, cache: Path | None = None) -> Path:
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
              log_path: str | Path | None = None) -> dict:
-    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv; returns its result. vLLM's log is copied to
-    ``log_path`` when given; the lines that name each failed run's cause are kept in that run's ``log_errors``."""
+    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own;
+    returns their results in order. ``timeout``: seconds per run. vLLM's log (every run's, in order) is copied to
+    ``log_path`` when given; the lines that name each failed run's cause are kept in that run's ``log_errors``.
+
+    One process per run: with the engine in the worker's process (ENGINE_ENV_DEFAULTS), vLLM 0.32 does not start a
+    second kind of engine reliably after the first in the same process (a suffix engine after an ngram one fails in
+    its executor with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``); a fresh process costs a
+    few seconds of imports and leaves each run as a user's own script would run it."""
     python = vllm_python(venv)
     job = {**job, "engine": {**ENGINE_DEFAULTS, **job.get("engine", {})}}
+    result: dict = {"vllm_version": None, "runs": []}
+    texts = []
+    try:
+        for run in job["runs"]:
+            one, text = _run_worker(python, {**job, "runs": [run]}, timeout)
+            texts.append(text)
+            if not quiet:
+                sys.stderr.write(text)
+            result["vllm_version"] = one.get("vllm_version")
+            result["runs"] += one["runs"]
+    finally:
+        if log_path:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(log_path).write_text("".join(texts))
+    return result
+
+
+def _run_worker(python: Path, job: dict, timeout: float | None) -> tuple[dict, str]:
+    """One worker process over ``job``: (its result, its log). Raises ServingError when it stops before reporting
+    every run, with the log's tail."""
     with tempfile.TemporaryDirectory(prefix="selfspec-vllm-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
@@ -173,25 +199,18 @@ def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = 
             proc = subprocess.run([str(python), "-P", str(WORKER), str(job_path), str(result_path)], cwd=tmp, env=env,
                                   stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
         text = log.read_text(errors="replace")
-        if log_path:
-            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(log_path).write_text(text)
-        if not quiet:
-            sys.stderr.write(text)
+        tail = "\n".join(text.strip().splitlines()[-15:])
         if not result_path.exists():
-            tail = "\n".join(text.strip().splitlines()[-15:])
             raise ServingError(f"vLLM's worker exited with status {proc.returncode} before reporting:\n{tail}")
         result = json.loads(result_path.read_text())
-        result["returncode"] = proc.returncode
         errors = [line for line in text.splitlines() if "Error" in line and "Traceback" not in line]
         for run in result["runs"]:
             if run.get("error"):
                 run["log_errors"] = list(dict.fromkeys(errors))[-6:]
         if proc.returncode != 0 or len(result["runs"]) < len(job["runs"]):
-            tail = "\n".join(text.strip().splitlines()[-15:])
             raise ServingError(f"vLLM's worker stopped (status {proc.returncode}) after {len(result['runs'])} of "
                                f"{len(job['runs'])} runs:\n{tail}")
-        return result
+        return result, text
 
 
 # --- acceptance, counted the way vLLM counts it ---------------------------------------------------------------------

@@ -219,9 +219,10 @@ def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypat
         module.run_check(compose("serve_check", ["heads=somewhere", "prompts=humaneval"]))
 
 
-def test_vllm_runs_in_one_process_unless_the_caller_says_otherwise(tmp_path, monkeypatch):
-    """run_vllm gives the worker VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core and model worker in its own process:
-    faster at batch 1 on a small CPU) unless the caller's environment sets it; VLLM_PLUGINS stays empty regardless."""
+def test_each_vllm_run_gets_a_process_of_its_own_with_the_engine_inside(tmp_path, monkeypatch):
+    """run_vllm starts one worker per run (vLLM 0.32 does not start a second kind of engine reliably in one process)
+    and gives it VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in that process: faster at batch 1 on a small CPU)
+    unless the caller's environment sets it; VLLM_PLUGINS stays empty regardless. The runs come back in order."""
     import json
     import subprocess
 
@@ -233,16 +234,22 @@ def test_vllm_runs_in_one_process_unless_the_caller_says_otherwise(tmp_path, mon
     seen = []
 
     def fake_run(cmd, cwd, env, stdout, stderr, timeout):
-        seen.append(env)
-        Path(cmd[-1]).write_text(json.dumps({"vllm_version": "x", "runs": [{"name": "plain", "loaded": True}]}))
+        job = json.loads(Path(cmd[-2]).read_text())
+        seen.append((env, [r["name"] for r in job["runs"]]))
+        stdout.write(f"log of {job['runs'][0]['name']}\n")
+        Path(cmd[-1]).write_text(json.dumps({"vllm_version": "x", "runs": [{"name": r["name"], "loaded": True}
+                                                                           for r in job["runs"]]}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(serving.subprocess, "run", fake_run)
-    job = {"runs": [{"name": "plain", "speculative_config": None}]}
+    job = {"runs": [{"name": "plain", "speculative_config": None}, {"name": "ngram", "speculative_config": {}}]}
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     monkeypatch.setenv("VLLM_PLUGINS", "someplugin")
-    run_vllm(job, venv)
+    result = run_vllm(job, venv, log_path=tmp_path / "vllm.log")
+    assert [r["name"] for r in result["runs"]] == ["plain", "ngram"]
+    assert [names for _, names in seen] == [["plain"], ["ngram"]]
+    assert (tmp_path / "vllm.log").read_text() == "log of plain\nlog of ngram\n"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    run_vllm(job, venv)
-    assert [env["VLLM_ENABLE_V1_MULTIPROCESSING"] for env in seen] == ["0", "1"]
-    assert all(env["VLLM_PLUGINS"] == "" for env in seen)
+    run_vllm({"runs": job["runs"][:1]}, venv)
+    assert [env["VLLM_ENABLE_V1_MULTIPROCESSING"] for env, _ in seen] == ["0", "0", "1"]
+    assert all(env["VLLM_PLUGINS"] == "" for env, _ in seen)

@@ -11,8 +11,9 @@ method, its tokens checked against HF generate's with the others.
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads).
 
-vLLM starts an engine per method (20-30 s each), so its rows cannot be interleaved prompt by prompt with the others:
-they run before them, in one vLLM process, each after a warm-up prompt; the interleaved loop then reads their results.
+vLLM starts an engine per method (a worker process each, with the engine inside it: 10-15 s, decode/serving.py), so
+its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
+the interleaved loop then reads their results.
 With ``vllm_rounds`` R > 1 the prompts are split into R runs of consecutive prompts, and each round runs vLLM's rows
 (a vLLM process) and then the others on its prompts, so that a drift of the machine's speed over minutes hits both
 engines alike (R times the engine starts, which are not timed). First turns only.

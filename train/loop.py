@@ -212,7 +212,7 @@ def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
 def _fused_adamw(groups: list[dict]) -> bool | None:
     """True (torch's fused AdamW: one kernel per parameter for the whole update) when every parameter is a float
     tensor on the CPU or a CUDA device; None (torch's default implementation) otherwise. On the CPU the default is a
-    loop of small operations per parameter: a DFlash hour-recipe step spent 20 ms of its ~400 in it."""
+    loop of small operations per parameter: a DFlash hour-recipe step spent ~17 ms of its ~400 in it, fused 6.8 ms."""
     params = [p for g in groups for p in g["params"]]
     ok = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return True if ok else None

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,7 @@ def served_target_dir(target: Any, cache: Path | None = None) -> Path:
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
              log_path: str | Path | None = None) -> dict:
     """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own;
-    returns their results in order. ``timeout``: seconds per run. vLLM's log (every run's, in order) is copied to
+    returns their results in order. ``timeout``: seconds for all the runs together. vLLM's log (every run's, in order) is copied to
     ``log_path`` when given; the lines that name each failed run's cause are kept in that run's ``log_errors``.
 
     One process per run: with the engine in the worker's process (ENGINE_ENV_DEFAULTS), vLLM 0.32 does not start a
@@ -166,9 +167,11 @@ def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = 
     job = {**job, "engine": {**ENGINE_DEFAULTS, **job.get("engine", {})}}
     result: dict = {"vllm_version": None, "runs": []}
     texts = []
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         for run in job["runs"]:
-            one, text = _run_worker(python, {**job, "runs": [run]}, timeout)
+            left = None if deadline is None else max(1.0, deadline - time.monotonic())
+            one, text = _run_worker(python, {**job, "runs": [run]}, left)
             texts.append(text)
             if not quiet:
                 sys.stderr.write(text)

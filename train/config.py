@@ -28,6 +28,7 @@ class TrainerConfig:
     they are written: every field is required here. Steps are optimizer steps; batch_size is per device."""
 
     max_steps: int
+    max_minutes: float | None  # null: no time budget; else the run's length sized to fit it (train/budget.py)
     batch_size: int
     gradient_accumulation_steps: int
     learning_rate: float
@@ -59,6 +60,8 @@ class TrainerConfig:
         problems = []
         if out.max_steps < 1:
             problems.append(f"trainer.max_steps={out.max_steps} must be >= 1")
+        if out.max_minutes is not None and not out.max_minutes > 0:
+            problems.append(f"trainer.max_minutes={out.max_minutes} must be > 0 (or null: no time budget)")
         if out.batch_size < 1 or out.gradient_accumulation_steps < 1:
             problems.append("trainer.batch_size and trainer.gradient_accumulation_steps must be >= 1")
         if out.lr_scheduler not in SCHEDULERS:

@@ -53,6 +53,8 @@ from heads.config import cfg_get, to_dict
 from heads.errors import SelfspecError
 from heads.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
 from train.accelerator import check_accumulation, make_accelerator
+from train import budget as time_budget
+from train.budget import TimeBudget
 from train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -102,7 +104,8 @@ class TrainResult:
 def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = None) -> TrainResult:
     """Train ``method``'s drafter on ``cfg``; ``target``/``datasets`` override loading them from ``cfg.model``/
     ``cfg.data`` (a ``heads.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
-    run = _setup(cfg, method, target, datasets)
+    started = time_budget.now()  # trainer.max_minutes counts from here: the target, the data and a store included
+    run = _setup(cfg, method, target, datasets, started)
     progress = _resume(run)
     _train_steps(run, progress)
     _evaluate_at_end(run, progress)
@@ -127,6 +130,7 @@ class _Run:
     eval_loader: DataLoader | None
     logger: Any  # None on processes other than the main one
     held_memory: bool = False  # hold_freed_memory() took: release_held_memory() every RELEASE_HELD_EVERY steps
+    budget: TimeBudget | None = None  # trainer.max_minutes (train/budget.py)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -158,12 +162,15 @@ class _Progress:
 # --- setup ------------------------------------------------------------------------------------------------------------
 
 
-def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
+def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: float | None = None) -> _Run:
     """The trainer settings, accelerator and run folder; the target and data; the drafter, optimizer, schedule and
-    loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``."""
+    loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``.
+    ``started``: the run's start on ``time.perf_counter``'s clock, where ``trainer.max_minutes`` counts from."""
     from accelerate.utils import set_seed
 
     tc = TrainerConfig.from_cfg(cfg.trainer)
+    budget = None if tc.max_minutes is None else TimeBudget(
+        seconds=60.0 * tc.max_minutes, started=time_budget.now() if started is None else started)
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file INFO lines drown the progress bar
     run_dir = Path(str(cfg.run_dir))
     accelerator = make_accelerator(tc, run_dir)
@@ -190,7 +197,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any) -> _Run:
     logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
     return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
                 drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_batches,
-                eval_loader=eval_batches, logger=logger, held_memory=held)
+                eval_loader=eval_batches, logger=logger, held_memory=held, budget=budget)
 
 
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
@@ -269,6 +276,9 @@ def _restore(run: _Run, resume_from: Path) -> _Progress:
     tc = run.tc
     state = load_checkpoint(run.accelerator, resume_from)
     step, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+    if run.budget is not None and state.get("sized_by_budget"):  # the count this run's first part sized: kept
+        run.budget.sized = True
+        _set_max_steps(run, int(state["max_steps"]))
     layout = (state.get("num_processes"), state.get("batch_size"), state.get("gradient_accumulation_steps"))
     if layout != (run.world, tc.batch_size, tc.gradient_accumulation_steps) and run.is_main:
         print("[selfspec] resuming with another process count or batch layout than the checkpoint's: the run "
@@ -307,30 +317,86 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
     bar = tqdm(total=tc.max_steps, initial=progress.step, desc=f"train {run.method.name}", unit="step",
                disable=not run.is_main, dynamic_ncols=True)
     run.drafter.train()
+    stopped = False  # trainer.max_minutes spent before trainer.max_steps
     try:
-        while progress.step < tc.max_steps:
+        while progress.step < tc.max_steps and not stopped:
             _optimizer_step(run, [next(stream) for _ in range(accum)], window, progress.step + 1)
             progress.step += 1
             window.steps += 1
             bar.update(1)
             step = progress.step
+            if run.budget is not None:
+                stopped = _keep_to_budget(run, step, bar)
+            last = step == tc.max_steps or stopped
             if run.held_memory and step % RELEASE_HELD_EVERY == 0:
                 release_held_memory()
-            if step % max(tc.log_every, 1) == 0 or step == tc.max_steps:
+            if step % max(tc.log_every, 1) == 0 or last:
                 _log_window(run, progress, window, bar)
                 window = LogWindow.empty(run.accelerator.device)
-            if run.eval_loader is not None and tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
+            if run.eval_loader is not None and tc.eval_every and step % tc.eval_every == 0 and not last:
+                t0 = time_budget.now()
                 _evaluate_and_log(run, progress)
+                if run.budget is not None:
+                    run.budget.eval_seconds += time_budget.now() - t0
                 if run.is_main:
                     tqdm.write(_format_eval(step, progress.eval_metrics))
                 window.restart_clock()
-            if tc.save_every and (step % tc.save_every == 0 or step == tc.max_steps):
-                progress.last_checkpoint = save_checkpoint(
-                    run.accelerator, run.ckpt_dir, step, _trainer_state(step, progress.tokens_seen, tc, run.world),
-                    tc.keep_last)
+            if tc.save_every and (step % tc.save_every == 0 or last):
+                sized = run.budget is not None and run.budget.sized
+                state = _trainer_state(step, progress.tokens_seen, tc, run.world, sized)
+                progress.last_checkpoint = save_checkpoint(run.accelerator, run.ckpt_dir, step, state, tc.keep_last)
                 window.restart_clock()
     finally:
         bar.close()
+
+
+def _keep_to_budget(run: _Run, step: int, bar) -> bool:
+    """trainer.max_minutes after optimizer step ``step`` (train/budget.py): size the run once the probe's steps are
+    done (every rank takes the main process's count); True when the budget is spent before the last step (every rank
+    stops when one's clock says so)."""
+    budget, tc, accelerator = run.budget, run.tc, run.accelerator
+    if budget.observe(step):
+        eval_batches = len(run.eval_loader) if run.eval_loader is not None else 0
+        fits = budget.size(step, tc.max_steps, eval_batches, tc.eval_every)
+        if run.world > 1:
+            from accelerate.utils import broadcast
+
+            fits = int(broadcast(torch.tensor([fits], device=accelerator.device), from_process=0).item())
+        if run.is_main:
+            p = budget.probe
+            what = (f"the cap trainer.max_steps={tc.max_steps} fits" if fits == tc.max_steps else
+                    f"{fits} steps fit (trainer.max_steps={tc.max_steps} would not); the {tc.lr_scheduler} "
+                    f"learning-rate schedule is built for {fits}")
+            bar.write(f"[selfspec] trainer.max_minutes={tc.max_minutes:g}: a step took {p['step_s']:.3g} s, "
+                      f"{p['left_s'] / 60:.1f} minutes are left: {what}.", file=sys.stderr)
+        if fits != tc.max_steps:
+            _set_max_steps(run, fits)
+            bar.total = fits
+            bar.refresh()
+    spent = budget.spent() and step < tc.max_steps
+    if run.world > 1:
+        spent = accelerator.reduce(torch.tensor([float(spent)], device=accelerator.device), reduction="sum").item() > 0
+    if spent:
+        if run.is_main:
+            bar.write(f"[selfspec] trainer.max_minutes={tc.max_minutes:g} spent at step {step} of {tc.max_steps}: "
+                      "training stops here (evaluated, checkpointed and saved); the learning-rate schedule's tail "
+                      "was not trained. A larger trainer.max_minutes, or a resume, trains on.", file=sys.stderr)
+        return True
+    return False
+
+
+def _set_max_steps(run: _Run, max_steps: int) -> None:
+    """Make ``max_steps`` the run's length: the trainer's setting and the learning-rate schedule, rebuilt for it
+    from the same warmup and kind, at the current step's rate (its last step, in the scheduler, is unchanged)."""
+    from transformers import get_scheduler
+
+    run.tc.max_steps = max_steps
+    inner = getattr(run.scheduler, "scheduler", run.scheduler)
+    groups = [{"params": [torch.zeros(1)]} for _ in inner.optimizer.param_groups]
+    fresh = get_scheduler(SCHEDULERS[run.tc.lr_scheduler], torch.optim.SGD(groups, lr=1.0),
+                          num_warmup_steps=run.tc.warmup_steps, num_training_steps=max_steps)
+    inner.lr_lambdas = fresh.lr_lambdas
+    _schedule_at(run.scheduler, inner.last_epoch)
 
 
 def _optimizer_step(run: _Run, micro: list[dict], window: LogWindow, step: int) -> None:
@@ -486,7 +552,7 @@ def _schedule_at(scheduler, step: int) -> float:
     return inner._last_lr[0]
 
 
-def _trainer_state(step: int, tokens_seen: int, tc: TrainerConfig, world: int) -> dict[str, Any]:
+def _trainer_state(step: int, tokens_seen: int, tc: TrainerConfig, world: int, sized: bool = False) -> dict[str, Any]:
     return {
         "micro_batches_per_rank": step * tc.gradient_accumulation_steps,
         "tokens_seen": tokens_seen,
@@ -495,6 +561,7 @@ def _trainer_state(step: int, tokens_seen: int, tc: TrainerConfig, world: int) -
         "gradient_accumulation_steps": tc.gradient_accumulation_steps,
         "seed": tc.seed,
         "max_steps": tc.max_steps,
+        "sized_by_budget": bool(sized),
     }
 
 

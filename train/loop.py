@@ -8,7 +8,8 @@ a warmup + cosine/linear/constant schedule, mixed precision, all prepared by acc
 checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
 clipping, logging and a progress bar on the main process, evaluation every ``trainer.eval_every`` steps, atomic
 checkpoints every ``trainer.save_every`` steps with the last ``trainer.keep_last`` kept), the final **evaluation** and
-the **save** of the drafter.
+the **save** of the drafter. With ``trainer.max_minutes`` the run's step count is sized to a time budget from its
+own pace, and it stops where the budget runs out (train/budget.py).
 
 Determinism and resume. The data order of epoch e is a permutation seeded by (trainer.seed, e), the same on every
 rank; accelerate shards each global batch over the ranks. A step reads exactly ``gradient_accumulation_steps``

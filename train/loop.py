@@ -366,8 +366,8 @@ def _keep_to_budget(run: _Run, step: int, bar) -> bool:
         if run.is_main:
             p = budget.probe
             what = (f"the cap trainer.max_steps={tc.max_steps} fits" if fits == tc.max_steps else
-                    f"{fits} steps fit (trainer.max_steps={tc.max_steps} would not); the {tc.lr_scheduler} "
-                    f"learning-rate schedule is built for {fits}")
+                    f"{fits:,} steps fit (trainer.max_steps={tc.max_steps} would not); the {tc.lr_scheduler} "
+                    f"learning-rate schedule is built for {fits:,}")
             bar.write(f"[selfspec] trainer.max_minutes={tc.max_minutes:g}: a step took {p['step_s']:.3g} s, "
                       f"{p['left_s'] / 60:.1f} minutes are left: {what}.", file=sys.stderr)
         if fits != tc.max_steps:
@@ -379,9 +379,10 @@ def _keep_to_budget(run: _Run, step: int, bar) -> bool:
         spent = accelerator.reduce(torch.tensor([float(spent)], device=accelerator.device), reduction="sum").item() > 0
     if spent:
         if run.is_main:
-            bar.write(f"[selfspec] trainer.max_minutes={tc.max_minutes:g} spent at step {step} of {tc.max_steps}: "
-                      "training stops here (evaluated, checkpointed and saved); the learning-rate schedule's tail "
-                      "was not trained. A larger trainer.max_minutes, or a resume, trains on.", file=sys.stderr)
+            bar.write(f"[selfspec] trainer.max_minutes={tc.max_minutes:g} spent at step {step:,} of "
+                      f"{tc.max_steps:,}: training stops here (evaluated, checkpointed and saved); the learning-rate "
+                      "schedule's tail was not trained. A larger trainer.max_minutes, or a resume, trains on.",
+                      file=sys.stderr)
         return True
     return False
 

@@ -64,9 +64,10 @@ class FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A fake budget clock advanced by every optimizer step; the probe over 4 steps."""
+    """A fake budget clock advanced by every optimizer step; the probe over steps 2-5 (after one warm-up step)."""
     fake = FakeClock([1.0])
     monkeypatch.setattr(budget, "now", fake)
+    monkeypatch.setattr(budget, "WARMUP_STEPS", 1)
     monkeypatch.setattr(budget, "PROBE_STEPS", 4)
     real_step = loop._optimizer_step
 

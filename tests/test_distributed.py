@@ -206,7 +206,7 @@ def _worker(run_dir: str, *overrides: str) -> None:
     if os.environ.get("SELFSPEC_TEST_PROBE_STEPS"):
         import train.budget
 
-        train.budget.PROBE_STEPS = int(os.environ["SELFSPEC_TEST_PROBE_STEPS"])
+        train.budget.WARMUP_STEPS, train.budget.PROBE_STEPS = 1, int(os.environ["SELFSPEC_TEST_PROBE_STEPS"])
     if os.environ.get("SELFSPEC_TEST_SPENT_ON_RANK") == os.environ.get("RANK"):
         from train.budget import TimeBudget
 

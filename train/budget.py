@@ -5,12 +5,12 @@ as fast on one day as on another, docs/benchmarks.md). With ``trainer.max_minute
 from the start of :func:`train.loop.train`: loading the target and data, building a feature store, the steps, their
 evaluations and checkpoints, the final evaluation. ``trainer.max_steps`` stays the cap.
 
-1. **Sizing.** After :data:`PROBE_STEPS` steps past this process's first (whose one-off costs would count too much),
-   :func:`fitting_steps` sizes the run from the pace of those steps (checkpoints included, evaluations not), the time
-   left, and an evaluation's estimated cost (one training step's time per evaluation batch: an evaluation runs
-   forwards only, so this errs long). The learning-rate schedule is rebuilt for that count once, early, so it still
+1. **Sizing.** After :data:`PROBE_STEPS` steps past this process's first :data:`WARMUP_STEPS` (whose one-off costs would
+   count too much), :func:`fitting_steps` sizes the run from the pace of those steps (checkpoints included, evaluations
+   not), the time left, and an evaluation's estimated cost (one training step's time per evaluation batch: an evaluation
+   runs forwards only, so this errs long). The learning-rate schedule is rebuilt for that count once, early, so it still
    warms up and decays in full, and the count is recorded in every checkpoint: a resumed run trains to the same count,
-   as the run would have that was never stopped.
+   as the run would have that was never stopped (a run killed before its sizing sizes itself when resumed).
 2. **The hard stop.** Should the machine slow down afterwards, the run stops at the first step that ends past the
    budget (:meth:`TimeBudget.spent`): it evaluates, checkpoints and saves its heads there, with the schedule's tail
    untrained, and says so. A resumed run's clock starts with its own process.
@@ -21,9 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-# Steps whose pace sizes a run (after the first one of the process). 50 DFlash hour-recipe steps take ~20 s on a
-# 2-core CPU, 0.6% of the hour, and their pace was within 2% of the whole run's (docs/benchmarks.md).
-PROBE_STEPS = 50
+# A process's first WARMUP_STEPS steps are left out of the pace (its allocator, caches and the feature store's first
+# reads from disk make them slow: the first 50 of the DFlash hour recipe ran at 6,485 tokens/s, the next 150 at
+# 7,980, the whole run at 7,726, docs/benchmarks.md); the next PROBE_STEPS steps size the run (~40 s of that recipe).
+WARMUP_STEPS = 50
+PROBE_STEPS = 100
 
 
 def now() -> float:
@@ -58,7 +60,8 @@ class TimeBudget:
 
     seconds: float
     started: float
-    probe_from: tuple[int, float] | None = None  # (step, clock) after this process's first step
+    first_step: int | None = None  # this process's first step
+    probe_from: tuple[int, float] | None = None  # (step, clock) where the probe's steps start
     eval_seconds: float = 0.0  # time spent in evaluations since probe_from
     sized: bool = False  # the count is set (by this process, or recorded in the checkpoint it resumed from)
     probe: dict = field(default_factory=dict)  # what sizing measured, for its message
@@ -73,8 +76,11 @@ class TimeBudget:
         """Called after optimizer step ``step``: True when the probe's steps are done and the run is not sized yet."""
         if self.sized:
             return False
+        if self.first_step is None:
+            self.first_step = step
         if self.probe_from is None:
-            self.probe_from, self.eval_seconds = (step, now()), 0.0
+            if step - self.first_step + 1 >= WARMUP_STEPS:
+                self.probe_from, self.eval_seconds = (step, now()), 0.0
             return False
         return step - self.probe_from[0] >= PROBE_STEPS
 
@@ -89,4 +95,4 @@ class TimeBudget:
         return fitting_steps(step, left, step_s, eval_s, eval_every, cap)
 
 
-__all__ = ["PROBE_STEPS", "TimeBudget", "fitting_steps"]
+__all__ = ["PROBE_STEPS", "TimeBudget", "WARMUP_STEPS", "fitting_steps"]

@@ -53,8 +53,8 @@ from torch.utils.data import DataLoader
 from heads.config import cfg_get, to_dict
 from heads.errors import SelfspecError
 from heads.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
-from train.accelerator import check_accumulation, make_accelerator
 from train import budget as time_budget
+from train.accelerator import check_accumulation, make_accelerator
 from train.budget import TimeBudget
 from train.checkpoint import (
     latest_checkpoint,
@@ -166,7 +166,7 @@ class _Progress:
 def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: float | None = None) -> _Run:
     """The trainer settings, accelerator and run folder; the target and data; the drafter, optimizer, schedule and
     loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``.
-    ``started``: the run's start on ``time.perf_counter``'s clock, where ``trainer.max_minutes`` counts from."""
+    ``started``: the run's start on :func:`train.budget.now`'s clock, where ``trainer.max_minutes`` counts from."""
     from accelerate.utils import set_seed
 
     tc = TrainerConfig.from_cfg(cfg.trainer)

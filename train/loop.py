@@ -204,17 +204,21 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: f
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
     """(drafter, AdamW over the method's parameter groups (by default every trainable parameter), the warmup + decay
     schedule)."""
-    from transformers import get_scheduler
-
     drafter = method.build_drafter(target)
     if not any(p.requires_grad for p in drafter.parameters()):
         raise ValueError(f"The {method.name} drafter has no trainable parameter.")
     groups = method.param_groups(drafter, tc.learning_rate)
     optimizer = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=tc.adam_betas, eps=tc.adam_eps,
                                   weight_decay=tc.weight_decay, fused=_fused_adamw(groups))
-    scheduler = get_scheduler(SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
-                              num_training_steps=tc.max_steps)
-    return drafter, optimizer, scheduler
+    return drafter, optimizer, _lr_schedule(tc, optimizer)
+
+
+def _lr_schedule(tc: TrainerConfig, optimizer: torch.optim.Optimizer):
+    """The warmup + decay schedule of ``tc`` (its kind, warmup and max_steps) over ``optimizer``."""
+    from transformers import get_scheduler
+
+    return get_scheduler(SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
+                         num_training_steps=tc.max_steps)
 
 
 def _fused_adamw(groups: list[dict]) -> bool | None:
@@ -390,14 +394,10 @@ def _keep_to_budget(run: _Run, step: int, bar) -> bool:
 def _set_max_steps(run: _Run, max_steps: int) -> None:
     """Make ``max_steps`` the run's length: the trainer's setting and the learning-rate schedule, rebuilt for it
     from the same warmup and kind, at the current step's rate (its last step, in the scheduler, is unchanged)."""
-    from transformers import get_scheduler
-
     run.tc.max_steps = max_steps
     inner = getattr(run.scheduler, "scheduler", run.scheduler)
-    groups = [{"params": [torch.zeros(1)]} for _ in inner.optimizer.param_groups]
-    fresh = get_scheduler(SCHEDULERS[run.tc.lr_scheduler], torch.optim.SGD(groups, lr=1.0),
-                          num_warmup_steps=run.tc.warmup_steps, num_training_steps=max_steps)
-    inner.lr_lambdas = fresh.lr_lambdas
+    stand_in = torch.optim.SGD([{"params": [torch.zeros(1)]} for _ in inner.optimizer.param_groups], lr=1.0)
+    inner.lr_lambdas = _lr_schedule(run.tc, stand_in).lr_lambdas  # the real optimizer's rates are left as they are
     _schedule_at(run.scheduler, inner.last_epoch)
 
 

@@ -329,6 +329,40 @@ def block_targets(anchors: torch.Tensor, labels: torch.Tensor, block_size: int
     return ok.nonzero(as_tuple=True)
 
 
+def earlier_all(scored: tuple[torch.Tensor, ...], values: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """For each scored block position (b, a, k) of :func:`block_targets` [N], whether ``values`` [N] (bool, one per
+    scored position) holds at every earlier drafted position of its block, 1 .. k - 1 (an unscored one counts as
+    False; position 1 has none: True). ``shape``: (B, A, block_size)."""
+    b, a, k = scored
+    dense = torch.zeros(shape, dtype=torch.bool, device=values.device)
+    dense[b, a, k] = values.bool()
+    ok = torch.ones(shape, dtype=torch.bool, device=values.device)
+    ok[:, :, 2:] = dense[:, :, 1:-1].to(torch.int8).cumprod(dim=-1).bool()
+    return ok[b, a, k]
+
+
+def on_greedy_path(scored: tuple[torch.Tensor, ...], greedy: torch.Tensor, data: torch.Tensor,
+                   shape: tuple[int, int, int]) -> torch.Tensor:
+    """bool [N]: whether the text's tokens before scored block position (b, a, k) inside its block (anchor + 1 ..
+    anchor + k - 1) are the target's greedy tokens there, ``greedy`` [N] and ``data`` [N] at each scored position in
+    one id space. Decoding accepts position k only on that path (the verified tokens are the target's own), so only
+    there is the target's prediction at k, conditioned on the text, what a draft is verified against."""
+    return earlier_all(scored, greedy == data, shape)
+
+
+def chain_on_path(scored: tuple[torch.Tensor, ...], hits: torch.Tensor, on_path: torch.Tensor,
+                  shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counts behind a decode-like chain estimate, per block position k = 0 .. bs - 1 ([bs] each, float64):
+    positions where decoding would verify k (its block on the target's greedy path before k, :func:`on_greedy_path`,
+    and the draft right at every earlier position) and, of those, where the draft is right at k (``hits`` [N]).
+    Their ratio is the acceptance at k given everything before k was accepted."""
+    b, a, k = scored
+    reached = on_path & earlier_all(scored, hits, shape)
+    bs = shape[2]
+    zeros = torch.zeros(bs, dtype=torch.float64, device=hits.device)
+    return (zeros.index_add(0, k, (reached & hits.bool()).double()), zeros.index_add(0, k, reached.double()))
+
+
 def retrieval_hits(input_ids: torch.Tensor, valid: torch.Tensor, min_match: int, max_match: int = 8) -> torch.Tensor:
     """Where copying from the text itself would have been right, bool [B, T]: ``hit[b, j]`` when the tokens before j
     end with an n-gram (``min_match <= n``) that occurred earlier in the row and the token after its longest earlier
@@ -397,6 +431,7 @@ def build_dflash_drafter(head_config: dict, target_model: nn.Module | None) -> D
 
 
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "default_target_layer_ids",
-    "dflash_block_loss", "position_weights", "retrieval_hits", "sample_anchors",
+    "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "chain_on_path",
+    "default_target_layer_ids", "dflash_block_loss", "earlier_all", "on_greedy_path", "position_weights",
+    "retrieval_hits", "sample_anchors",
 ]

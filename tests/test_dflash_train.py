@@ -135,6 +135,138 @@ def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
             DFlashMethod(dflash_cfg(tmp_path / "d", bad))
 
 
+def test_earlier_all_and_the_on_path_chain_count_as_a_loop_over_each_block():
+    from heads.dflash import block_targets, chain_on_path, earlier_all, on_greedy_path
+
+    gen = torch.Generator().manual_seed(0)
+    for bs in (2, 3, 5):
+        labels = torch.randint(0, 5, (3, 20), generator=gen)
+        labels[torch.rand(3, 20, generator=gen) < 0.2] = -100  # unscored positions inside blocks
+        anchors = torch.tensor([[0, 4, 9, 15], [2, 7, -1, -1], [1, 10, 16, -1]])
+        scored = block_targets(anchors, labels, bs)
+        n = scored[0].numel()
+        values, hits = torch.rand(n, generator=gen) < 0.7, torch.rand(n, generator=gen) < 0.6
+        greedy = torch.randint(0, 3, (n,), generator=gen)
+        data = torch.where(torch.rand(n, generator=gen) < 0.75, greedy, greedy + 1)  # mostly on the path
+        where = {(b, a, k): i for i, (b, a, k) in enumerate(zip(*(t.tolist() for t in scored)))}
+
+        def before(flags, b, a, k):  # every earlier position of the block scored and flagged
+            return all((b, a, j) in where and bool(flags[where[(b, a, j)]]) for j in range(1, k))
+
+        shape = (*anchors.shape, bs)
+        got = earlier_all(scored, values, shape)
+        on = on_greedy_path(scored, greedy, data, shape)
+        right, reached = chain_on_path(scored, hits, on, shape)
+        want_right, want_reached = [0.0] * bs, [0.0] * bs
+        for (b, a, k), i in where.items():
+            assert bool(got[i]) == before(values, b, a, k)
+            assert bool(on[i]) == before(greedy == data, b, a, k)
+            if before(greedy == data, b, a, k) and before(hits, b, a, k):
+                want_reached[k] += 1
+                want_right[k] += float(hits[i])
+        assert right.tolist() == want_right and reached.tolist() == want_reached
+        if bs > 2:  # both kinds of later position occur
+            assert 0 < sum(want_reached[2:]) < sum(1 for _, _, k in where if k >= 2)
+
+
+def off_path_batch(target):
+    """The tiny target's own greedy continuation of one prompt, twice: the second row's text leaves the greedy path
+    at a few answer positions, so some blocks there are off the path and the rest on it."""
+    prompt = torch.tensor([[5, 17, 40, 9, 23, 61]])
+    out = target.model.generate(prompt, do_sample=False, max_new_tokens=26, min_new_tokens=26, pad_token_id=0,
+                                eos_token_id=None)
+    ids = torch.cat([out, out]).clone()
+    for j in (10, 17, 25):
+        ids[1, j] = 3 + (int(ids[1, j]) - 3 + 7) % 256  # another byte token: the text leaves the greedy path
+    labels = ids.clone()
+    labels[:, :6] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def test_off_path_weight_scales_exactly_the_positions_after_the_text_leaves_the_greedy_path(tmp_path):
+    from test_medusa_train import tiny_target
+
+    from heads.dflash import block_targets, position_weights
+    from train.dflash_method import DFlashMethod, target_greedy
+
+    t = tiny_target()
+    batch = off_path_batch(t)
+    ids = batch["input_ids"]
+    ce = "heads.loss.token_loss=ce"
+    methods = {w: DFlashMethod(dflash_cfg(tmp_path / str(w), ce, "heads.loss.retrieved_weight=1",
+                                          f"heads.loss.off_path_weight={w}", "heads.draft_vocab_size=null"))
+               for w in (1, 0.5, 0)}
+    module = methods[1].build_drafter(t)
+    torch.manual_seed(0)
+    n = methods[1].count_items(batch)
+    anchors = batch["anchors"]
+    for w, method in methods.items():  # count_items is the same for every weight: the normaliser does not move
+        torch.manual_seed(0)
+        assert torch.equal(method.count_items(dict(batch)), n)
+    b, a, k = block_targets(anchors, batch["labels"], methods[1].settings.block_size)
+    base = position_weights(methods[1].settings.block_size, methods[1].gamma)[k]
+    with torch.no_grad():  # the target's greedy token after every prefix of the text, by a plain forward
+        greedy_next = torch.cat([torch.zeros(2, 1, dtype=torch.long),
+                                 t.model(input_ids=ids).logits.argmax(-1)[:, :-1]], dim=1)
+        assert torch.equal(greedy_next[0, 6:], ids[0, 6:])  # row 0 is the target's own continuation
+    on = torch.tensor([all(int(ids[bb, p + j]) == int(greedy_next[bb, p + j]) for j in range(1, kk))
+                       for bb, p, kk in zip(b.tolist(), anchors[b, a].tolist(), k.tolist())])
+    assert on[b == 0].all() and 0 < int((~on).sum()) and int((on & (b == 1) & (k >= 2)).sum()) > 0
+    with torch.no_grad():
+        losses = {w: m.compute_loss(dict(batch, anchors=anchors), t, module, n)[0] for w, m in methods.items()}
+    # loss_w * n = S_on + w * S_off, with the same per-position terms in all three
+    s_on = losses[0] * n
+    s_off = losses[1] * n - s_on
+    assert float(s_off) > 0 and float(s_on) > 0
+    assert torch.isclose(losses[0.5] * n, s_on + 0.5 * s_off, rtol=1e-5)
+    # S_on by hand: the on-path positions' cross-entropy to the target's greedy token, weighted by position
+    blocks = methods[1]._scored_blocks(dict(batch), t, module, anchors)
+    assert torch.equal(target_greedy(t.model, blocks.target_rows), greedy_next[b, anchors[b, a] + k])
+    ce_terms = torch.nn.functional.cross_entropy(blocks.logits.float(), blocks.teacher, reduction="none")
+    assert torch.isclose(s_on, (ce_terms * base * on).sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="off_path_weight"):
+        DFlashMethod(dflash_cfg(tmp_path / "bad", "heads.loss.off_path_weight=2"))
+
+
+def test_the_on_path_chain_counts_what_decoding_would_verify(tmp_path):
+    """On the target's own continuations every block is on the path: the on-path acceptance at position 1 is the
+    plain agreement, and later positions count only where the draft was right before them."""
+    from test_medusa_train import tiny_target
+
+    from heads.dflash import chain_on_path, on_greedy_path, sample_anchors
+    from train.dflash_method import EVAL_SEED, DFlashMethod, target_greedy
+
+    t = tiny_target()
+    batch = off_path_batch(t)
+    method = DFlashMethod(dflash_cfg(tmp_path, "heads.draft_vocab_size=null", "trainer.eval_max_examples=2"))
+    module = method.build_drafter(t)
+
+    class Acc:
+        device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(x, reduction):
+            return x
+
+    single = {k: v[:1] for k, v in batch.items()}  # row 0: the target's own continuation
+    with torch.no_grad():  # as the loop evaluates
+        metrics = method.evaluate([single], t, module, Acc())
+        # the same counts by hand from the drafter's blocks at the evaluation's anchors
+        anchors = sample_anchors(single["labels"], method.settings.anchors_per_sequence,
+                                 torch.Generator().manual_seed(EVAL_SEED))
+        blocks = method._scored_blocks(dict(single), t, module, anchors)
+    assert metrics["eval/acc_on_path_pos1"] == pytest.approx(metrics["eval/acc_pos1"])
+    hits = module.drafter.draft_to_target(blocks.logits.argmax(-1)) == target_greedy(t.model, blocks.target_rows)
+    k = blocks.scored[2]
+    shape = (*anchors.shape, method.settings.block_size)
+    on = on_greedy_path(blocks.scored, hits | True, hits | True, shape)  # every block of this row is on the path
+    right, reached = chain_on_path(blocks.scored, hits, on, shape)
+    for kk in range(1, method.settings.block_size):
+        want = float(right[kk] / reached[kk]) if reached[kk] else 0.0
+        assert metrics[f"eval/acc_on_path_pos{kk}"] == pytest.approx(want)
+    assert reached[2] == right[1] and reached[1] == int((k == 1).sum())  # position 2 is reached after a hit at 1
+
+
 # --- settings -----------------------------------------------------------------------------------------------------
 
 

@@ -228,18 +228,38 @@ def test_off_path_weight_scales_exactly_the_positions_after_the_text_leaves_the_
         DFlashMethod(dflash_cfg(tmp_path / "bad", "heads.loss.off_path_weight=2"))
 
 
-def test_the_on_path_chain_counts_what_decoding_would_verify(tmp_path):
-    """On the target's own continuations every block is on the path: the on-path acceptance at position 1 is the
-    plain agreement, and later positions count only where the draft was right before them."""
+def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monkeypatch):
+    """A drafter right at known positions (an oracle pattern): the evaluation's on-path acceptance at k is, over the
+    blocks whose text before k is the target's greedy path and whose draft was right before k, the share right at k,
+    counted here by a loop over the blocks."""
+    import dataclasses
+
     from test_medusa_train import tiny_target
 
-    from heads.dflash import chain_on_path, on_greedy_path, sample_anchors
-    from train.dflash_method import EVAL_SEED, DFlashMethod, target_greedy
+    from train.dflash_method import DFlashMethod, target_greedy
 
     t = tiny_target()
-    batch = off_path_batch(t)
-    method = DFlashMethod(dflash_cfg(tmp_path, "heads.draft_vocab_size=null", "trainer.eval_max_examples=2"))
+    batch = off_path_batch(t)  # row 0 on the greedy path everywhere, row 1 leaving it in places
+    ids = batch["input_ids"]
+    method = DFlashMethod(dflash_cfg(tmp_path, "heads.draft_vocab_size=null", "heads.anchors_per_sequence=16"))
     module = method.build_drafter(t)
+    vocab = t.model.config.vocab_size
+    pattern = torch.Generator().manual_seed(3)
+    seen = {}
+    scored_blocks = method._scored_blocks
+
+    def oracle(batch, target, drafter, anchors):  # the draft's token: the greedy one where the pattern says right
+        blocks = scored_blocks(batch, target, drafter, anchors)
+        greedy = target_greedy(target.model, blocks.target_rows)
+        right = torch.rand(greedy.shape, generator=pattern) < 0.7
+        tokens = torch.where(right, greedy, (greedy + 1) % vocab)
+        logits = torch.full_like(blocks.logits, -10.0)
+        logits[torch.arange(tokens.numel()), tokens] = 10.0
+        for i, (b, a, k) in enumerate(zip(*(x.tolist() for x in blocks.scored))):
+            seen[(b, int(anchors[b, a]), k)] = bool(right[i])
+        return dataclasses.replace(blocks, logits=logits)
+
+    monkeypatch.setattr(method, "_scored_blocks", oracle)
 
     class Acc:
         device = torch.device("cpu")
@@ -248,23 +268,23 @@ def test_the_on_path_chain_counts_what_decoding_would_verify(tmp_path):
         def reduce(x, reduction):
             return x
 
-    single = {k: v[:1] for k, v in batch.items()}  # row 0: the target's own continuation
-    with torch.no_grad():  # as the loop evaluates
-        metrics = method.evaluate([single], t, module, Acc())
-        # the same counts by hand from the drafter's blocks at the evaluation's anchors
-        anchors = sample_anchors(single["labels"], method.settings.anchors_per_sequence,
-                                 torch.Generator().manual_seed(EVAL_SEED))
-        blocks = method._scored_blocks(dict(single), t, module, anchors)
+    with torch.no_grad():
+        metrics = method.evaluate([batch], t, module, Acc())
+        greedy_next = t.model(input_ids=ids).logits.argmax(-1)  # [b, j]: the greedy token after ids[b, :j + 1]
+    bs = method.settings.block_size
+    right_at, reached_at = [0] * bs, [0] * bs
+    for (b, p, k), right in seen.items():
+        on_path = all(int(ids[b, p + j]) == int(greedy_next[b, p + j - 1]) for j in range(1, k))
+        if on_path and all(seen.get((b, p, j), False) for j in range(1, k)):
+            reached_at[k] += 1
+            right_at[k] += right
+    assert reached_at[2] > 0 and reached_at[3] > 0 and reached_at[2] < sum(1 for _, _, k in seen if k == 2)
+    for k in range(1, bs):
+        assert metrics[f"eval/acc_on_path_pos{k}"] == pytest.approx(right_at[k] / reached_at[k]), k
+    rates = [right_at[k] / reached_at[k] for k in range(1, bs)]
+    assert metrics["eval/accept_length_on_path"] == pytest.approx(sum(
+        torch.tensor(rates[:n + 1]).prod().item() for n in range(bs - 1)))
     assert metrics["eval/acc_on_path_pos1"] == pytest.approx(metrics["eval/acc_pos1"])
-    hits = module.drafter.draft_to_target(blocks.logits.argmax(-1)) == target_greedy(t.model, blocks.target_rows)
-    k = blocks.scored[2]
-    shape = (*anchors.shape, method.settings.block_size)
-    on = on_greedy_path(blocks.scored, hits | True, hits | True, shape)  # every block of this row is on the path
-    right, reached = chain_on_path(blocks.scored, hits, on, shape)
-    for kk in range(1, method.settings.block_size):
-        want = float(right[kk] / reached[kk]) if reached[kk] else 0.0
-        assert metrics[f"eval/acc_on_path_pos{kk}"] == pytest.approx(want)
-    assert reached[2] == right[1] and reached[1] == int((k == 1).sum())  # position 2 is reached after a hit at 1
 
 
 # --- settings -----------------------------------------------------------------------------------------------------

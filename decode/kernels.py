@@ -67,6 +67,11 @@ PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others t
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
 PLAN_METHOD = 3  # part of the cache key: plans measured by an earlier method are measured again
 PACKED = -1  # a RowPlan width: oneDNN's product on the weight packed once for it (see the module doc)
+# Weights in these dtypes take the packed product at every row count when they have a packed copy, whatever the plan
+# (measured on the target's float32 weights) says: a DFlash decode form's bfloat16 draft LM head (10,742 x 576) took,
+# for 1-4 rows on a 2-core AMD EPYC (Zen 5), 0.11-0.15 ms packed, 0.31-0.39 ms through F.linear and 0.54-0.61 ms
+# padded for (W @ x.T).T, the plan's choice for 1-2 rows (docs/benchmarks.md).
+REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64: within 3%)
 PACK_MEMORY_SHARE = 0.25  # packing is measured only if the packed copies take at most this share of the memory
 
@@ -344,6 +349,8 @@ class SmallBatchLinear(nn.Linear):
         width = self._row_plan.width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         packed = self._packed
+        if packed is not None and self.weight.dtype in REDUCED_DTYPES:
+            width = PACKED  # a plan's padded and PyTorch products are measured on float32 weights: see REDUCED_DTYPES
         if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
                 or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
             return F.linear(x, self.weight, self.bias)

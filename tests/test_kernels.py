@@ -424,3 +424,31 @@ def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups(monkeypatc
         model(ids)
     assert len(calls) == 4 * layers + 1  # still grouped, still packed
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+@needs_packing
+def test_reduced_precision_weights_take_the_packed_product_at_every_row_count(monkeypatch):
+    """A plan measured on float32 weights pads one and two rows; a bfloat16 weight with a packed copy takes oneDNN's
+    product for them too (its padded product is the slowest of the three), a float32 weight keeps the plan."""
+    from decode.kernels import can_pack
+
+    torch.manual_seed(0)
+    half = nn.Linear(96, 40).to(torch.bfloat16)
+    if not can_pack(half.weight):
+        pytest.skip("this PyTorch cannot pack bfloat16 weights for oneDNN here")
+    full = nn.Linear(96, 40)
+    plan = RowPlan((2, 2) + (PACKED,) * (MAX_ROWS - 2))
+    calls = _recording_packed(monkeypatch)
+    with small_batch_linears(half, full, plan=plan), torch.no_grad():
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 96)
+            out = half(x.to(torch.bfloat16)).float()
+            ref = nn.functional.linear(x.to(torch.bfloat16).float(), half.weight.float(), half.bias.float())
+            # bfloat16 output: each element within a few of its units in the last place of the exact product
+            bound = nn.functional.linear(x.abs(), half.weight.float().abs(), half.bias.float().abs())
+            assert ((out - ref).abs() <= 2 ** -7 * bound + 1e-6).all()
+        assert calls == [1, 2, 3]
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 96)
+            _within_rounding(full(x), x, full)
+    assert calls == [1, 2, 3, 3]  # the float32 weight: one and two rows padded as the plan says

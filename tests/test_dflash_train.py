@@ -448,6 +448,41 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, determin
     assert_same_weights(heads_weights(tmp_path / "full"), heads_weights(tmp_path / "killed"))
 
 
+def test_a_frozen_lm_head_stays_the_targets_rows_through_a_killed_and_resumed_run(tmp_path, deterministic):
+    from safetensors.torch import load_file
+    from test_medusa_train import KilledAt, Killed, assert_same_weights, tiny_datasets, tiny_target
+
+    from train.checkpoint import list_checkpoints
+    from train.dflash_method import DFlashMethod
+    from train.loop import train
+
+    opts = ["heads.freeze_lm_head=true", "trainer.target_dtype=float32", "trainer.save_every=2",
+            "trainer.max_steps=6"]
+    data = tiny_datasets()
+    free_cfg = dflash_cfg(tmp_path / "free", *opts[1:])
+    train(free_cfg, DFlashMethod(free_cfg), target=tiny_target(), datasets=data)
+    full_cfg = dflash_cfg(tmp_path / "full", *opts)
+    train(full_cfg, DFlashMethod(full_cfg), target=tiny_target(), datasets=data)
+    free, frozen = heads_weights(tmp_path / "free"), heads_weights(tmp_path / "full")
+    assert torch.equal(free["d2t"], frozen["d2t"])
+    rows = tiny_target().model.get_output_embeddings().weight.detach()[torch.arange(64) + frozen["d2t"]]
+    assert torch.equal(frozen["lm_head.weight"], rows)  # the target's rows of the draft vocabulary, untouched
+    assert not torch.equal(free["lm_head.weight"], rows)  # the same run with the head free moves it
+    assert not torch.equal(free["fc.weight"], frozen["fc.weight"])  # and trains the rest differently
+    # a checkpoint leaves the frozen head out; a run killed in step 5 resumes to the uninterrupted one's weights
+    last = list_checkpoints(tmp_path / "full" / "checkpoints")[-1][1]
+    kept = load_file(str(last / "model.safetensors"))
+    assert "drafter.lm_head.weight" not in kept and "drafter.fc.weight" in kept
+    cfg = dflash_cfg(tmp_path / "killed", *opts)
+    killed = type("KilledAt", (KilledAt, DFlashMethod), {})(cfg, 5, 1)
+    with pytest.raises(Killed):
+        train(cfg, killed, target=tiny_target(), datasets=data)
+    assert [s for s, _ in list_checkpoints(tmp_path / "killed" / "checkpoints")] == [2, 4]
+    resumed_cfg = dflash_cfg(tmp_path / "killed", *opts, "trainer.resume=true")
+    train(resumed_cfg, DFlashMethod(resumed_cfg), target=tiny_target(), datasets=data)
+    assert_same_weights(frozen, heads_weights(tmp_path / "killed"))
+
+
 def test_feature_store_trains_the_same_drafter_as_online_features(tmp_path):
     from test_medusa_train import assert_same_weights, tiny_datasets, tiny_target
 

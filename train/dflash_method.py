@@ -10,6 +10,9 @@ Config (``cfg.heads``, conf/heads/dflash.yaml):
 - ``anchors_per_sequence``: blocks drafted per sequence in one training forward, at random answer positions;
 - ``init_from_layer``: a target layer whose weights start every drafter layer (:func:`init_layers_from_target`;
   null: random, which measured best on the hour recipe);
+- ``freeze_lm_head``: keep the draft LM head at the target's LM head rows it starts from (DFlash's reference drafters
+  read the target's own LM head, frozen): the drafter learns to land where the target's last layer does, a step skips
+  the head's weight gradient and its optimizer state, and a checkpoint leaves it out (it is rebuilt from the target);
 - ``loss``: ``token_loss`` (kl: the target's distribution over the draft vocabulary | ce: the target's own greedy
   token), ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)), and ``retrieved_weight`` with
   ``retrieval_min_match``: a block position whose token copying from the text itself would have given
@@ -94,6 +97,7 @@ class DFlashSettings:
     anchors_per_sequence: int
     loss: dict  # token_loss (kl | ce), gamma
     init_from_layer: int | None = None  # a target layer whose weights start every drafter layer; None: random
+    freeze_lm_head: bool = False  # the draft LM head stays the target's LM head rows it starts from
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DFlashSettings":
@@ -248,6 +252,8 @@ class DFlashMethod(TrainMethod):
         if self.settings.init_from_layer is not None:
             init_layers_from_target(drafter, model, self.settings.init_from_layer)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
+        if self.settings.freeze_lm_head:  # the target's rows of the draft vocabulary, copied by DFlashDrafter
+            drafter.lm_head.weight.requires_grad_(False)
         lm_head = model.get_output_embeddings()
         draft_ids = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
         draft_ids = draft_ids.to(lm_head.weight.device)

@@ -95,9 +95,9 @@ class DFlashSettings:
     draft_vocab_size: int | str | None  # a number, auto (by draft_vocab_coverage), or null (the full vocab)
     draft_vocab_coverage: float | None
     anchors_per_sequence: int
+    freeze_lm_head: bool  # the draft LM head stays the target's LM head rows it starts from
     loss: dict  # token_loss (kl | ce), gamma
     init_from_layer: int | None = None  # a target layer whose weights start every drafter layer; None: random
-    freeze_lm_head: bool = False  # the draft LM head stays the target's LM head rows it starts from
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "DFlashSettings":

@@ -456,21 +456,21 @@ def test_a_frozen_lm_head_stays_the_targets_rows_through_a_killed_and_resumed_ru
     from train.dflash_method import DFlashMethod
     from train.loop import train
 
-    opts = ["heads.freeze_lm_head=true", "trainer.target_dtype=float32", "trainer.save_every=2",
-            "trainer.max_steps=6"]
+    common = ["trainer.target_dtype=float32", "trainer.save_every=2", "trainer.max_steps=6"]
+    opts = [*common, "heads.freeze_lm_head=true"]
     data = tiny_datasets()
-    free_cfg = dflash_cfg(tmp_path / "free", *opts[1:])
+    free_cfg = dflash_cfg(tmp_path / "free", *common)
     train(free_cfg, DFlashMethod(free_cfg), target=tiny_target(), datasets=data)
-    full_cfg = dflash_cfg(tmp_path / "full", *opts)
-    train(full_cfg, DFlashMethod(full_cfg), target=tiny_target(), datasets=data)
-    free, frozen = heads_weights(tmp_path / "free"), heads_weights(tmp_path / "full")
+    frozen_cfg = dflash_cfg(tmp_path / "frozen", *opts)
+    train(frozen_cfg, DFlashMethod(frozen_cfg), target=tiny_target(), datasets=data)
+    free, frozen = heads_weights(tmp_path / "free"), heads_weights(tmp_path / "frozen")
     assert torch.equal(free["d2t"], frozen["d2t"])
     rows = tiny_target().model.get_output_embeddings().weight.detach()[torch.arange(64) + frozen["d2t"]]
     assert torch.equal(frozen["lm_head.weight"], rows)  # the target's rows of the draft vocabulary, untouched
     assert not torch.equal(free["lm_head.weight"], rows)  # the same run with the head free moves it
     assert not torch.equal(free["fc.weight"], frozen["fc.weight"])  # and trains the rest differently
     # a checkpoint leaves the frozen head out; a run killed in step 5 resumes to the uninterrupted one's weights
-    last = list_checkpoints(tmp_path / "full" / "checkpoints")[-1][1]
+    last = list_checkpoints(tmp_path / "frozen" / "checkpoints")[-1][1]
     kept = load_file(str(last / "model.safetensors"))
     assert "drafter.lm_head.weight" not in kept and "drafter.fc.weight" in kept
     cfg = dflash_cfg(tmp_path / "killed", *opts)

@@ -32,7 +32,7 @@ import torch
 from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
 from decode.greedy_head import GreedyHead, greedy_head
-from decode.kernels import decoding_kernels, measured_row_plan, use_small_batch
+from decode.kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
@@ -266,7 +266,8 @@ class SpeculativeDecoder:
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
     ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
     ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding rows as this
-    machine's measured plan says (:func:`decode.kernels.measured_row_plan`).
+    machine's measured plan says (:func:`decode.kernels.measured_row_plan`; the drafter's weights in another dtype,
+    as its plan for them says: :func:`decode.kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     ``greedy_head``: with the small-batch kernels and greedy acceptance, the engine's tree forward reads the LM head
@@ -294,6 +295,8 @@ class SpeculativeDecoder:
         self.linear_kernel = linear_kernel
         self.small_batch = use_small_batch(linear_kernel, self.device)
         self.row_plan = measured_row_plan(model) if self.small_batch else None  # this machine's widths, cached
+        # the drafter's weights in another dtype (a bfloat16 decode form) take a plan measured on them
+        self.row_plans = measured_row_plans(model, *drafter.modules()) if self.small_batch else {}
         self.greedy_head = greedy_head
 
     def prompt_tensor(self, prompt_ids: "Sequence[int] | torch.Tensor") -> torch.Tensor:
@@ -330,7 +333,7 @@ class SpeculativeDecoder:
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
         exact)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
-        with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan):
+        with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan, plans=self.row_plans):
             head = self._head(sampling)
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head)
 

@@ -49,7 +49,7 @@ import platform
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +67,6 @@ PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others t
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
 PLAN_METHOD = 3  # part of the cache key: plans measured by an earlier method are measured again
 PACKED = -1  # a RowPlan width: oneDNN's product on the weight packed once for it (see the module doc)
-# Weights in these dtypes take the packed product at every row count when they have a packed copy, whatever the plan
-# (measured on the target's float32 weights) says: a DFlash decode form's bfloat16 draft LM head (10,742 x 576) took,
-# for 1-4 rows on a 2-core AMD EPYC (Zen 5), 0.11-0.15 ms packed, 0.31-0.39 ms through F.linear and 0.54-0.61 ms
-# padded for (W @ x.T).T, the plan's choice for 1-2 rows (docs/benchmarks.md).
-REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64: within 3%)
 PACK_MEMORY_SHARE = 0.25  # packing is measured only if the packed copies take at most this share of the memory
 
@@ -296,12 +291,12 @@ def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
     return cache_dir() / "kernel_plans" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def measured_row_plan(model: nn.Module) -> RowPlan:
-    """The :class:`RowPlan` for ``model``'s linear layers on this machine: measured on its own weights the first
-    time (about 5 seconds for SmolLM2-135M on a 2-core CPU), then read from the cache; the packed product is among
-    the options where :func:`packing_offered` says so. Off a CPU the small-batch product is not used and the default
-    plan is returned unmeasured."""
-    weights = linear_weights(model)
+def measured_row_plan(*modules: nn.Module | None, dtype: torch.dtype | None = None) -> RowPlan:
+    """The :class:`RowPlan` for the linear layers of ``modules`` (those whose weights are in ``dtype``, if given) on
+    this machine: measured on their own weights the first time (about 5 seconds for SmolLM2-135M on a 2-core CPU),
+    then read from the cache; the packed product is among the options where :func:`packing_offered` says so. Off a
+    CPU the small-batch product is not used and the default plan is returned unmeasured."""
+    weights = [w for w in linear_weights(*modules) if dtype is None or w.dtype == dtype]
     if not weights or weights[0].device.type != "cpu":
         return RowPlan.default()
     path = _plan_file(weights)
@@ -312,6 +307,18 @@ def measured_row_plan(model: nn.Module) -> RowPlan:
     plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights), packed=packing_offered(weights))))
     write_row_plan(weights, plan)
     return plan
+
+
+def measured_row_plans(model: nn.Module, *modules: nn.Module | None) -> dict[torch.dtype, RowPlan]:
+    """A plan for each dtype of the ``modules``' linear weights (a drafter's) that ``model``'s weights are not in,
+    measured on the ``modules``' weights in it (:func:`measured_row_plan`); ``model``'s own dtype takes
+    ``measured_row_plan(model)``. A plan holds for the dtype it was measured in: a drafter's decode form in bfloat16
+    (decode/dflash_drafter.py) beside a float32 target runs other kernels. Its draft LM head (10,742 x 576, one and
+    two rows) took 0.11-0.15 ms packed, 0.31-0.39 ms through F.linear and 0.54-0.61 ms padded on a 2-core AMD EPYC
+    (Zen 5), where the target's plan pads two rows (docs/benchmarks.md)."""
+    own = {w.dtype for w in linear_weights(model)}
+    return {dtype: measured_row_plan(*modules, dtype=dtype)
+            for dtype in sorted({w.dtype for w in linear_weights(*modules)} - own, key=str)}
 
 
 def packing_offered(weights: Sequence[torch.Tensor]) -> bool:
@@ -349,8 +356,6 @@ class SmallBatchLinear(nn.Linear):
         width = self._row_plan.width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         packed = self._packed
-        if packed is not None and self.weight.dtype in REDUCED_DTYPES:
-            width = PACKED  # a plan's padded and PyTorch products are measured on float32 weights: see REDUCED_DTYPES
         if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
                 or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
             return F.linear(x, self.weight, self.bias)
@@ -447,29 +452,35 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
 
 
 @contextmanager
-def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan | None) -> Iterator[int]:
+def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan | None,
+                     plans: Mapping[torch.dtype, RowPlan] | None = None) -> Iterator[int]:
     """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
-    own), and their attention as decode/attention.py runs it. Yields how many linears were swapped."""
-    with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, grouped=(model,)) as swapped, \
-            grouped_query_attention(model, *modules):
+    own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their attention
+    as decode/attention.py runs it. Yields how many linears were swapped."""
+    with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
+                             grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
         yield swapped
 
 
 def measured_decoding_kernels(model: nn.Module, *modules: nn.Module | None,
                               linear_kernel: str = "auto") -> AbstractContextManager[int]:
     """:func:`decoding_kernels` as decoding with ``linear_kernel`` runs them on the model's device (small-batch
-    linears where the kernel says so, with this machine's measured plan), for measurements that must see the costs
+    linears where the kernel says so, with this machine's measured plans), for measurements that must see the costs
     decoding pays."""
-    small = use_small_batch(linear_kernel, next(model.parameters()).device)
-    return decoding_kernels(model, *modules, plan=measured_row_plan(model) if small else None)
+    if not use_small_batch(linear_kernel, next(model.parameters()).device):
+        return decoding_kernels(model, *modules, plan=None)
+    return decoding_kernels(model, *modules, plan=measured_row_plan(model), plans=measured_row_plans(model, *modules))
 
 
 @contextmanager
-def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
-                        plan: RowPlan | None = None, grouped: Sequence[nn.Module] = ()) -> Iterator[int]:
+def small_batch_linears(*modules: nn.Module | None, enabled: bool = True, plan: RowPlan | None = None,
+                        grouped: Sequence[nn.Module] = (),
+                        plans: Mapping[torch.dtype, RowPlan] | None = None) -> Iterator[int]:
     """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear` padding rows as
-    ``plan`` says (default: :meth:`RowPlan.default`); yields how many were swapped. Subclasses of ``nn.Linear``
+    ``plan`` says (default: :meth:`RowPlan.default`), or as ``plans`` says for its weight's dtype where that names
+    it (a plan is measured on weights of one dtype: another dtype's products run other kernels); yields how many
+    were swapped. Subclasses of ``nn.Linear``
     (quantized, LoRA, ...) are left alone. The projection groups under ``grouped`` (among ``modules``; their
     parameters become views of one tensor per group, see the module doc) compute one product per group. Where
     ``plan`` takes the packed product, each swapped linear's weight (a group's first member: the group's) is packed
@@ -483,8 +494,9 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
             for sub in module.modules():
                 if type(sub) is nn.Linear:  # a module reached twice is already swapped: no longer a plain nn.Linear
                     sub.__class__ = SmallBatchLinear
-                    if plan is not None:
-                        sub.__dict__["_row_plan"] = plan
+                    own = (plans or {}).get(sub.weight.dtype, plan)
+                    if own is not None:
+                        sub.__dict__["_row_plan"] = own
                     swapped.append(sub)
         # a group an enclosing block already runs stays that block's (entered again, e.g. by a decoder inside a
         # training run that swapped the target, this block sets and undoes only what it swapped itself)
@@ -492,9 +504,9 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True,
                   if all(type(m) is SmallBatchLinear for m in g.members) and "_group" not in g.members[0].__dict__]
         for group in groups:
             group.members[0].__dict__["_group"] = group
-        if plan is not None and plan.packs:
-            firsts = {id(g.members[0]): g for g in groups}
-            for sub in swapped:
+        firsts = {id(g.members[0]): g for g in groups}
+        for sub in swapped:
+            if sub._row_plan.packs:  # its own plan (the class default: none)
                 group = firsts.get(id(sub))
                 weight, versions = ((sub.weight, (sub.weight,)) if group is None
                                     else (group.weight, tuple(m.weight for m in group.members)))

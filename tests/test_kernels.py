@@ -427,9 +427,10 @@ def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups(monkeypatc
 
 
 @needs_packing
-def test_reduced_precision_weights_take_the_packed_product_at_every_row_count(monkeypatch):
-    """A plan measured on float32 weights pads one and two rows; a bfloat16 weight with a packed copy takes oneDNN's
-    product for them too (its padded product is the slowest of the three), a float32 weight keeps the plan."""
+def test_a_weight_of_another_dtype_takes_that_dtypes_plan(monkeypatch):
+    """The float32 plan pads one and two rows and packs three; the bfloat16 weight takes the plan given for
+    bfloat16 (packed at every row count) instead, within bfloat16's rounding, and the float32 weight keeps its own.
+    With the plans the other way round, the bfloat16 weight is not even packed."""
     from decode.kernels import can_pack
 
     torch.manual_seed(0)
@@ -439,7 +440,9 @@ def test_reduced_precision_weights_take_the_packed_product_at_every_row_count(mo
     full = nn.Linear(96, 40)
     plan = RowPlan((2, 2) + (PACKED,) * (MAX_ROWS - 2))
     calls = _recording_packed(monkeypatch)
-    with small_batch_linears(half, full, plan=plan), torch.no_grad():
+    with small_batch_linears(half, full, plan=plan, plans={torch.bfloat16: RowPlan((PACKED,) * MAX_ROWS)}), \
+            torch.no_grad():
+        assert half._row_plan.width(1) == PACKED and full._row_plan == plan
         for rows in (1, 2, 3):
             x = torch.randn(rows, 96)
             out = half(x.to(torch.bfloat16)).float()
@@ -451,4 +454,44 @@ def test_reduced_precision_weights_take_the_packed_product_at_every_row_count(mo
         for rows in (1, 2, 3):
             x = torch.randn(rows, 96)
             _within_rounding(full(x), x, full)
-    assert calls == [1, 2, 3, 3]  # the float32 weight: one and two rows padded as the plan says
+    assert calls == [1, 2, 3, 3]  # the float32 weight: one and two rows padded as its plan says
+    assert "_row_plan" not in half.__dict__ and "_row_plan" not in full.__dict__
+    padded = RowPlan(tuple(range(1, MAX_ROWS + 1)))
+    with small_batch_linears(half, full, plan=RowPlan((PACKED,) * MAX_ROWS), plans={torch.bfloat16: padded}), \
+            torch.no_grad():
+        assert "_packed" not in half.__dict__ and full.__dict__["_packed"] is not None
+        half(torch.randn(2, 96).to(torch.bfloat16))
+        full(torch.randn(2, 96))
+    assert calls == [1, 2, 3, 3, 2]  # the float32 weight's two rows only
+
+
+def test_each_other_dtype_of_a_drafter_is_measured_on_its_own_weights(monkeypatch, tmp_path):
+    """measured_row_plans: the drafter's bfloat16 weights get a plan measured on them alone (its float32 weight is
+    the target's dtype: none of its own), and decoding_kernels hands each linear its dtype's plan."""
+    import decode.kernels as kernels
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    drafter = nn.Sequential(nn.Linear(8, 12).to(torch.bfloat16), nn.Linear(12, 8), nn.Linear(8, 6).to(torch.bfloat16))
+    runs = []
+
+    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
+        runs.append((len(weights), {w.dtype for w in weights}))
+        # float32: one row fastest padded to two; bfloat16: PyTorch's own product everywhere
+        fast = (1, 2) if weights[0].dtype == torch.float32 else None
+        return {(r, w): (0.5 if (r, w) == fast else 1.0 if w == 0 else 2.0) for r in probes
+                for w in candidate_widths(r)}
+
+    monkeypatch.setattr(kernels, "time_widths", fake_time_widths)
+    plans = kernels.measured_row_plans(model, drafter)
+    assert set(plans) == {torch.bfloat16} and runs == [(2, {torch.bfloat16})]
+    assert plans[torch.bfloat16].width(1) == 0
+    plan = measured_row_plan(model)
+    assert plan.width(1) == 2 and runs[-1] == (2, {torch.float32})
+    assert kernels.measured_row_plans(model) == {} and kernels.measured_row_plans(model, model) == {}
+    with kernels.decoding_kernels(model, drafter, plan=plan, plans=plans):
+        assert [m._row_plan for m in drafter] == [plans[torch.bfloat16], plan, plans[torch.bfloat16]]
+        assert all(m._row_plan == plan for m in model)
+    with kernels.measured_decoding_kernels(model, drafter, linear_kernel="small_batch"):  # read from the cache
+        assert [m._row_plan for m in drafter] == [plans[torch.bfloat16], plan, plans[torch.bfloat16]]
+    assert len(runs) == 2

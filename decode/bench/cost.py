@@ -48,7 +48,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
     if isinstance(drafter, VanillaDrafter):
         return None
     prompt = decoder.prompt_tensor(ids)
-    with decoding_kernels(decoder.model, *drafter.modules(), plan=decoder.row_plan):
+    with decoding_kernels(decoder.model, *drafter.modules(), plan=decoder.row_plan, plans=decoder.row_plans):
         state, out = prefill(decoder.model, prompt, method.session.sampling, torch.Generator().manual_seed(0))
         drafter.start(state, out)
         propose, forward = [], []

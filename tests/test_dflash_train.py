@@ -317,6 +317,8 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     eagle3 = compose("eagle", ["experiment=eagle3_cpu_1h"])
     assert recipe.data == eagle3.data and recipe.features == eagle3.features == "store"
     assert recipe.feature_store == eagle3.feature_store
+    # the hour recipe keeps the target's LM head rows (measured there); the family's default trains them
+    assert recipe.heads.freeze_lm_head is True and default.heads.freeze_lm_head is False
     module = DFlashMethod(dflash_cfg(tmp_path)).build_drafter(tiny_target())
     assert all(p.requires_grad for p in module.parameters())
     assert module.drafter.config.mask_token_id == 319 and module.drafter.config.target_layer_ids == [0, 1, 2]

@@ -258,6 +258,8 @@ class DFlashMethod(TrainMethod):
         draft_ids = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
         draft_ids = draft_ids.to(lm_head.weight.device)
         bias = getattr(lm_head, "bias", None)
+        # the teacher's own copy, frozen head or not: it stays in the target's dtype, and a drafter's parameters may
+        # be sharded (DeepSpeed ZeRO-3) or cast by the accelerator, where reading them would not give these rows
         self._teacher_head = (lm_head.weight.detach()[draft_ids], None if bias is None else bias.detach()[draft_ids])
         return DFlashTrainModule(drafter)
 

@@ -456,8 +456,8 @@ def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan
                      plans: Mapping[torch.dtype, RowPlan] | None = None) -> Iterator[int]:
     """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
-    own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their attention
-    as decode/attention.py runs it. Yields how many linears were swapped."""
+    own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their
+    attention as decode/attention.py runs it. Yields how many linears were swapped."""
     with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
                              grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
         yield swapped
@@ -480,11 +480,10 @@ def small_batch_linears(*modules: nn.Module | None, enabled: bool = True, plan: 
     """Within the block, every plain ``nn.Linear`` under ``modules`` is a :class:`SmallBatchLinear` padding rows as
     ``plan`` says (default: :meth:`RowPlan.default`), or as ``plans`` says for its weight's dtype where that names
     it (a plan is measured on weights of one dtype: another dtype's products run other kernels); yields how many
-    were swapped. Subclasses of ``nn.Linear``
-    (quantized, LoRA, ...) are left alone. The projection groups under ``grouped`` (among ``modules``; their
-    parameters become views of one tensor per group, see the module doc) compute one product per group. Where
-    ``plan`` takes the packed product, each swapped linear's weight (a group's first member: the group's) is packed
-    on entry, or its kept copy reused (:func:`packed_weight`)."""
+    were swapped. Subclasses of ``nn.Linear`` (quantized, LoRA, ...) are left alone. The projection groups under
+    ``grouped`` (among ``modules``; their parameters become views of one tensor per group, see the module doc)
+    compute one product per group. Where a swapped linear's plan takes the packed product, its weight (a group's
+    first member: the group's) is packed on entry, or its kept copy reused (:func:`packed_weight`)."""
     swapped: list[nn.Module] = []
     groups: list[ProjectionGroup] = []
     if enabled:

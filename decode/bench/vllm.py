@@ -4,12 +4,14 @@ method, its tokens checked against HF generate's with the others.
 - ``vllm``: vLLM's plain decoding;
 - ``vllm_ngram``: its n-gram proposer (``prompt_lookup_max`` 4, ``min`` 1, ``vllm_speculative_tokens`` tokens);
 - ``vllm_suffix``: its suffix proposer (SuffixDecoding). It needs Arctic Inference, which PyPI has only as a source
-  archive that does not build here (docs/serving.md), so the row reports that it did not load;
+  archive; scripts/make_vllm_venv.sh builds its C++ suffix tree into vLLM's venv (docs/serving.md). Without it the
+  row reports that it did not load;
 - ``vllm_selfspec_suffix``: selfspec's suffix drafter as a vLLM proposer (decode/vllm_suffix.py, vLLM's
   ``custom_class``), chains of up to ``vllm_suffix_tokens`` with adaptive length, under selfspec's measured verify cost
   curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
-  ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads).
+  ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
+  :func:`heads_depth`).
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: 10-15 s, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;

@@ -302,7 +302,7 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
 
 def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     """``formats`` (default: every vLLM format these heads export to), each checked against the heads, and ``k``
-    against what Medusa heads can draft."""
+    against what the heads draft in vLLM (:func:`served_depth`)."""
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
     available = formats_for(head_type, layout)
@@ -317,18 +317,25 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
         if fmt not in available:
             raise ServingError(f"{head_type} heads (layout={layout}) do not export to {fmt}; they export to "
                                f"{', '.join(available) or 'no vLLM format'}.")
-    if head_type == "medusa":
-        num_heads = int((meta.get("head_config") or {}).get("num_heads") or k)
-        if k > num_heads:
-            raise ServingError(f"k={k}: these Medusa heads draft at most {num_heads} tokens a step.")
-    if head_type == "dflash":
-        # vLLM fills 1 + k query slots; the block attends non-causally, so a shorter block drafts other tokens than
-        # selfspec's whole block cut short: the two propose the same only with the heads' own block
-        block = int((meta.get("head_config") or {}).get("block_size") or k + 1)
-        if k != block - 1:
-            raise ServingError(f"k={k}: these DFlash heads draft blocks of {block - 1} tokens; check them with "
-                               f"k={block - 1}.")
+    depth = served_depth(meta, k)
+    if depth != k and head_type == "medusa":
+        raise ServingError(f"k={k}: these Medusa heads draft at most {depth} tokens a step.")
+    if depth != k:  # a DFlash drafter's own block
+        raise ServingError(f"k={k}: these DFlash heads draft blocks of {depth} tokens; check them with k={depth}.")
     return formats
+
+
+def served_depth(meta: dict, k: int) -> int:
+    """Tokens vLLM drafts a step with these heads (``meta``: their heads config) when asked for ``k``: at most a
+    Medusa model's heads; a DFlash drafter's own block less its first slot, whatever ``k`` (vLLM fills 1 + k query
+    slots, and the block attends non-causally, so a shorter block drafts other tokens than selfspec's whole block cut
+    short: the two propose the same only with the heads' own block); ``k`` otherwise."""
+    config = meta.get("head_config") or {}
+    if meta.get("head_type") == "medusa":
+        return min(k, int(config.get("num_heads") or meta.get("num_heads") or k))
+    if meta.get("head_type") == "dflash" and config.get("block_size"):
+        return int(config["block_size"]) - 1
+    return k
 
 
 def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,

@@ -120,13 +120,13 @@ def test_acceptance_counted_over_the_steps_vllm_runs():
 def test_the_benchmarks_vllm_rows_draft_what_each_family_can():
     """scripts/bench.py's ``vllm_heads`` rows: Medusa at most its heads, DFlash its own block (another length drafts
     other tokens in vLLM's non-causal block), EAGLE-3 the proposers' k."""
-    from decode.bench.vllm import heads_depth
+    from decode.serving import served_depth
 
-    assert heads_depth({"head_type": "medusa", "head_config": {"num_heads": 2}}, 3) == 2
-    assert heads_depth({"head_type": "medusa", "num_heads": 4}, 3) == 3
-    assert heads_depth({"head_type": "dflash", "head_config": {"block_size": 3}}, 3) == 2
-    assert heads_depth({"head_type": "dflash", "head_config": {"block_size": 8}}, 3) == 7
-    assert heads_depth({"head_type": "eagle3", "head_config": {"layout": "midlayer"}}, 3) == 3
+    assert served_depth({"head_type": "medusa", "head_config": {"num_heads": 2}}, 3) == 2
+    assert served_depth({"head_type": "medusa", "num_heads": 4}, 3) == 3
+    assert served_depth({"head_type": "dflash", "head_config": {"block_size": 3}}, 3) == 2
+    assert served_depth({"head_type": "dflash", "head_config": {"block_size": 8}}, 3) == 7
+    assert served_depth({"head_type": "eagle3", "head_config": {"layout": "midlayer"}}, 3) == 3
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle3", "dflash"])

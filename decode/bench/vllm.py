@@ -11,7 +11,7 @@ method, its tokens checked against HF generate's with the others.
   curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
-  :func:`heads_depth`).
+  :func:`decode.serving.served_depth`).
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: 10-15 s, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_target_dir
+from decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_depth, served_target_dir
 from decode.types import DecodeSetupError
 
 VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")
@@ -56,26 +56,13 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
             fmts = formats_for(meta.get("head_type", ""), (meta.get("head_config") or {}).get("layout"))
             if not fmts:
                 continue
-            depth = heads_depth(meta, k)
+            depth = served_depth(meta, k)
             folder, fmt = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-"))
                                        .resolve(), s.target, fmt=fmts[0], verifier=str(served),
                                        speculative_tokens=depth)
             run = FORMATS[fmt].run(folder, depth)
             runs.append({**run, "name": f"vllm:{label}"})
     return runs
-
-
-def heads_depth(meta: dict, k: int) -> int:
-    """Tokens vLLM drafts a step with these heads (``meta``: their heads config) when its proposers draft ``k``:
-    at most a Medusa model's heads; a DFlash drafter's own block less its first slot, whatever ``k`` (vLLM fills
-    1 + k query slots, and the block attends non-causally: another length drafts other tokens than the heads were
-    trained to, decode/serving.py:checked_formats); ``k`` otherwise."""
-    config = meta.get("head_config") or {}
-    if meta.get("head_type") == "medusa":
-        return min(k, int(config.get("num_heads") or meta.get("num_heads") or k))
-    if meta.get("head_type") == "dflash" and config.get("block_size"):
-        return int(config["block_size"]) - 1
-    return k
 
 
 def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[list[int]], cfg: Any,

@@ -40,7 +40,7 @@ from train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
 META_NAME = "meta.json"
-STORE_KEYS = ("dir", "dtype", "autocast", "batch_size", "examples_per_shard")  # what features=store must set
+STORE_KEYS = ("dir", "dtype", "batch_size", "examples_per_shard")  # what cfg.feature_store must set for features=store
 
 Extract = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -94,13 +94,6 @@ class FeatureSource:
             splits["eval"] = datasets["eval"]
         identity = {"target": fingerprint(target.model)["digest"], "target_name": target.name,
                     "dtype": str(self.dtype), **fields}
-        if self.settings["autocast"] and accelerator.mixed_precision != "no":
-            # The forward runs as an online step's does (train/loop.py computes the loss under the accelerator's
-            # autocast), so the store holds what online features would be; a float32 target on a CPU with native
-            # bfloat16 writes it 1.8-1.9x as fast (docs/benchmarks.md). Named in the identity: a store written in
-            # the target's own precision is not one written under autocast.
-            identity["autocast"] = str(accelerator.mixed_precision)
-            extract = _under_autocast(extract, accelerator)
         store = ensure_feature_store(
             self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
             batch_size=int(self.settings["batch_size"]), examples_per_shard=int(self.settings["examples_per_shard"]),
@@ -144,16 +137,6 @@ def target_hidden_states(model: torch.nn.Module, batch: Mapping[str, torch.Tenso
         out = model.get_decoder()(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
                                   use_cache=False)
         return out.hidden_states
-
-
-def _under_autocast(extract: Extract, accelerator: Any) -> Extract:
-    """``extract`` run under the accelerator's autocast (its mixed precision)."""
-
-    def run(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        with accelerator.autocast():
-            return extract(batch)
-
-    return run
 
 
 def stored_hidden_states(batch: Mapping[str, torch.Tensor], layers: Sequence[int] | None) -> dict[int, torch.Tensor]:

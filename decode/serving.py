@@ -318,10 +318,9 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
             raise ServingError(f"{head_type} heads (layout={layout}) do not export to {fmt}; they export to "
                                f"{', '.join(available) or 'no vLLM format'}.")
     depth = served_depth(meta, k)
-    if depth != k and head_type == "medusa":
-        raise ServingError(f"k={k}: these Medusa heads draft at most {depth} tokens a step.")
-    if depth != k:  # a DFlash drafter's own block
-        raise ServingError(f"k={k}: these DFlash heads draft blocks of {depth} tokens; check them with k={depth}.")
+    if depth != k:  # Medusa's heads, or a DFlash drafter's own block
+        raise ServingError(f"k={k}: these Medusa heads draft at most {depth} tokens a step." if head_type == "medusa"
+                           else f"k={k}: these DFlash heads draft blocks of {depth} tokens; check them with k={depth}.")
     return formats
 
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,7 +265,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @dataclass
 class CheckSettings:
-    k: int = 3  # tokens vLLM drafts per step (num_speculative_tokens)
+    k: int | str = "auto"  # tokens vLLM drafts per step (num_speculative_tokens); auto: :func:`requested_depth`
     max_new_tokens: int = 64
     venv: str | None = None
     model: Any = None  # the target (a name in conf/model/, a folder); None: the one the heads record
@@ -300,9 +300,22 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
     return chain, plain, vocab
 
 
+AUTO_DEPTH = 3  # what k=auto asks of heads that draft any depth (EAGLE-3); scripts/bench.py's vLLM proposers draft 3
+
+
+def requested_depth(meta: dict, k: int | str) -> int:
+    """``k`` as asked, or for ``auto`` what the heads draft in vLLM at :data:`AUTO_DEPTH` (:func:`served_depth`: fewer
+    where a Medusa model has fewer heads; a DFlash drafter's own block less its first slot)."""
+    if k == "auto":
+        return served_depth(meta, AUTO_DEPTH)
+    if isinstance(k, bool) or not str(k).isdigit() or int(k) < 1:
+        raise ServingError(f"k={k!r}: give the tokens vLLM drafts a step, a whole number >= 1, or k=auto.")
+    return int(k)
+
+
 def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     """``formats`` (default: every vLLM format these heads export to), each checked against the heads, and ``k``
-    against what the heads draft in vLLM (:func:`served_depth`)."""
+    (resolved: :func:`requested_depth`) against what the heads draft in vLLM (:func:`served_depth`)."""
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
     available = formats_for(head_type, layout)
@@ -349,6 +362,7 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
     heads_path = heads_dir(str(heads_path))
     meta = read_heads_config(heads_path)
     head_type = meta["head_type"]
+    settings = replace(settings, k=requested_depth(meta, settings.k))
     formats = checked_formats(meta, formats, settings.k)
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target

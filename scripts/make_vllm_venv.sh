@@ -3,7 +3,8 @@
 # serving check (scripts/serve_check.py), the vLLM rows of scripts/bench.py and tests/test_serving.py run vLLM there.
 #
 #   bash scripts/make_vllm_venv.sh            # -> .venv-vllm (or $SELFSPEC_VLLM_VENV); about 3.5 GB, 2-5 minutes
-#   bash scripts/make_vllm_venv.sh PATH       # somewhere else: then pass serving.vllm_venv=PATH or set SELFSPEC_VLLM_VENV
+#   bash scripts/make_vllm_venv.sh PATH       # somewhere else: then set SELFSPEC_VLLM_VENV=PATH (or pass
+#                                             serving.vllm_venv=PATH to serve_check.py, vllm_venv=PATH to bench.py)
 #
 # The versions are those of .ci/vllm-constraints.txt (regenerate it from a venv that passed the tests with
 # `PATH/bin/pip freeze --exclude-editable | sed 's/+cpu//' > .ci/vllm-constraints.txt`). A venv made from the same

@@ -4,6 +4,7 @@
     bash scripts/make_vllm_venv.sh      # once: vLLM's CPU build in its own venv (.venv-vllm)
     python scripts/serve_check.py heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl
     python scripts/serve_check.py heads=outputs/eagle3-smollm2/heads prompts=humaneval limit=4 k=2 max_new_tokens=64
+    python scripts/serve_check.py heads=outputs/dflash-smollm2/heads prompts=humaneval limit=4   # k: its block less one
 
 It prints, per format and prompt: that the export loaded; that vLLM's tokens equal vLLM's plain decoding and HF
 ``generate`` (a mismatch is printed and the exit status is 1); vLLM's acceptance counters per draft position beside
@@ -42,7 +43,7 @@ def run_check(cfg) -> dict:
     vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
     questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
     out = Path(str(cfg.out))
-    settings = CheckSettings(k=int(cfg.k), max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,
+    settings = CheckSettings(k=cfg.k, max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,
                              model=to_plain(cfg.get("model")), out=str(out), timeout=float(cfg.serving.timeout),
                              tolerance=float(cfg.tolerance), vocab=str(cfg.vocab))
     report = serve_check(str(cfg.heads), [q["turns"][0] for q in questions], formats=to_plain(cfg.formats),

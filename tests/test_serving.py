@@ -129,10 +129,25 @@ def test_the_benchmarks_vllm_rows_draft_what_each_family_can():
     assert served_depth({"head_type": "eagle3", "head_config": {"layout": "midlayer"}}, 3) == 3
 
 
+def test_the_serve_checks_k_auto_is_what_each_family_drafts_and_a_bad_k_is_named():
+    from decode.serving import AUTO_DEPTH, requested_depth
+
+    assert requested_depth({"head_type": "dflash", "head_config": {"block_size": 8}}, "auto") == 7
+    assert requested_depth({"head_type": "medusa", "head_config": {"num_heads": 2}}, "auto") == 2
+    assert requested_depth({"head_type": "eagle3", "head_config": {"layout": "midlayer"}}, "auto") == AUTO_DEPTH
+    assert requested_depth({"head_type": "dflash", "head_config": {"block_size": 8}}, 5) == 5  # refused later
+    for bad in (0, -2, "two", 1.5, True):
+        with pytest.raises(ServingError, match="whole number >= 1, or k=auto"):
+            requested_depth({"head_type": "eagle3"}, bad)
+
+
 @pytest.mark.parametrize("family", ["medusa", "eagle3", "dflash"])
 def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_heads, family, tmp_path):
-    settings = CheckSettings(k=K, max_new_tokens=MAX_NEW, out=str(tmp_path / "exports"), timeout=900)
+    # DFlash's k left to auto: its block less one, the K its heads were trained for
+    settings = CheckSettings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
+                             out=str(tmp_path / "exports"), timeout=900)
     report = serve_check(trained_heads[family], prompts(), settings=settings, progress=False)
+    assert report["k"] == K
     assert not report["mismatches"], report["mismatches"]
     formats = {"medusa": ["vllm"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
     assert sorted(report["formats"]) == sorted(formats)

@@ -76,8 +76,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     served = served_target_dir(base.target)
     runs = vllm_runs(names, heads, out, served, k, suffix_k)
     if not runs:
-        raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, or EAGLE-3 with "
-                               "heads.layout=midlayer).")
+        raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, EAGLE-3 with "
+                               "heads.layout=midlayer, or DFlash).")
     s = base.settings
     eos = sorted(base.decoder.eos_token_ids)
     model = base.target.model

@@ -38,8 +38,8 @@ from decode.step import synchronize, tree_forward
 from decode.kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
 from decode.tree import Tree, load_tree
 from decode.types import ROOT, Beside, DecodeState, Draft
-from heads.kv import crop_cache
-from heads.target import cache_kwarg
+from core.kv import crop_cache
+from core.target import cache_kwarg
 
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # dense where CPU kernels change: costs step, not slope
 CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the fastest of each
@@ -373,7 +373,7 @@ def monotone(ms: Sequence[float]) -> tuple[float, ...]:
 
 
 def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
-    from heads.target import cache_dir, fingerprint
+    from core.target import cache_dir, fingerprint
 
     param = next(model.parameters())
     plan = measured_row_plan(model).widths if use_small_batch(linear_kernel, param.device) else None

@@ -26,7 +26,7 @@ engines do:
   appends the block's keys and values for its attention and crops them off again, instead of concatenating the
   whole context each time;
 - the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
-  (:func:`heads.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
+  (:func:`core.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
   autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
   (Zen 5): 3.2 ms through the module in float32, 3.0-3.2 ms in this form in float32, 2.3-2.4 ms in bfloat16
   (docs/benchmarks.md).
@@ -51,8 +51,8 @@ from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
 from heads.dflash import DFlashDrafter
-from heads.errors import SettingError
-from heads.runtime import native_bf16
+from core.errors import SettingError
+from core.runtime import native_bf16
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values [1, kv_heads, C, head_dim]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

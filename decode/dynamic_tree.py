@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from decode.tree import Tree
-from heads.kv import additive_mask
+from core.kv import additive_mask
 
 
 @dataclass

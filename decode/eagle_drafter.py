@@ -30,8 +30,8 @@ from decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dyna
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
 from heads.eagle import EagleDrafter
-from heads.errors import SettingError
-from heads.kv import crop_cache
+from core.errors import SettingError
+from core.kv import crop_cache
 
 
 class EagleTreeDrafter(DrafterBase):

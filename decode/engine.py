@@ -37,8 +37,8 @@ from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
-from heads.errors import SelfspecError, SettingError
-from heads.target import cache_kwarg
+from core.errors import SelfspecError, SettingError
+from core.target import cache_kwarg
 
 TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (decode/attention.py)
 

@@ -177,7 +177,7 @@ class HybridDrafter(DrafterBase):
 def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth | None = None) -> HybridDrafter:
     """``inner`` (built under ``settings``, a registry entry's with ``hybrid`` on) merged with a suffix drafter: the
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
-    them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``heads.target.Target`` decoded with."""
+    them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``core.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
     passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k in registry.defaults_of("suffix")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))

@@ -41,7 +41,7 @@ from decode.step import synchronize, tree_forward
 from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
-from heads.kv import additive_mask, cache_length, crop_cache
+from core.kv import additive_mask, cache_length, crop_cache
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -299,7 +299,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
     import statistics
     import time
 
-    from heads.target import cache_kwarg
+    from core.target import cache_kwarg
 
     stack = LayerStack(model)
     device = stack.lm_head.weight.device

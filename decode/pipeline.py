@@ -26,8 +26,8 @@ from decode.registry import DrafterEntry
 from decode.step import synchronize
 from decode.types import DecodeSetupError, Drafter
 from decode.verify import Sampling
-from heads.config import MISSING, cfg_get, to_dict, to_plain
-from heads.target import SMOLLM2_ID, Target, load_target
+from core.config import MISSING, cfg_get, to_dict, to_plain
+from core.target import SMOLLM2_ID, Target, load_target
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
 DECODE_CONFIG = MODEL_CONFIGS.parent / "decode" / "decode.yaml"

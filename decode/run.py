@@ -36,7 +36,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from decode.pipeline import run  # noqa: E402
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 
 
 @hydra.main(config_path="../conf/decode", config_name="decode", version_base="1.3")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from heads.errors import SelfspecError
+from core.errors import SelfspecError
 from heads.export import VLLM_TOKEN_MAP_FLAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +129,7 @@ def vllm_available(venv: str | Path | None = None) -> str | None:
 def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
     a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
-    from heads.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
+    from core.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
 
     if target.name == SMOLLM2_ID:
         return ensure_smollm2()

@@ -12,7 +12,7 @@ import torch
 
 from decode.tree import tree_attention_mask, tree_position_ids
 from decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
-from heads.target import cache_kwarg
+from core.target import cache_kwarg
 
 if TYPE_CHECKING:
     from decode.greedy_head import GreedyHead

@@ -443,7 +443,7 @@ def corpus_documents(path: Path) -> list[str]:
     default data, scripts/regenerate.py's output), the answers of decode/run.py's answers.jsonl, or a text file."""
     if path.suffix not in (".json", ".jsonl"):
         return [path.read_text(errors="replace")]
-    from train.data import parse_turns, read_records  # the tolerant reader of the training data (cut-off files too)
+    from core.records import parse_turns, read_records  # the tolerant reader the training data uses (cut-off files too)
 
     texts: list[str] = []
     for record in read_records(path):
@@ -460,7 +460,7 @@ def corpus_documents(path: Path) -> list[str]:
 def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArray:
     """A corpus file as a suffix array, built once and cached (keyed by the file's path, size, time and the
     tokenizer's vocabulary size and name)."""
-    from heads.target import cache_dir
+    from core.target import cache_dir
 
     path = Path(path).expanduser()
     if not path.is_file():

@@ -22,8 +22,8 @@ from typing import Sequence
 
 import torch
 
-from heads.errors import SelfspecError
-from heads.kv import additive_mask
+from core.errors import SelfspecError
+from core.kv import additive_mask
 
 TREES_DIR = Path(__file__).resolve().parents[1] / "conf" / "trees"
 

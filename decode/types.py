@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from decode.tree import Tree, single_node_tree
 from decode.verify import Verdict
-from heads.errors import SelfspecError
+from core.errors import SelfspecError
 
 
 class DecodeSetupError(SelfspecError, ValueError):

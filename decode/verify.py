@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.tree import Tree
-from heads.errors import SettingError
+from core.errors import SettingError
 
 ACCEPTANCE_RULES = ("greedy", "sample", "typical")
 

@@ -1,4 +1,4 @@
-"""Drafter heads (Medusa, EAGLE), their losses, and save/load.
+"""Drafter heads (Medusa, EAGLE, DFlash, layer-skip exits), their losses, save/load and export formats.
 
 ``heads.load(path, target=None)`` loads a heads folder written by a training run (see ``heads.io``);
 ``heads.save(...)`` writes one. Both import lazily so ``import heads`` stays cheap.

@@ -33,8 +33,9 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from heads.eagle import default_layer_ids, init_linears
-from heads.errors import SettingError
+from core.layers import init_linears
+from heads.eagle import default_layer_ids
+from core.errors import SettingError
 from heads.vocab import install_draft_vocab
 
 
@@ -270,7 +271,7 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of block hidden states [..., H] -> [..., Vd]. Training, which gathers a different
-        number of rows every step, pads them (:func:`heads.runtime.rows_through`); decoding's few rows are not."""
+        number of rows every step, pads them (:func:`core.runtime.rows_through`); decoding's few rows are not."""
         return self.lm_head(self.norm(hidden))
 
 

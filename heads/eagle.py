@@ -40,7 +40,7 @@ Used, not owned: the target's token embedding, its rotary embedding and (``eagle
 a reference kept out of ``state_dict()`` and ``parameters()``.
 
 The draft has its own KV cache (a transformers ``DynamicCache``, layer 0). Every call takes explicit position ids and
-an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`causal_mask`
+an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`core.layers.causal_mask`
 builds the plain one. The losses are pure functions in :mod:`heads.eagle_loss`.
 """
 
@@ -52,9 +52,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from heads.errors import SettingError
-from heads.kv import additive_mask, cache_length
-from heads.target import cache_kwarg
+from core.errors import SettingError
+from core.kv import additive_mask, cache_length
+from core.layers import causal_mask, decoder_of, init_linears, rotary_of, shift_left
+from core.target import cache_kwarg
 from heads.vocab import install_draft_vocab
 
 VARIANTS = ("eagle", "eagle3")
@@ -121,59 +122,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [round(num_layers * f) for f in (0.25, 0.5, 0.75)]  # 4..6 layers: three different ones
 
 
-def init_linears(module: nn.Module, std: float) -> None:
-    """A new drafter's linear layers: normal(0, std) weights, zero biases (the target's ``initializer_range``)."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-
-
-# --- the target's parts, reached without owning them ----------------------------------------------------------------
-
-
-def decoder_of(target: nn.Module) -> nn.Module:
-    """The base model (embeddings, ``layers``, ``norm``, ``rotary_emb``) of a Hugging Face CausalLM."""
-    base = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", None)
-    if base is None or not hasattr(base, "layers"):
-        raise TypeError(
-            f"{type(target).__name__} has no decoder with a `layers` list; EAGLE drafters need a Hugging Face "
-            "decoder-only CausalLM (Llama, Qwen2, Mistral, ...)."
-        )
-    return base
-
-
-def _rotary_of(target: nn.Module) -> nn.Module:
-    rotary = getattr(decoder_of(target), "rotary_emb", None)
-    if rotary is None:
-        raise TypeError(
-            f"{type(target).__name__} has no shared rotary embedding (`model.rotary_emb`); the EAGLE draft layer "
-            "takes precomputed position embeddings, so this architecture is not supported."
-        )
-    return rotary
-
-
 # --- masks -----------------------------------------------------------------------------------------------------------
-
-
-def causal_mask(
-    q_len: int,
-    past_len: int,
-    dtype: torch.dtype,
-    device: torch.device | str | None = None,
-    key_padding: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Additive causal mask [B|1, 1, q, past + q]: query i sees every past key and new keys 0..i.
-
-    key_padding [B, past + q] bool (True = a real token) additionally hides padded keys.
-    """
-    q = torch.arange(q_len, device=device)[:, None]
-    k = torch.arange(past_len + q_len, device=device)[None, :]
-    allowed = (k <= q + past_len)[None, None]  # [1, 1, q, S]
-    if key_padding is not None:
-        allowed = allowed & key_padding.bool()[:, None, None, :]
-    return additive_mask(allowed, dtype)
 
 
 def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype,
@@ -209,14 +158,6 @@ def _widen_qkv(layer: nn.Module, hidden: int) -> None:
         old = getattr(attn, name)
         setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
     del layer.input_layernorm
-
-
-def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """x [B, T, ...] -> [B, T, ...] with out[:, t] = x[:, t + n] (``fill`` past the end)."""
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
 
 
 # --- the draft module ------------------------------------------------------------------------------------------------
@@ -380,7 +321,7 @@ class EagleDrafter(nn.Module):
         if attention_mask is None:
             attention_mask = causal_mask(input_ids.shape[1], cache_length(cache), dtype, features.device)
         attention_mask = attention_mask.to(dtype)
-        position_embeddings = tuple(p.to(dtype) for p in _rotary_of(self.target)(features, position_ids))
+        position_embeddings = tuple(p.to(dtype) for p in rotary_of(self.target)(features, position_ids))
         if self.config.layout == "midlayer":
             x = torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1)  # [B, q, 2H]
             attn = self.layer.self_attn(

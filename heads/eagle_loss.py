@@ -11,9 +11,10 @@ from typing import Union
 import torch
 from torch.nn import functional as F
 
-from heads.eagle import EagleDrafter, shift_left
-from heads.errors import SettingError
-from heads.runtime import rows_through
+from core.layers import shift_left
+from heads.eagle import EagleDrafter
+from core.errors import SettingError
+from core.runtime import rows_through
 
 def add_uniform_noise(x: torch.Tensor, scale: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """x + U(-scale, scale) noise (EAGLE's input-feature noise for robustness to its own errors)."""

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.errors import SelfspecError
+from core.errors import SelfspecError
 from heads.export_dflash import dflash_to_vllm
 
 FORMATS = ("auto", "vllm", "eagle3", "speculators", "dflash", "selfspec")
@@ -332,7 +332,7 @@ def export_heads(
     verifier: str | None = None,
     speculative_tokens: int | None = None,
 ) -> tuple[Path, str]:
-    """Export the heads folder ``heads_path`` (trained for ``target``, a ``heads.target.Target`` or HF model) into
+    """Export the heads folder ``heads_path`` (trained for ``target``, a ``core.target.Target`` or HF model) into
     ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
     commands); returns (the folder, the format used). Heads of another target are refused. ``vocab``: the Medusa
     export's vocabulary (:func:`medusa_vocab`). ``speculators`` only: ``verifier``, the target's hub id or folder

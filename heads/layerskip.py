@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from heads.eagle import causal_mask, decoder_of
-from heads.kv import cache_length
-from heads.target import cache_kwarg
+from core.layers import causal_mask, decoder_of
+from core.kv import cache_length
+from core.target import cache_kwarg
 
 FORMS = ("head", "adapter")
 

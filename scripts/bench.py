@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from decode.bench import format_report, run_bench  # noqa: E402
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

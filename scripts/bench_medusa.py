@@ -43,7 +43,7 @@ def compose(overrides: list[str]):
 
 def measure_accuracy(cfg, heads_path: str, split: str, max_examples: int | None, batch_size: int) -> dict:
     import heads
-    from heads.target import load_target
+    from core.target import load_target
     from train.data import build_dataset
     from train.medusa_method import evaluate_heads
 

@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load(args: argparse.Namespace):
     """The target the overrides name (a random stand-in with ``--shape``'s shapes under model=tiny)."""
     from decode.pipeline import target_config_from_overrides
-    from heads.errors import SettingError
-    from heads.target import load_target
+    from core.errors import SettingError
+    from core.target import load_target
 
     model_cfg = target_config_from_overrides(args.overrides)
     if args.shape:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from decode.adaptive import CURVE_SIZES, verify_cost_curve
-    from heads.errors import reported_errors
+    from core.errors import reported_errors
 
     with reported_errors():
         target = load(args)

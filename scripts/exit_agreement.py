@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from hydra import compose, initialize_config_dir
 
     from decode.layerskip import exit_agreement
-    from heads.errors import reported_errors
-    from heads.target import load_target
+    from core.errors import reported_errors
+    from core.target import load_target
     from train.data import build_dataset
 
     with reported_errors():

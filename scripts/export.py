@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 
 
 def run_export(cfg) -> dict:
@@ -32,7 +32,7 @@ def run_export(cfg) -> dict:
     from decode.pipeline import resolve_target_config
     from heads.export import export_heads, push_to_hub
     from heads.io import heads_dir, read_heads_config
-    from heads.target import load_target
+    from core.target import load_target
 
     heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from decode.pipeline import target_config_from_overrides
-    from heads.errors import reported_errors
-    from heads.target import load_target
+    from core.errors import reported_errors
+    from core.target import load_target
 
     with reported_errors():
         target = load_target(target_config_from_overrides(args.overrides))

@@ -12,7 +12,7 @@ Rerunning the same command resumes: ids already in `out` are skipped. Train on t
 import hydra
 from omegaconf import DictConfig
 
-from heads.errors import reported_errors
+from core.errors import reported_errors
 from train.regenerate import run
 
 

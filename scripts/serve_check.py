@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 
 
 def run_check(cfg) -> dict:
@@ -34,8 +34,8 @@ def run_check(cfg) -> dict:
 
     from decode.bench import load_prompts
     from decode.serving import CheckSettings, format_report, serve_check, vllm_python
-    from heads.config import to_plain
-    from heads.errors import SettingError
+    from core.config import to_plain
+    from core.errors import SettingError
 
     for key, example in (("heads", "outputs/medusa-smollm2/heads"), ("prompts", "../shared/data/mt_bench/question.jsonl")):
         if OmegaConf.is_missing(cfg, key):

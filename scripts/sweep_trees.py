@@ -39,8 +39,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from decode import registry  # noqa: E402
 from decode.bench import format_sweep, sweep_drafters  # noqa: E402
 from decode.pipeline import DecodeSetupError, build_decoder, load_session, read_questions  # noqa: E402
-from heads.config import to_dict  # noqa: E402
-from heads.errors import reported_errors  # noqa: E402
+from core.config import to_dict  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 
 
 def parse_eagle(spec: str) -> dict:

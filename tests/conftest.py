@@ -24,7 +24,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """Under ``--device``, tiny targets are built on that device: ``heads.target.build_tiny`` gets it as its default
+    """Under ``--device``, tiny targets are built on that device: ``core.target.build_tiny`` gets it as its default
     before the test modules import it."""
     global TEST_DEVICE
     device = TEST_DEVICE = config.getoption("--device")
@@ -39,7 +39,7 @@ def pytest_configure(config):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import functools
 
-    import heads.target as target
+    import core.target as target
 
     target.build_tiny = functools.partial(target.build_tiny, device=device)
 
@@ -84,21 +84,21 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     return build_tiny("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     return build_tiny("qwen2")
 
 
 @pytest.fixture(scope="session")
 def smollm2(device):
-    from heads.target import load_target
+    from core.target import load_target
 
     return load_target({"source": "smollm2", "device": str(device), "dtype": "float32"})
 

@@ -285,7 +285,7 @@ class _EveryDepth:
 def test_each_family_says_how_many_nodes_a_depth_drafts(tiny_llama, family, settings):
     """``draft_nodes(d)`` is the size of the draft the engine verifies when the policy asks depth d."""
     from decode import registry
-    from heads.target import Target
+    from core.target import Target
 
     model, tokenizer = tiny_llama
     entry = registry.entry(family)

@@ -11,7 +11,7 @@ from decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attenti
 from decode.cache import new_cache
 from decode.drafters import OracleDrafter
 from decode.engine import SpeculativeDecoder
-from heads.target import build_tiny, cache_kwarg
+from core.target import build_tiny, cache_kwarg
 
 
 class _Layer(torch.nn.Module):

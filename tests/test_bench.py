@@ -90,7 +90,7 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
 def check_figures(saved: dict, methods: list[str]) -> None:
     import torch
 
-    from heads.runtime import peak_memory
+    from core.runtime import peak_memory
 
     with peak_memory(torch.device("cpu")) as probe:  # where the peak can be reset, every run records its own
         pass

@@ -14,7 +14,7 @@ import torch
 
 import train.budget as budget
 import train.loop as loop
-from heads.errors import SettingError
+from core.errors import SettingError
 from test_medusa_train import Killed, KilledAt, heads_weights, killable, medusa_cfg, tiny_datasets, tiny_target
 from train.budget import fitting_steps
 from train.checkpoint import STATE_NAME, list_checkpoints

@@ -48,7 +48,7 @@ def test_commit_rejects_unsorted_paths():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_commit_equals_fresh_forward(attn):
-    from heads.target import build_tiny, cache_kwarg
+    from core.target import build_tiny, cache_kwarg
 
     model, _ = build_tiny("llama", attn_implementation=attn)
     g = torch.Generator().manual_seed(0)

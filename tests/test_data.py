@@ -9,7 +9,7 @@ import torch
 
 import train.data as data
 import train.data.dataset
-import train.data.records
+import core.records
 from train.data import (
     IGNORE_INDEX, ChatTemplateError, DataError, build_dataset, collate, load_conversations, read_records, to_messages,
     tokenize_conversation,
@@ -65,7 +65,7 @@ def tiny_tokenizer(tiny_llama):
 
 @pytest.fixture(scope="module")
 def llama3_tokenizer():
-    from heads.target import build_tiny_tokenizer
+    from core.target import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [
@@ -79,7 +79,7 @@ def llama3_tokenizer():
 
 
 def test_truncated_json_array_gives_exactly_the_whole_records_at_every_cut(tmp_path, monkeypatch):
-    monkeypatch.setattr(train.data.records, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
+    monkeypatch.setattr(core.records, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
     records = [sharegpt(i, turns=1 + i % 3) for i in range(6)]
     text = json.dumps(records, indent=2, ensure_ascii=False).encode()
     ends = []  # byte offset just after each record's closing brace

@@ -74,7 +74,7 @@ def test_draft_settings_apply_the_same_way_for_every_family():
 def test_trained_heads_bring_their_target(tmp_path):
     pytest.importorskip("heads.io")
     from heads.io import save_heads
-    from heads.target import TargetMismatchError
+    from core.target import TargetMismatchError
 
     session = load_session(compose("decode", TINY))
     heads = session.heads
@@ -143,7 +143,7 @@ def test_bench_script_runs(tmp_path, capsys):
     assert figures["medusa:random"]["overall"]["new_tokens"] == figures["hf"]["overall"]["new_tokens"] > 0
     # heads of another target are refused
     from heads.io import save_heads
-    from heads.target import TargetMismatchError
+    from core.target import TargetMismatchError
 
     other = load_session(compose("decode", ["model=tiny_qwen2"]))
     save_heads(tmp_path / "qwen_heads", other.heads, "medusa", other.heads.config.to_dict(), other.target)

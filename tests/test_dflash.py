@@ -262,7 +262,7 @@ def copy_drafter(heads: DFlashDrafter, model) -> DFlashDrafter:
 def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
     """``draft.dtype=auto`` is bfloat16 exactly where the CPU multiplies it natively; names are checked."""
     import decode.dflash_drafter as dd
-    from heads.errors import SettingError
+    from core.errors import SettingError
 
     model, _ = tiny_llama
     heads = DFlashDrafter(DFlashConfig.from_target(model, block_size=3), model)
@@ -377,7 +377,7 @@ def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
 
 
 def test_bad_settings_fail_clearly(tiny_llama):
-    from heads.errors import SettingError
+    from core.errors import SettingError
 
     model, _ = tiny_llama
     heads = DFlashDrafter(DFlashConfig.from_target(model, block_size=3), model)

@@ -291,7 +291,7 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
 
 
 def test_mask_token_is_an_unused_special_token_or_the_last_row():
-    from heads.target import build_tiny_tokenizer
+    from core.target import build_tiny_tokenizer
     from train.dflash_method import choose_mask_token_id
 
     tokenizer = build_tiny_tokenizer()  # only pad / bos / eos specials, all in use
@@ -333,8 +333,8 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, arch):
-    from heads.eagle import decoder_of
-    from heads.target import Target, build_tiny
+    from core.layers import decoder_of
+    from core.target import Target, build_tiny
     from train.dflash_method import DFlashMethod
 
     model, tokenizer = build_tiny(arch)
@@ -379,7 +379,7 @@ def test_training_lowers_the_loss_raises_acceptance_and_leaves_the_target(tmp_pa
     import datasets
 
     import heads
-    from heads.target import Target, build_tiny
+    from core.target import Target, build_tiny
     from train.dflash_method import DFlashMethod
     from train.loop import train
 

@@ -148,7 +148,7 @@ def test_draft_tree_mask_matches_plain_forward_per_branch(tiny_llama, variant):
     from transformers import DynamicCache
 
     from heads.eagle import EagleConfig, EagleDrafter
-    from heads.kv import crop_cache
+    from core.kv import crop_cache
 
     model, _ = tiny_llama
     device = model.device

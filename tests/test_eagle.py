@@ -19,7 +19,8 @@ from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
 from decode.types import ROOT
 from decode.verify import Sampling, target_probs
-from heads.eagle import EagleConfig, EagleDrafter, causal_mask, default_layer_ids, shift_left
+from core.layers import causal_mask, shift_left
+from heads.eagle import EagleConfig, EagleDrafter, default_layer_ids
 from heads.eagle_loss import (
     EagleLossWeights,
     add_uniform_noise,
@@ -29,7 +30,7 @@ from heads.eagle_loss import (
     token_ce_loss,
     token_kl_loss,
 )
-from heads.target import build_tiny
+from core.target import build_tiny
 from heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -27,7 +27,7 @@ from decode.cache import new_cache
 from decode.tree import Tree, TreeError, load_tree
 from decode.verify import Sampling, Verdict, target_probs
 from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import build_tiny, cache_kwarg
+from core.target import build_tiny, cache_kwarg
 
 NUM_PROMPTS = 20
 MAX_NEW = 20

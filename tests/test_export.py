@@ -17,7 +17,7 @@ from heads.eagle import EagleConfig, EagleDrafter
 from heads.export import ExportError, export_heads, push_to_hub, resolve_format
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import build_tiny
+from core.target import build_tiny
 from heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -247,7 +247,7 @@ def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
     with pytest.raises(ExportError, match="Llama"):
         export_heads(tmp_path / "qwen", tmp_path / "q", qwen)
     # heads trained for another target are refused by the fingerprint check
-    from heads.target import TargetMismatchError
+    from core.target import TargetMismatchError
 
     other, _ = build_tiny("llama", seed=7)
     with pytest.raises(TargetMismatchError):
@@ -294,7 +294,7 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from export import run_export
 
-    from heads.target import Target
+    from core.target import Target
 
     model, tokenizer = build_tiny("llama")
     heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False,

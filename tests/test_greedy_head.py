@@ -12,7 +12,7 @@ from decode.drafters import OracleDrafter
 from decode.engine import SpeculativeDecoder
 from decode.greedy_head import GreedyHead, error_factor, greedy_head, matches_model
 from decode.verify import Sampling
-from heads.target import build_tiny
+from core.target import build_tiny
 
 
 def heavy_tailed(*shape: int, generator: torch.Generator) -> torch.Tensor:

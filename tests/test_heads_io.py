@@ -12,7 +12,7 @@ from torch import nn
 import heads
 from heads.io import HeadsLoadError, register_head_type, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
-from heads.target import TargetMismatchError, build_tiny
+from core.target import TargetMismatchError, build_tiny
 
 
 def trained_heads(model, shared: bool = False, seed: int = 0) -> MedusaHeads:

@@ -217,7 +217,7 @@ def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution(exc
     from test_verify import chi_square_pvalue
 
     from decode.layerskip import LayerSkipDrafter
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact, corpus = own_samples_corpus(model)

@@ -192,7 +192,7 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
 
     import decode.kernels as kernels
     from decode.pipeline import model_config
-    from heads.target import load_target
+    from core.target import load_target
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "plan.json"
@@ -218,7 +218,7 @@ def test_grouped_projections_compute_the_same_forward_with_fewer_products(monkey
     equal the ungrouped ones within float32 rounding (each element is the same dot product of at most 128 terms; the
     kernels may sum it in another order), and the parameters keep their values and their state-dict names, now as
     views of one tensor per group, reused on the next entry."""
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, _ = build_tiny(arch)
     model.eval()
@@ -360,7 +360,7 @@ def test_a_packed_weight_is_kept_across_entries_and_packed_again_when_it_changes
 def test_grouped_projections_take_the_packed_product_of_the_group(monkeypatch, arch):
     """A group's first member packs the group's stacked weight: 4 packed products a layer and one for the LM head,
     and the logits equal PyTorch's own within float32 rounding (each a dot product of at most 128 terms)."""
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, _ = build_tiny(arch)
     model.eval()
@@ -410,7 +410,7 @@ def test_an_autocast_region_keeps_pytorch_s_product():
 def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups(monkeypatch):
     """A decoder entering the kernels on a model whose linears an enclosing block already swapped and grouped swaps
     nothing again, and on exit leaves the outer block's groups and packed weights in place."""
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, _ = build_tiny("llama")
     model.eval()

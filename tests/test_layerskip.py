@@ -12,7 +12,7 @@ from decode.cache import layer_lengths, new_cache
 from decode.engine import SpeculativeDecoder
 from decode.layerskip import LayerSkipDrafter
 from decode.types import DecodeSetupError
-from heads.target import cache_kwarg
+from core.target import cache_kwarg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def confident_target(arch: str):
     """A tiny target whose early exits are often right: its later layers are scaled down, so the first layers
     decide most of the output and drafts get accepted (the test then covers accepted and rejected drafts)."""
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, tokenizer = build_tiny(arch, num_hidden_layers=4)
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     from test_engine import exact_first_three, sampled_first_three
     from test_verify import chi_square_pvalue
 
-    from heads.target import build_tiny
+    from core.target import build_tiny
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact = exact_first_three(model, torch.tensor([3, 5, 7, 1])).reshape(-1)

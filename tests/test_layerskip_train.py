@@ -13,7 +13,7 @@ import torch
 from decode.engine import SpeculativeDecoder
 from decode.layerskip import LayerSkipDrafter, best_chain
 from heads.layerskip import ExitConfig, LayerSkipExit
-from heads.target import Target, build_tiny
+from core.target import Target, build_tiny
 from train.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -268,7 +268,7 @@ def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
 
 
 def test_bad_exit_settings_are_refused_clearly(tmp_path):
-    from heads.errors import SettingError
+    from core.errors import SettingError
     from train.layerskip_method import LayerSkipMethod, default_candidates, exit_layers
 
     assert default_candidates(30) == [2, 4, 8, 11, 15] and default_candidates(4) == [1, 2]

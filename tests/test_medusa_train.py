@@ -21,7 +21,7 @@ from heads.medusa import (
     medusa_targets,
     weighted_head_loss,
 )
-from heads.target import Target, build_tiny
+from core.target import Target, build_tiny
 from train.checkpoint import list_checkpoints
 from train.config import TrainerConfig
 from train.loaders import EmptyDatasetError, EpochSampler
@@ -451,7 +451,7 @@ def test_a_second_run_in_one_process_does_not_inherit_the_first_ones_precision(t
 
 
 def test_the_frozen_target_trains_in_bf16_only_where_bf16_is_native(monkeypatch):
-    from heads.errors import SettingError
+    from core.errors import SettingError
     from train.config import training_dtype
 
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
@@ -491,7 +491,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
     target would, within rounding: bf16 keeps 8 significant bits (relative rounding 2^-9 per value), so over this tiny
     model's two layers the hidden states, and the first loss, move by a few 0.1% (allowed: 2%)."""
     import heads
-    from heads.target import load_target
+    from core.target import load_target
 
     runs = {}
     for dtype in ("float32", "bfloat16", "auto"):
@@ -523,7 +523,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
 
 
 def _native_here(device) -> bool:
-    from heads.runtime import native_bf16
+    from core.runtime import native_bf16
 
     return native_bf16(device)
 

@@ -8,7 +8,7 @@
   method that cannot read packed batches refuses them before any work.
 - trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings; free pages
   go back every few steps and after evaluations.
-- heads.runtime.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
+- core.runtime.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.target import build_tiny
+from core.target import build_tiny
 from heads.medusa import medusa_targets
 from train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, target_inputs
 
@@ -217,7 +217,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
     from test_layerskip_train import layerskip_cfg
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    from heads.errors import SettingError
+    from core.errors import SettingError
     from train.layerskip_method import LayerSkipMethod
     from train.config import TrainerConfig
     from train.loop import train
@@ -237,7 +237,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
 _MMAPPED_AFTER_A_BIG_TENSOR = """
 import ctypes, sys, torch
 sys.path.insert(0, {root!r})
-from heads.runtime import hold_freed_memory
+from core.runtime import hold_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]
@@ -275,7 +275,7 @@ def test_held_memory_serves_big_tensors_from_the_heap():
 _RESIDENT_AFTER_FREE = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from heads.runtime import hold_freed_memory, release_held_memory
+from core.runtime import hold_freed_memory, release_held_memory
 
 def anon_mib():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) / 1024
@@ -331,7 +331,7 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
 def test_rows_through_pads_to_repeating_shapes_with_the_same_values_and_gradients():
     """Gathered rows go through an LM head padded to a multiple of ROW_BUCKET rows (bfloat16 CPU matmuls keep
     buffers per shape): the head sees only such shapes, and values and gradients equal the unpadded call."""
-    from heads.runtime import ROW_BUCKET, rows_through
+    from core.runtime import ROW_BUCKET, rows_through
 
     head = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 11))
     seen = []

@@ -32,7 +32,7 @@ from decode.serving import (
     serve_check,
     vllm_available,
 )
-from heads.target import Target, build_tiny
+from core.target import Target, build_tiny
 
 HIDDEN = 128  # 4 heads of 32: a head size vLLM's CPU attention runs
 LAYERS = 8  # EAGLE-3's default layers are three different ones (2, 4, 5)
@@ -233,7 +233,7 @@ def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypat
     import importlib.util
 
     from conftest import compose
-    from heads.errors import SettingError
+    from core.errors import SettingError
 
     spec = importlib.util.spec_from_file_location("serve_check_script", Path(__file__).parents[1] / "scripts" /
                                                   "serve_check.py")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.target import (
+from core.target import (
     TargetLoadError,
     TargetMismatchError,
     build_tiny,

@@ -70,7 +70,7 @@ def test_a_method_with_only_the_required_members_trains(tmp_path):
 
 
 def test_packing_is_refused_for_a_method_that_does_not_declare_it(tmp_path):
-    from heads.errors import SettingError
+    from core.errors import SettingError
 
     cfg = medusa_cfg(tmp_path / "run", "trainer.packing=true")
     with pytest.raises(SettingError, match=r"not supported by next-token training: set trainer.packing=false"):

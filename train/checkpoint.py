@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from heads.errors import SelfspecError
+from core.errors import SelfspecError
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"

@@ -67,10 +67,10 @@ from heads.dflash import (
     retrieval_hits,
     sample_anchors,
 )
-from heads.eagle import decoder_of
-from heads.errors import SettingError
+from core.layers import decoder_of
+from core.errors import SettingError
 from heads.medusa import expected_accept_length
-from heads.runtime import rows_through
+from core.runtime import rows_through
 from train.config import settings_from_cfg
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
@@ -132,7 +132,7 @@ class DFlashSettings:
         return out
 
     def dflash_config(self, target: Any) -> DFlashConfig:
-        """The drafter's config for ``target`` (a heads.target.Target: its model and tokenizer)."""
+        """The drafter's config for ``target`` (a core.target.Target: its model and tokenizer)."""
         mask = self.mask_token_id
         if mask == "auto":
             mask = choose_mask_token_id(target.tokenizer, target.model.config.vocab_size)

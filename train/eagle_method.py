@@ -39,7 +39,7 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleDrafter
 from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
-from heads.runtime import rows_through
+from core.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from train.config import settings_from_cfg

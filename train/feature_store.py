@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from heads.config import cfg_get, to_dict
-from heads.errors import SelfspecError
+from core.config import cfg_get, to_dict
+from core.errors import SelfspecError
 from train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
@@ -87,7 +87,7 @@ class FeatureSource:
         ``fields``: what the stored features depend on besides the target, the data and the dtype (which layers,
         how many teacher logits, ...). Every process must call this.
         """
-        from heads.target import fingerprint
+        from core.target import fingerprint
 
         splits = {"train": datasets["train"]}
         if datasets.get("eval") is not None and len(datasets["eval"]) > 0:

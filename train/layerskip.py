@@ -30,7 +30,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 from train.layerskip_method import LayerSkipMethod  # noqa: E402
 from train.loop import train  # noqa: E402
 

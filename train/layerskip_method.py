@@ -42,9 +42,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from heads.errors import SettingError
+from core.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
-from heads.runtime import rows_through
+from core.runtime import rows_through
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from train.config import settings_from_cfg
@@ -137,7 +137,7 @@ class ExitTrainModule(nn.Module):
             if exit_module.adapter is None:  # per position: only the trained rows
                 features = exit_module.features(hidden[where])
             else:  # the block attends over the sequence: causal, padding hidden
-                from heads.eagle import causal_mask
+                from core.layers import causal_mask
 
                 mask = causal_mask(hidden.shape[1], 0, hidden.dtype, hidden.device, key_padding=attention_mask)
                 features = exit_module.features(hidden, position_ids_from_mask(attention_mask), mask)[where]
@@ -149,7 +149,7 @@ class ExitTrainModule(nn.Module):
 def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
     """The target as decoding runs it (``model.dtype``): itself, or a copy in that dtype when training ran it in
     another (trainer.target_dtype), so that costs measured on it are those decoding pays."""
-    from heads.target import resolve_dtype
+    from core.target import resolve_dtype
 
     param = next(model.parameters())
     wanted = resolve_dtype(dtype, param.device)

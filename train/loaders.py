@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from heads.config import cfg_get, to_dict
-from heads.errors import SelfspecError, SettingError
+from core.config import cfg_get, to_dict
+from core.errors import SelfspecError, SettingError
 from train.config import TrainerConfig
 from train.method import TrainMethod
 

@@ -30,7 +30,7 @@ step's losses are finite, before the backward that may update) and once per log 
 
 Beside the loop: the settings (train/config.py), the accelerator (train/accelerator.py), the data and loaders
 (train/loaders.py), checkpoints (train/checkpoint.py), and allocator tuning, bf16 detection and peak memory
-(heads/runtime.py).
+(core/runtime.py).
 
 Outputs in ``run_dir``: ``config.yaml`` (the resolved config), ``checkpoints/step-*``, ``heads/`` (``method.save``),
 the logger's files (``metrics.jsonl``, ``wandb/``).
@@ -50,9 +50,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from heads.config import cfg_get, to_dict
-from heads.errors import SelfspecError
-from heads.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
+from core.config import cfg_get, to_dict
+from core.errors import SelfspecError
+from core.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
 from train import budget as time_budget
 from train.accelerator import check_accumulation, make_accelerator
 from train.budget import TimeBudget
@@ -104,7 +104,7 @@ class TrainResult:
 
 def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = None) -> TrainResult:
     """Train ``method``'s drafter on ``cfg``; ``target``/``datasets`` override loading them from ``cfg.model``/
-    ``cfg.data`` (a ``heads.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
+    ``cfg.data`` (a ``core.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
     started = time_budget.now()  # trainer.max_minutes counts from here: the target, the data and a store included
     run = _setup(cfg, method, target, datasets, started)
     progress = _resume(run)
@@ -232,7 +232,7 @@ def _fused_adamw(groups: list[dict]) -> bool | None:
 
 def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
     """The frozen target, in ``trainer.target_dtype`` (:func:`training_dtype`)."""
-    from heads.target import load_target
+    from core.target import load_target
 
     model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)

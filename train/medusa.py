@@ -29,7 +29,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from heads.errors import reported_errors  # noqa: E402
+from core.errors import reported_errors  # noqa: E402
 from train.loop import train  # noqa: E402
 from train.medusa_method import medusa_method  # noqa: E402
 

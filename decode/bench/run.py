@@ -19,7 +19,7 @@ from decode.bench.report import machine_info, write_outputs
 from decode.bench.vllm import VLLM_METHODS
 from decode.pipeline import Session, prompt_ids, required
 from decode.types import DecodeSetupError
-from heads.config import to_dict
+from core.config import to_dict
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:

@@ -6,8 +6,8 @@ and batch them. One module per stage; every name callers use is importable from 
     batch = collate(ds["train"].select(range(8)), tokenizer.pad_token_id)
     batch = collate_packed(ds["train"].select(range(8)), tokenizer.pad_token_id, capacity=384)  # trainer.packing
 
-- :mod:`train.data.records`: the tolerant streaming reader of JSON-array and JSONL files (cut-off files too) and
-  its :class:`ReadReport`;
+- :mod:`core.records` (shared with the suffix drafter's corpus): the tolerant streaming reader of JSON-array and
+  JSONL files (cut-off files too), its :class:`ReadReport`, and a record's turns (:func:`parse_turns`);
 - :mod:`train.data.conversations`: records to conversations, and the sources (``data.source``: sharegpt, file, hf);
 - :mod:`train.data.chat`: a conversation tokenized with the chat template, labels on the assistant's tokens only;
 - :mod:`train.data.dataset`: the tokenized train / eval splits, cached on disk;
@@ -17,21 +17,23 @@ and batch them. One module per stage; every name callers use is importable from 
 
 from train.data.batching import collate, collate_packed, pack_rows, position_ids_from_mask, target_inputs
 from train.data.chat import IGNORE_INDEX, ChatTemplateError, chat_ids, tokenize_conversation
-from train.data.conversations import (
+from core.records import (
     EMPTY_CONVERSATION,
     EMPTY_TURN,
+    INVALID_JSON_LINE,
     INVALID_TURN,
     NO_ASSISTANT,
     NO_TURNS,
     NOT_AN_OBJECT,
     ROLE_NAMES,
     UNKNOWN_ROLE,
-    load_conversations,
-    open_records,
+    DataError,
+    ReadReport,
+    RecordReader,
     parse_turns,
-    sharegpt_path,
-    to_messages,
+    read_records,
 )
+from train.data.conversations import load_conversations, open_records, sharegpt_path, to_messages
 from train.data.dataset import (
     CACHE_FORMAT,
     NO_LABELS,
@@ -51,7 +53,6 @@ from train.data.draft_vocab import (
     draft_vocab_counts,
     draft_vocab_problems,
 )
-from train.data.records import INVALID_JSON_LINE, DataError, ReadReport, RecordReader, read_records
 
 __all__ = [
     "CACHE_FORMAT", "ChatTemplateError", "DataError", "DraftVocab", "EMPTY_CONVERSATION", "EMPTY_TURN",

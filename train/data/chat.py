@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from train.data.records import DataError
+from core.records import DataError
 
 IGNORE_INDEX = -100
 

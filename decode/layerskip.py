@@ -367,3 +367,15 @@ def best_chain(share: Sequence[float], right: Sequence[float], thresholds: Seque
             if tokens / seconds > best["speedup"]:
                 best = {"threshold": float(t), "depth": d, "tokens_per_step": tokens, "speedup": tokens / seconds}
     return best
+
+
+# --- what core/families.py names for the layerskip family ------------------------------------------------------------
+
+
+def layerskip_from_settings(heads: nn.Module | None, target, settings: dict) -> LayerSkipDrafter:
+    layers = int(target.model.config.get_text_config(decoder=True).num_hidden_layers)
+    exit_layer = settings["exit_layer"]
+    if exit_layer in (None, "auto"):  # a trained exit's own layer; training-free: half the layers
+        exit_layer = None if heads is not None else max(1, layers // 2)
+    return LayerSkipDrafter(target.model, exit_layer=None if exit_layer is None else int(exit_layer),
+                            threshold=float(settings["threshold"]), max_depth=int(settings["max_depth"]), exit=heads)

@@ -445,7 +445,7 @@ def test_targets_that_cannot_take_a_tree_mask_fail_clearly():
 
 @pytest.mark.real_model
 def test_greedy_equals_hf_on_smollm2(smollm2):
-    from decode.registry import random_medusa_heads
+    from decode.drafters import random_medusa_heads
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
     decoder = SpeculativeDecoder(model, MedusaDrafter(random_medusa_heads(model), "small_16"))

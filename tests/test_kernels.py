@@ -186,11 +186,10 @@ def test_off_a_cpu_the_plan_is_the_default_unmeasured():
 
 def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp_path, capsys):
     import json
-    import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
-    import kernel_plan
+    from conftest import load_script
 
+    kernel_plan = load_script("kernel_plan")
     import decode.linear_kernels as kernels
     from decode.pipeline import model_config
     from core.target import load_target

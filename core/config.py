@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 MISSING = "???"  # Hydra's mark for a value with no default
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the configs, beside the packages (an editable install)
 
 
 def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -33,3 +35,16 @@ def to_plain(x: Any) -> Any:
 def to_dict(cfg: Any) -> dict:
     """A config group as a plain dict ({} for None)."""
     return {} if cfg is None else dict(to_plain(cfg))
+
+
+def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, config_dir: Path = CONF_DIR) -> None:
+    """Run ``task(cfg)`` as a Hydra app over the command line: ``config_dir/<config_name>.yaml`` found from the package
+    (whether a script, an installed command or ``python -m`` runs it), the job named ``job_name``, as Hydra names an
+    entry file's own app after the file (its ``--help`` and ``hydra.job.name``)."""
+    import hydra
+
+    def app(cfg: Any) -> None:
+        task(cfg)
+
+    app.__module__ = job_name  # Hydra names the job after the task function's module
+    hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(app)()

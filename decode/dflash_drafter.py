@@ -50,7 +50,7 @@ from decode.cache import Backlog, CacheError, GrowingLayer
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
-from heads.dflash import DFlashDrafter
+from heads.dflash import DFlashConfig, DFlashDrafter
 from core.errors import SettingError
 from core.runtime import native_bf16
 
@@ -286,3 +286,19 @@ class DFlashBlockDrafter(DrafterBase):
         to_target = self.drafter.draft_to_target
         return chain_with_siblings(state.next_token, to_target(chain).to(device), to_target(siblings).to(device),
                                    self._trees)
+
+
+# --- what core/families.py names for the dflash family ---------------------------------------------------------------
+
+
+def dflash_from_settings(heads: DFlashDrafter, target, settings: dict) -> DFlashBlockDrafter:
+    return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]), dtype=draft_dtype(settings["dtype"], heads))
+
+
+def random_dflash_heads(model: nn.Module, seed: int = 0, **_) -> DFlashDrafter:
+    """An untrained DFlash block drafter for ``model`` (dry runs: its drafts are rarely accepted)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = DFlashDrafter(DFlashConfig.from_target(model), model)
+    param = next(model.parameters())
+    return heads.to(device=param.device, dtype=param.dtype).eval()

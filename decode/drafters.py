@@ -20,7 +20,7 @@ import torch
 
 from decode.tree import Tree, chain_tree, load_tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
-from heads.medusa import MedusaHeads
+from heads.medusa import MedusaConfig, MedusaHeads
 
 
 class VanillaDrafter(DrafterBase):
@@ -132,3 +132,30 @@ class MedusaDrafter(DrafterBase):
         if self.token_map is not None:
             candidates = self.token_map[candidates]  # target ids
         return Draft(tokens=torch.cat([root, candidates[index]]), tree=tree)
+
+
+# --- what core/families.py names for the vanilla and medusa families ------------------------------------------------
+
+
+def vanilla_from_settings(heads, target, settings: dict) -> VanillaDrafter:
+    return VanillaDrafter()
+
+
+def medusa_from_settings(heads: MedusaHeads, target, settings: dict) -> MedusaDrafter:
+    return MedusaDrafter(heads, tree=settings["tree"])
+
+
+def random_medusa_heads(model: torch.nn.Module, seed: int = 0, num_heads: int = 4) -> MedusaHeads:
+    """Untrained Medusa heads for ``model`` as training starts them (blocks zero, LM heads copied from the target's),
+    with the blocks jittered by ``seed`` so that heads differ. For dry runs; their drafts are rarely accepted."""
+    config = model.config.get_text_config(decoder=True)
+    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads, num_layers=1,
+                                     shared_lm_head=False, draft_vocab_size=None),
+                        model.get_output_embeddings())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    param = next(model.parameters())
+    return heads.to(device=param.device, dtype=param.dtype).eval()

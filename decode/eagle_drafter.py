@@ -29,7 +29,7 @@ from decode.cache import Backlog, new_cache
 from decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dynamic_tree, topk_children
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
-from heads.eagle import EagleDrafter
+from heads.eagle import EagleConfig, EagleDrafter
 from core.errors import SettingError
 from core.kv import crop_cache
 
@@ -114,3 +114,24 @@ class EagleTreeDrafter(DrafterBase):
         following = torch.cat([draft.tokens[path[1:]], torch.tensor([verdict.next_token], device=path.device)])
         start = state.length - len(verdict.path)  # the root's position
         self._backlog.add(self._features(out.hidden_states, path), following, at=start)
+
+
+# --- what core/families.py names for the eagle and eagle3 families --------------------------------------------------
+
+
+def eagle_from_settings(heads: EagleDrafter, target, settings: dict) -> EagleTreeDrafter:
+    return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
+
+
+def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_) -> EagleDrafter:
+    """Untrained EAGLE heads for ``model`` (dry runs: their drafts are rarely accepted)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = EagleDrafter(EagleConfig.from_target(model, variant=variant), model)
+    param = next(model.parameters())
+    return heads.to(device=param.device, dtype=param.dtype).eval()
+
+
+def random_eagle3_heads(model: torch.nn.Module, seed: int = 0, **options) -> EagleDrafter:
+    """Untrained EAGLE-3 heads for ``model`` (dry runs)."""
+    return random_eagle_heads(model, seed, **{**options, "variant": "eagle3"})

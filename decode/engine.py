@@ -32,7 +32,7 @@ import torch
 from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
 from decode.greedy_head import GreedyHead, greedy_head
-from decode.kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
+from decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
 from decode.step import DepthControl, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
@@ -264,10 +264,10 @@ class SpeculativeDecoder:
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
     :class:`decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
-    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.kernels` on a CPU, PyTorch's own elsewhere),
-    ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding rows as this
-    machine's measured plan says (:func:`decode.kernels.measured_row_plan`; the drafter's weights in another dtype,
-    as its plan for them says: :func:`decode.kernels.measured_row_plans`).
+    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.linear_kernels` on a CPU, PyTorch's own
+    elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding
+    rows as this machine's measured plan says (:func:`decode.linear_kernels.measured_row_plan`; the drafter's weights
+    in another dtype, as its plan for them says: :func:`decode.linear_kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     ``greedy_head``: with the small-batch kernels and greedy acceptance, the engine's tree forward reads the LM head

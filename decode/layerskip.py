@@ -287,9 +287,9 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
-    (``linear_kernel``, decode.kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
+    (``linear_kernel``, decode.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
     "draft": {E: (layers + exit) / forward}}."""
-    from decode.kernels import measured_decoding_kernels
+    from decode.linear_kernels import measured_decoding_kernels
 
     with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
@@ -367,3 +367,15 @@ def best_chain(share: Sequence[float], right: Sequence[float], thresholds: Seque
             if tokens / seconds > best["speedup"]:
                 best = {"threshold": float(t), "depth": d, "tokens_per_step": tokens, "speedup": tokens / seconds}
     return best
+
+
+# --- what core/families.py names for the layerskip family ------------------------------------------------------------
+
+
+def layerskip_from_settings(heads: nn.Module | None, target, settings: dict) -> LayerSkipDrafter:
+    layers = int(target.model.config.get_text_config(decoder=True).num_hidden_layers)
+    exit_layer = settings["exit_layer"]
+    if exit_layer in (None, "auto"):  # a trained exit's own layer; training-free: half the layers
+        exit_layer = None if heads is not None else max(1, layers // 2)
+    return LayerSkipDrafter(target.model, exit_layer=None if exit_layer is None else int(exit_layer),
+                            threshold=float(settings["threshold"]), max_depth=int(settings["max_depth"]), exit=heads)

@@ -21,7 +21,7 @@ import torch
 from decode import registry
 from decode.adaptive import AdaptiveDepth, measured_cost_curve
 from decode.engine import DecodeResult, SpeculativeDecoder
-from decode.kernels import KERNELS, use_small_batch
+from decode.linear_kernels import KERNELS, use_small_batch
 from decode.registry import DrafterEntry
 from decode.step import synchronize
 from decode.types import DecodeSetupError, Drafter

@@ -1,9 +1,9 @@
-"""The drafter registry: how each drafter family becomes a drafter for the engine, keyed by name.
+"""The drafter registry: each family of core/families.py as the engine gets it, keyed by name.
 
 A trained family's name is the ``head_type`` its heads folder records (``heads/io.py`` rebuilds the module; this
 registry turns the module into a drafter). A training-free family (``vanilla``, ``suffix``) needs no heads folder.
 
-Each entry says:
+Each entry (:class:`DrafterEntry`) reads its family's row:
 
 - ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
   training-free family), the target (``core.target.Target``: model and tokenizer) and its decode settings;
@@ -19,8 +19,7 @@ The settings a family takes and their defaults are its block of conf/decode/draf
 the only place they are written; ``adaptive: true`` lets the engine choose each step how deep the draft goes
 (decode/adaptive.py:AdaptiveDepth).
 
-A new family adds one :class:`DrafterEntry` with :func:`register` and its block of conf/decode/drafters.yaml (see
-docs/architecture.md).
+A new family is a row of core/families.py and its block of conf/decode/drafters.yaml (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from core.families import FAMILIES, Family
 from decode.types import DecodeSetupError, Drafter
 
 DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode" / "drafters.yaml"
@@ -55,14 +55,41 @@ def defaults_of(block: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    name: str
-    summary: str
-    build: Callable[[torch.nn.Module | None, Any, dict], Drafter]
-    needs_heads: bool = False  # drafts with trained heads (a heads folder, or heads=random with ``random_heads``)
-    optional_heads: bool = False  # runs without heads, or with a heads folder of its type (layerskip: a trained exit)
-    hybrid: bool = False  # takes the suffix drafter's proposals too (decode/hybrid.py): the ``hybrid`` settings
-    saved_key: str | None = None
-    random_heads: Callable[..., torch.nn.Module] | None = None
+    """A family (core/families.py) as a drafter for the engine: its row's decode parts, its settings."""
+
+    family: Family
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @property
+    def summary(self) -> str:
+        return self.family.summary
+
+    @property
+    def build(self) -> Callable[[torch.nn.Module | None, Any, dict], Drafter]:
+        return self.family.load("drafter")
+
+    @property
+    def needs_heads(self) -> bool:
+        return self.family.needs_heads
+
+    @property
+    def optional_heads(self) -> bool:
+        return self.family.optional_heads
+
+    @property
+    def hybrid(self) -> bool:
+        return self.family.hybrid
+
+    @property
+    def saved_key(self) -> str | None:
+        return self.family.saved_key
+
+    @property
+    def random_heads(self) -> Callable[..., torch.nn.Module] | None:
+        return self.family.load("random_heads")
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -92,12 +119,7 @@ class DrafterEntry:
         return settings
 
 
-REGISTRY: dict[str, DrafterEntry] = {}
-
-
-def register(entry: DrafterEntry) -> DrafterEntry:
-    REGISTRY[entry.name] = entry
-    return entry
+REGISTRY: dict[str, DrafterEntry] = {name: DrafterEntry(family) for name, family in FAMILIES.items()}
 
 
 def entry(name: str) -> DrafterEntry:
@@ -105,111 +127,3 @@ def entry(name: str) -> DrafterEntry:
     if name not in REGISTRY:
         raise DecodeSetupError(f"Unknown drafter {name!r}; known: {', '.join(sorted(REGISTRY))}.")
     return REGISTRY[name]
-
-
-# --- the families ---------------------------------------------------------------------------------------------------
-
-
-def _vanilla(heads, target, settings) -> Drafter:
-    from decode.drafters import VanillaDrafter
-
-    return VanillaDrafter()
-
-
-def _medusa(heads, target, settings) -> Drafter:
-    from decode.drafters import MedusaDrafter
-
-    return MedusaDrafter(heads, tree=settings["tree"])
-
-
-def _eagle(heads, target, settings) -> Drafter:
-    from decode.eagle_drafter import EagleTreeDrafter
-
-    return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
-
-
-def _dflash(heads, target, settings) -> Drafter:
-    from decode.dflash_drafter import DFlashBlockDrafter, draft_dtype
-
-    return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]), dtype=draft_dtype(settings["dtype"], heads))
-
-
-def _suffix(heads, target, settings) -> Drafter:
-    from decode.suffix import SuffixDrafter, load_corpus
-
-    corpus = load_corpus(settings["corpus"], target.tokenizer) if settings.get("corpus") else None
-    budget = int(settings["budget"]) if str(settings["budget"]).isdigit() else settings["budget"]  # checked there
-    return SuffixDrafter(target.model, corpus=corpus, budget=budget, max_nodes=int(settings["max_nodes"]),
-                         max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]),
-                         remember=int(settings["remember"]))
-
-
-def _layerskip(heads, target, settings) -> Drafter:
-    from decode.layerskip import LayerSkipDrafter
-
-    layers = int(target.model.config.get_text_config(decoder=True).num_hidden_layers)
-    exit_layer = settings["exit_layer"]
-    if exit_layer in (None, "auto"):  # a trained exit's own layer; training-free: half the layers
-        exit_layer = None if heads is not None else max(1, layers // 2)
-    return LayerSkipDrafter(target.model, exit_layer=None if exit_layer is None else int(exit_layer),
-                            threshold=float(settings["threshold"]), max_depth=int(settings["max_depth"]), exit=heads)
-
-
-def _on_target(heads: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-    param = next(model.parameters())
-    return heads.to(device=param.device, dtype=param.dtype).eval()
-
-
-def random_medusa_heads(model: torch.nn.Module, seed: int = 0, num_heads: int = 4) -> torch.nn.Module:
-    """Untrained Medusa heads for ``model`` as training starts them (blocks zero, LM heads copied from the target's),
-    with the blocks jittered by ``seed`` so that heads differ. For dry runs; their drafts are rarely accepted."""
-    from heads.medusa import MedusaConfig, MedusaHeads
-
-    config = model.config.get_text_config(decoder=True)
-    heads = MedusaHeads(MedusaConfig(config.hidden_size, config.vocab_size, num_heads=num_heads, num_layers=1,
-                                     shared_lm_head=False, draft_vocab_size=None),
-                        model.get_output_embeddings())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for block in heads.blocks:
-            for p in block.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return _on_target(heads, model)
-
-
-def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_: Any) -> torch.nn.Module:
-    """Untrained EAGLE heads for ``model`` (dry runs: their drafts are rarely accepted)."""
-    from heads.eagle import EagleConfig, EagleDrafter
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        heads = EagleDrafter(EagleConfig.from_target(model, variant=variant), model)
-    return _on_target(heads, model)
-
-
-def random_dflash_heads(model: torch.nn.Module, seed: int = 0, **_: Any) -> torch.nn.Module:
-    """An untrained DFlash block drafter for ``model`` (dry runs: its drafts are rarely accepted)."""
-    from heads.dflash import DFlashConfig, DFlashDrafter
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        heads = DFlashDrafter(DFlashConfig.from_target(model), model)
-    return _on_target(heads, model)
-
-
-register(DrafterEntry("vanilla", "no draft: plain decoding, one token per target forward", _vanilla))
-register(DrafterEntry("suffix", "training-free: continuations of the longest earlier match in the prompt, the answer "
-                      "and an optional corpus; adaptive tree size", _suffix))
-register(DrafterEntry("layerskip", "self-speculation: the target's first layers and an exit (a trained one from "
-                      "train/layerskip.py, or the target's own final norm and LM head) draft a chain, the remaining "
-                      "layers verify it (no layer recomputed)", _layerskip,
-                      optional_heads=True, hybrid=True, saved_key="decode"))
-register(DrafterEntry("medusa", "Medusa-1 / Medusa-2 heads: a static tree of their top-k tokens", _medusa,
-                      needs_heads=True, hybrid=True, saved_key="decode", random_heads=random_medusa_heads))
-for _variant in ("eagle", "eagle3"):
-    register(DrafterEntry(_variant, f"{_variant.upper()} heads: an EAGLE-2 dynamic tree grown by draft log-probability",
-                          _eagle, needs_heads=True, hybrid=True, saved_key="tree",
-                          random_heads=functools.partial(random_eagle_heads, variant=_variant)))
-register(DrafterEntry("dflash", "DFlash block drafter: one forward over a block of mask tokens drafts a chain (and "
-                      "the first position's top-k siblings with top_k > 1)", _dflash, needs_heads=True, hybrid=True,
-                      saved_key="decode", random_heads=random_dflash_heads))

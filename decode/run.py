@@ -16,6 +16,8 @@ steps, tau (mean tokens per target forward, the target's own token included), to
     # options
     python decode/run.py ... draft.tree=small_16 acceptance=sample temperature=0.7 top_p=0.9 seed=1 \
         stop='["\n\n"]' device=cuda dtype=bfloat16
+    # the installed command takes the same overrides
+    selfspec-decode heads=outputs/medusa-smollm2/heads prompt="Write a haiku about the sea."
 
 The drafter is the one the heads were trained as (decode/registry.py); draft.* overrides the settings saved with
 them (Medusa: draft.tree=small_16 | chain | chain-K; EAGLE: draft.depth, draft.top_k, draft.total_tokens).
@@ -23,23 +25,15 @@ acceptance=greedy and acceptance=sample keep the target's output (greedy: the sa
 distribution); acceptance=typical is Medusa's typical acceptance and changes it (faster, lossy).
 """
 
-import sys
-from pathlib import Path
+import hydra
+from omegaconf import DictConfig
 
-# Run as a script, Python puts decode/ first on sys.path; the repository root belongs there (so `decode` imports
-# without an install, and decode/*.py never shadow other modules).
-_ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "decode":
-    sys.path[0] = str(_ROOT)
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from decode.pipeline import run  # noqa: E402
-from core.errors import reported_errors  # noqa: E402
+from core.config import CONF_DIR
+from core.errors import reported_errors
+from decode.pipeline import run
 
 
-@hydra.main(config_path="../conf/decode", config_name="decode", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR / "decode"), config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with reported_errors():
         run(cfg)

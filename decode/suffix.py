@@ -482,3 +482,14 @@ def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArra
     if verbose:
         print(f"[selfspec] suffix index of {path.name}: {len(documents):,} texts, {len(index.tokens):,} tokens")
     return index
+
+
+# --- what core/families.py names for the suffix family ---------------------------------------------------------------
+
+
+def suffix_from_settings(heads, target, settings: dict) -> SuffixDrafter:
+    corpus = load_corpus(settings["corpus"], target.tokenizer) if settings.get("corpus") else None
+    budget = int(settings["budget"]) if str(settings["budget"]).isdigit() else settings["budget"]  # checked there
+    return SuffixDrafter(target.model, corpus=corpus, budget=budget, max_nodes=int(settings["max_nodes"]),
+                         max_depth=int(settings["max_depth"]), max_match=int(settings["max_match"]),
+                         remember=int(settings["remember"]))

@@ -2,8 +2,8 @@
 
 A heads folder holds:
 
-- ``config.json``: ``head_type`` (a key of the head-type registry below), ``head_config`` (what the builder needs to
-  rebuild the module), the target it was trained on (``base_model`` and ``target_fingerprint`` from
+- ``config.json``: ``head_type`` (a family of core/families.py that has heads), ``head_config`` (what the builder
+  needs to rebuild the module), the target it was trained on (``base_model`` and ``target_fingerprint`` from
   ``core.target.fingerprint``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
   whatever the trainer adds (``data``, ``steps``, ``eval`` metrics, ...); ``weights_sha256`` guards the weights file.
 - ``model.safetensors``: the module's ``state_dict``.
@@ -12,15 +12,14 @@ A heads folder holds:
 
 A folder is written into a temporary sibling and renamed into place, so a reader never sees half a folder.
 
-Head types are built by a function ``build(head_config: dict, target_model | None) -> nn.Module``. ``_HEAD_TYPES``
-maps each type to its builder as ``"module:function"``, imported on first use so ``load_heads`` works without the
-caller importing anything; a new head family adds its line there (or calls ``register_head_type`` at run time).
+Head types are the families of core/families.py that train heads: each row names its builder
+``build(head_config: dict, target_model | None) -> nn.Module`` as ``"module:function"``, imported on first use so
+``load_heads`` works without the caller importing anything.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -34,6 +33,7 @@ from torch import nn
 
 from core.config import to_plain
 from core.errors import SelfspecError
+from core.families import FAMILIES
 from core.target import Target, TargetMismatchError, check_fingerprint, fingerprint
 
 CONFIG_NAME = "config.json"
@@ -43,41 +43,19 @@ FORMAT_VERSION = 1
 
 HeadBuilder = Callable[[dict, "nn.Module | None"], nn.Module]
 
-# head type -> builder, or "module:function" of the builder (imported on first use).
-_HEAD_TYPES: dict[str, HeadBuilder | str] = {
-    "medusa": "heads.medusa:build_medusa_heads",
-    "eagle": "heads.eagle:build_eagle_drafter",
-    "eagle3": "heads.eagle:build_eagle_drafter",
-    "layerskip": "heads.layerskip:build_layerskip_exit",
-    "dflash": "heads.dflash:build_dflash_drafter",
-}
-
 
 class HeadsLoadError(SelfspecError, RuntimeError):
     """A heads folder is missing, incomplete or corrupt; the message says which file and what to do."""
 
 
-def register_head_type(name: str, build: HeadBuilder) -> None:
-    """Make ``load_heads`` able to rebuild heads of type ``name`` with ``build(head_config, target_model)``."""
-    _HEAD_TYPES[name] = build
-
-
 def head_builder(name: str) -> HeadBuilder:
-    """The builder of head type ``name`` (importing its module on first use)."""
-    if name not in _HEAD_TYPES:
-        raise HeadsLoadError(
-            f"Unknown head type {name!r}; known types: {', '.join(sorted(_HEAD_TYPES))}. A new type is added to "
-            "heads.io._HEAD_TYPES or registered with heads.io.register_head_type(name, build)."
-        )
-    builder = _HEAD_TYPES[name]
-    if isinstance(builder, str):
-        module_name, _, attr = builder.partition(":")
-        try:
-            builder = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise HeadsLoadError(f"Head type {name!r} is built by {_HEAD_TYPES[name]}, which cannot be imported: {err}")
-        _HEAD_TYPES[name] = builder
-    return builder
+    """The builder of head type ``name``: its family's ``heads`` in core/families.py (imported on first use)."""
+    family = FAMILIES.get(name)
+    if family is None or family.heads is None:
+        known = ", ".join(n for n, f in FAMILIES.items() if f.heads is not None)
+        raise HeadsLoadError(f"Unknown head type {name!r}; known types: {known}. A new type is a row of "
+                             "core/families.py that names its heads builder.")
+    return family.load("heads")
 
 
 @dataclass
@@ -125,7 +103,7 @@ def save_heads(
 ) -> Path:
     """Write heads into folder ``path`` (replacing it atomically); returns the folder.
 
-    ``config``: the head config (what ``register_head_type``'s builder takes, e.g. ``MedusaConfig.to_dict()``).
+    ``config``: the head config (what the type's builder takes, e.g. ``MedusaConfig.to_dict()``).
     ``target_model``: the target they were trained on (``Target``, HF model or peft model); recorded by fingerprint.
     ``extra_meta``: more keys for config.json (data, steps, eval metrics, training config).
     ``adapter``: a peft model whose adapter is saved in ``adapter/`` (Medusa-2).
@@ -310,6 +288,5 @@ __all__ = [
     "heads_dir",
     "load_heads",
     "read_heads_config",
-    "register_head_type",
     "save_heads",
 ]

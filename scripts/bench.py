@@ -18,36 +18,12 @@ max_new_tokens, acceptance, linear_kernel, ...).
     # a dry run on the tiny random model with untrained heads
     python scripts/bench.py model=tiny heads=[random] prompts=../shared/data/mt_bench/question.jsonl limit=2 \\
         max_new_tokens=16 curve_sizes=[1,4,16]
+    # the installed command takes the same overrides (decode/cli.py)
+    selfspec-bench model=tiny heads=[random] prompts=../shared/data/mt_bench/question.jsonl limit=2
 """
 
-import shlex
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from decode.bench import format_report, run_bench  # noqa: E402
-from core.errors import reported_errors  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; SystemExit(1) after writing the outputs if a method is not lossless."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=argv)
-    report = run_bench(cfg, command=shlex.join(["python", "scripts/bench.py", *argv]))
-    print(format_report(report))
-    print("outputs: " + ", ".join(report["outputs"]))
-    if report["mismatches"]:
-        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (see above and bench.json)",
-              file=sys.stderr)
-        raise SystemExit(1)
-    return report
-
+from decode.cli import bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
+from decode.cli import bench_main
 
 if __name__ == "__main__":
-    with reported_errors():
-        main()
+    bench_main()

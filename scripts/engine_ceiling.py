@@ -21,13 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 # Shapes of real targets, for a random stand-in (``model=tiny`` builds it): the cost of a forward depends on them only.
 SHAPES = {

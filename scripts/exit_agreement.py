@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from core.config import CONF_DIR
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -38,7 +35,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from train.data import build_dataset
 
     with reported_errors():
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="medusa", overrides=args.overrides)
         target = load_target(cfg.model)
         split = build_dataset(cfg.data, target.tokenizer, verbose=False)["eval"]

@@ -4,23 +4,13 @@
     python scripts/regenerate.py model=smollm2 prompts=../shared/data/mt_bench/question.jsonl n=null \
         out=outputs/regen/mt_bench.jsonl
     python scripts/regenerate.py model=tiny data=file data.path=convs.jsonl n=5 out=outputs/regen/tiny.jsonl
+    selfspec-regenerate model=tiny data=file data.path=convs.jsonl n=5 out=outputs/regen/tiny.jsonl  # installed
 
 Rerunning the same command resumes: ids already in `out` are skipped. Train on the result with
 `data=file data.path=outputs/regen/sharegpt.jsonl`.
 """
 
-import hydra
-from omegaconf import DictConfig
-
-from core.errors import reported_errors
-from train.regenerate import run
-
-
-@hydra.main(config_path="../conf", config_name="regenerate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with reported_errors():
-        run(cfg)
-
+from train.cli import regenerate_main
 
 if __name__ == "__main__":
-    main()
+    regenerate_main()

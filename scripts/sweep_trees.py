@@ -28,19 +28,15 @@ turn of each question. ``--out`` also writes the figures as JSON.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hydra import compose, initialize_config_dir
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from decode import registry  # noqa: E402
-from decode.bench import format_sweep, sweep_drafters  # noqa: E402
-from decode.pipeline import DecodeSetupError, build_decoder, load_session, read_questions  # noqa: E402
-from core.config import to_dict  # noqa: E402
-from core.errors import reported_errors  # noqa: E402
+from decode import registry
+from decode.bench import format_sweep, sweep_drafters
+from decode.pipeline import DecodeSetupError, build_decoder, load_session, read_questions
+from core.config import CONF_DIR, to_dict
+from core.errors import reported_errors
 
 
 def parse_eagle(spec: str) -> dict:
@@ -113,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="each setting with adaptive depth and the suffix hybrid, as decode/run.py decodes")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
-    with initialize_config_dir(config_dir=str(REPO / "conf" / "decode"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR / "decode"), version_base="1.3"):
         cfg = compose(config_name="decode", overrides=overrides)
     if not cfg.prompts:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")

@@ -103,6 +103,16 @@ def smollm2(device):
     return load_target({"source": "smollm2", "device": str(device), "dtype": "float32"})
 
 
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts folder is not a package), for a test that calls its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 DECODE_CONFIGS = ("decode", "export", "serve_check", "bench")  # in conf/decode/, the config folder of decoding and export
 
 

@@ -201,7 +201,7 @@ def test_greedy_equals_hf_under_each_small_batch_product(monkeypatch, target, ke
     """A machine's plan may choose oneDNN's product on packed weights or the padded (W @ x.T).T for any row count:
     each, forced for every count, verifies what HF generate decodes."""
     import decode.engine
-    from decode.kernels import MAX_ROWS, PACKED, RowPlan, can_pack
+    from decode.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack
 
     if kernel == "packed" and not can_pack(torch.zeros(1)):
         pytest.skip("this PyTorch cannot pack weights for oneDNN here")
@@ -445,7 +445,7 @@ def test_targets_that_cannot_take_a_tree_mask_fail_clearly():
 
 @pytest.mark.real_model
 def test_greedy_equals_hf_on_smollm2(smollm2):
-    from decode.registry import random_medusa_heads
+    from decode.drafters import random_medusa_heads
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
     decoder = SpeculativeDecoder(model, MedusaDrafter(random_medusa_heads(model), "small_16"))

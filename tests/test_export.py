@@ -286,13 +286,11 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_folder(tmp_path, monkeypat
 
 def test_export_script_writes_beside_the_heads(tmp_path):
     """scripts/export.py's run: the target comes from the heads' own record; the default folder is <heads>-<format>."""
-    import sys
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from export import run_export
+    from decode.cli import run_export
 
     from core.target import Target
 

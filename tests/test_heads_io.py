@@ -1,5 +1,5 @@
 """Heads folders: round trip, refusal of another target, clear errors for missing or corrupt folders, atomic writes,
-and the head-type registry."""
+and head types as the family table (core/families.py) names them: every family's heads round-trip through its row."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import heads
-from heads.io import HeadsLoadError, register_head_type, save_heads
+from core.families import FAMILIES
+from heads.io import HeadsLoadError, save_heads
 from heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
 from core.target import TargetMismatchError, build_tiny
 
@@ -122,23 +123,60 @@ def test_saving_over_a_folder_replaces_it_and_a_failed_save_keeps_the_old_one(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]
 
 
-def test_head_type_registry(tmp_path, tiny_llama):
+class Exit(nn.Module):
+    """The heads of a family added by a row of the table alone (test_a_new_row_is_all_heads_io_needs)."""
+
+    def __init__(self, config, target_model):
+        super().__init__()
+        self.proj = nn.Linear(config["hidden_size"], config["hidden_size"])
+
+
+def test_a_new_row_is_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
+    from core.families import FAMILIES, Family, FamilyError
+
     model, _ = tiny_llama
     module = trained_heads(model)
     with pytest.raises(HeadsLoadError, match="Unknown head type 'nonsense'.*medusa"):
         save_heads(tmp_path / "x", module, "nonsense", {}, model)
+    with pytest.raises(HeadsLoadError, match="Unknown head type 'vanilla'"):  # a family that trains nothing
+        save_heads(tmp_path / "x", module, "vanilla", {}, model)
 
-    class Exit(nn.Module):
-        def __init__(self, config, target_model):
-            super().__init__()
-            self.proj = nn.Linear(config["hidden_size"], config["hidden_size"])
-
-    register_head_type("test-exit", lambda config, target_model: Exit(config, target_model))
+    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="decode.drafters:nothing",
+                                                      heads=f"{__name__}:Exit"))
     exit_head = Exit({"hidden_size": 64}, model).to(model.device)
     save_heads(tmp_path / "exit", exit_head, "test-exit", {"hidden_size": 64}, model)
     loaded = heads.load(tmp_path / "exit", model)
     assert isinstance(loaded.module, Exit) and loaded.config["head_type"] == "test-exit"
     assert torch.equal(loaded.module.proj.weight, exit_head.proj.weight)
+    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="decode.drafters:nothing",
+                                                      heads="heads.nowhere:build"))
+    with pytest.raises(FamilyError, match="test-exit family's heads is heads.nowhere:build, which cannot be imported"):
+        heads.load(tmp_path / "exit", model)
+
+
+def _untrained_heads(family, model) -> nn.Module:
+    """Heads of ``family`` for ``model`` as the table builds them: its random heads, or a trained-like exit."""
+    if family.random_heads is not None:
+        return family.load("random_heads")(model, seed=1)
+    from test_layerskip_train import trained_like_exit
+
+    assert family.name == "layerskip", f"{family.name}: give it random_heads, or build its heads here"
+    return trained_like_exit(model, 1, "adapter", 64)
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.heads is not None])
+def test_every_family_with_heads_round_trips_through_its_row(name, tmp_path, tiny_llama):
+    """Heads of each family that has them are saved and rebuilt by heads.io through the table's builder."""
+    family = FAMILIES[name]
+    model, _ = tiny_llama
+    module = _untrained_heads(family, model)
+    save_heads(tmp_path / name, module, name, module.config.to_dict(), model)
+    loaded = heads.load(tmp_path / name, model)
+    assert type(loaded.module) is type(module) and loaded.config["head_type"] == name
+    assert type(loaded.module) is type(family.load("heads")(loaded.config["head_config"], model))
+    expected = module.state_dict()
+    assert loaded.module.state_dict().keys() == expected.keys()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.module.state_dict().items())
 
 
 @pytest.mark.parametrize("shared", [False, True])

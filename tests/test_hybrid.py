@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.drafters import MedusaDrafter, OracleDrafter
+from decode.drafters import MedusaDrafter, OracleDrafter, random_medusa_heads
+from decode.eagle_drafter import random_eagle_heads
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
-from decode.registry import random_eagle_heads, random_medusa_heads
 from decode.suffix import SuffixArray, SuffixDrafter
 from decode.tree import Tree
 from decode.types import Draft

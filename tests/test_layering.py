@@ -1,19 +1,33 @@
 """The package layering docs/architecture.md states, read from the imports of every module (top-level and inside
 functions): `core` imports none of the other packages; `heads` imports only `core`; `decode` never imports `train`;
 `train` reaches `decode` only where a training run is judged by decoding; inside `decode`, the engine and the
-drafters meet only in `types.py` and `step.py`."""
+drafters meet only in `types.py` and `step.py`. The family table (core/families.py) names each family's code in the
+layer it belongs to. The packages are imported as installed: no file edits sys.path, and no module beside an entry
+file shadows another module of its name."""
 
 from __future__ import annotations
 
 import ast
+import importlib.machinery
+import re
 from pathlib import Path
 
 import pytest
 
+from core.families import FAMILIES, PARTS
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "heads", "decode", "train")
-DRAFTERS = {"decode.drafters", "decode.eagle_drafter", "decode.suffix", "decode.layerskip", "decode.hybrid",
-            "decode.dynamic_tree", "decode.dflash_drafter"}
+LAYER_OF_PART = {"drafter": "decode", "random_heads": "decode", "heads": "heads", "method": "train"}
+
+
+def family_modules(part: str) -> set[str]:
+    """The modules the family table names for ``part`` (e.g. every family's decode drafter module)."""
+    return {ref.partition(":")[0] for f in FAMILIES.values() if (ref := getattr(f, part))}
+
+
+# the families' drafters, and the drafter-side pieces they share (the suffix hybrid, EAGLE's dynamic tree)
+DRAFTERS = family_modules("drafter") | {"decode.hybrid", "decode.dynamic_tree"}
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -42,9 +56,7 @@ def test_the_import_graph_is_the_documented_layering():
     for module, names in decode.items():
         assert "train" not in {n.split(".")[0] for n in names}, module
     judged_by_decoding = {  # the end-of-run speed check, and layer-skip's exits ranked by their decode cost
-        "train.medusa": {"decode.pipeline"}, "train.eagle": {"decode.pipeline"}, "train.layerskip": {"decode.pipeline"},
-        "train.dflash": {"decode.pipeline"},
-        "train.layerskip_method": {"decode.layerskip", "decode.pipeline"},
+        "train.cli": {"decode.pipeline"}, "train.layerskip_method": {"decode.layerskip", "decode.pipeline"},
     }
     for module, names in train.items():
         used = {".".join(n.split(".")[:2]) for n in names if n.startswith("decode")}
@@ -58,3 +70,56 @@ def test_the_import_graph_is_the_documented_layering():
 def test_the_walk_sees_what_a_module_imports(module):
     """A check on the check: the engine and the hybrid do import types.py and step.py."""
     assert {"decode.types", "decode.step"} <= imports("decode")[module]
+
+
+def test_the_family_table_names_each_part_in_its_layer():
+    assert set(LAYER_OF_PART) == set(PARTS)
+    assert {"decode.drafters", "decode.eagle_drafter", "decode.dflash_drafter"} <= DRAFTERS  # the table was read
+    for family in FAMILIES.values():
+        for part, layer in LAYER_OF_PART.items():
+            ref = getattr(family, part)
+            if ref is None:
+                continue
+            module, _, attr = ref.partition(":")
+            assert module.split(".")[0] == layer and attr, (family.name, part, ref)
+            assert (ROOT / Path(*module.split("."))).with_suffix(".py").is_file(), (family.name, part, ref)
+
+
+SYS_PATH_EDIT = re.compile(r"sys\.path\s*(\[[^\]]*\]\s*=(?!=)|\+?=(?!=)|\.(insert|append|extend|remove|pop|clear)\()"
+                           r"|del\s+sys\.path")
+
+
+def test_no_file_edits_sys_path():
+    """The packages are installed (``pip install -e .``): entry files, scripts and tests import them as they are."""
+    files = [path for folder in (*PACKAGES, "scripts", "tests") for path in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 100
+    edits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in files
+             for number, line in enumerate(path.read_text().splitlines(), 1) if SYS_PATH_EDIT.search(line)]
+    assert not edits, edits
+    edit = "sys.path"  # the check on the check, split so that it does not find itself
+    assert all(SYS_PATH_EDIT.search(edit + e) for e in (".insert(0, root)", "[0] = root", " += [root]", ".append(r)"))
+    assert not SYS_PATH_EDIT.search(edit + "[0] == root")
+
+
+ENTRY_FOLDERS = ("train", "decode", "scripts")  # `python <folder>/<file>.py` puts <folder> first on sys.path
+STARTUP_MODULES = {"types"}  # imported by the interpreter before it reads the script's folder (decode/types.py)
+
+
+def test_no_module_beside_an_entry_file_shadows_another_module():
+    """`python decode/run.py` puts decode/ first on sys.path: a module there named like an installed or standard one,
+    or like one that transformers looks for (its ``kernels`` hub package: decode/kernels.py broke every model load),
+    would be found in its place."""
+    from transformers.utils import import_utils
+
+    probed = set(re.findall(r'_is_package_available\(\s*"(\w+)"', Path(import_utils.__file__).read_text()))
+    assert "kernels" in probed  # the check reads them
+    import sys
+
+    ours = {ROOT, *(ROOT / folder for folder in ENTRY_FOLDERS)}
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() not in ours]
+    for folder in ENTRY_FOLDERS:
+        beside = {p.stem for p in (ROOT / folder).glob("*.py")} | {
+            p.name for p in (ROOT / folder).iterdir() if (p / "__init__.py").is_file()}
+        for name in sorted(beside - STARTUP_MODULES - {"__init__"}):
+            assert name not in probed and name not in sys.builtin_module_names, f"{folder}/{name}"
+            assert importlib.machinery.PathFinder.find_spec(name, elsewhere) is None, f"{folder}/{name}"

@@ -235,8 +235,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
 # --- memory held for reuse (trainer.hold_freed_memory) ---------------------------------------------------------------
 
 _MMAPPED_AFTER_A_BIG_TENSOR = """
-import ctypes, sys, torch
-sys.path.insert(0, {root!r})
+import ctypes, torch
 from core.runtime import hold_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
@@ -264,17 +263,16 @@ def test_held_memory_serves_big_tensors_from_the_heap():
         pytest.skip("not glibc 2.33+")
     out = {}
     for hold in (False, True):
-        code = _MMAPPED_AFTER_A_BIG_TENSOR.format(root=str(REPO), hold=hold)
-        held, mapped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                      check=True).stdout.split()
+        code = _MMAPPED_AFTER_A_BIG_TENSOR.format(hold=hold)  # run in the repository: its own core
+        held, mapped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      cwd=REPO).stdout.split()
         out[hold] = (held == "True", int(mapped))
     assert out[False][1] >= 64 * 2**20
     assert out[True] == (True, out[True][1]) and out[True][1] < 64 * 2**20
 
 
 _RESIDENT_AFTER_FREE = """
-import sys, torch
-sys.path.insert(0, {root!r})
+import torch
 from core.runtime import hold_freed_memory, release_held_memory
 
 def anon_mib():
@@ -301,9 +299,8 @@ def test_released_held_memory_goes_back_to_the_kernel():
 
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc on Linux only")
-    code = _RESIDENT_AFTER_FREE.format(root=str(REPO))
-    held, released, dropped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                             check=True).stdout.split()
+    held, released, dropped = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_FREE], capture_output=True,
+                                             text=True, check=True, cwd=REPO).stdout.split()
     if held != "True":
         pytest.skip("not glibc")
     assert released == "True"

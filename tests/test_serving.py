@@ -230,20 +230,15 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
 
 
 def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypatch):
-    import importlib.util
-
     from conftest import compose
     from core.errors import SettingError
+    from decode.cli import run_check
 
-    spec = importlib.util.spec_from_file_location("serve_check_script", Path(__file__).parents[1] / "scripts" /
-                                                  "serve_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(SettingError, match="prompts is not set"):
-        module.run_check(compose("serve_check", ["heads=somewhere"]))
+        run_check(compose("serve_check", ["heads=somewhere"]))
     monkeypatch.setenv("SELFSPEC_VLLM_VENV", str(tmp_path / "none"))
     with pytest.raises(ServingError, match="make_vllm_venv.sh"):  # before any model is loaded
-        module.run_check(compose("serve_check", ["heads=somewhere", "prompts=humaneval"]))
+        run_check(compose("serve_check", ["heads=somewhere", "prompts=humaneval"]))
 
 
 def test_each_vllm_run_gets_a_process_of_its_own_with_the_engine_inside(tmp_path, monkeypatch):

@@ -1,8 +1,10 @@
 """train/method.py: a method that writes only the required members of TrainMethod trains through the shared loop,
-every optional capability has the default the loop relies on, and each declared capability is what the loop uses."""
+every optional capability has the default the loop relies on, and each declared capability is what the loop uses;
+every family of the table (core/families.py) that trains composes its entry config and builds its method."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.families import FAMILIES
 from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 from train.loop import train
 from train.method import TrainMethod
@@ -75,3 +78,27 @@ def test_packing_is_refused_for_a_method_that_does_not_declare_it(tmp_path):
     cfg = medusa_cfg(tmp_path / "run", "trainer.packing=true")
     with pytest.raises(SettingError, match=r"not supported by next-token training: set trainer.packing=false"):
         train(cfg, NextToken(), target=tiny_target(), datasets=tiny_datasets())
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.trains])
+def test_every_trainable_family_composes_its_entry_config_and_instantiates_its_method(name, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Each family of the table that trains: its entry config composes with its heads option, as ``selfspec-train
+    NAME`` composes it, and its method is built from it."""
+    import yaml
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import compose
+    from train.cli import main
+
+    family = FAMILIES[name]
+    cfg = compose(family.train_conf, family.train_overrides() + ["experiment=debug", f"run_dir={tmp_path}"])
+    method = family.load("method")(cfg)
+    assert isinstance(method, TrainMethod) and method.name == name
+    monkeypatch.setattr(sys, "argv", ["selfspec-train", name, "experiment=debug", "--cfg", "job", "--resolve"])
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["task"] == name and shown["run_name"] == f"{name}-debug"

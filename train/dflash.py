@@ -8,36 +8,13 @@
     python train/dflash.py heads.block_size=16 heads.num_layers=2 heads.loss.token_loss=ce
     python train/dflash.py trainer.resume=true               # continue this run from its last checkpoint
     torchrun --nproc_per_node 2 train/dflash.py              # two processes (DDP; gloo on CPU)
+    selfspec-train dflash experiment=debug                   # the installed command: the same overrides
 
 Outputs in outputs/<run_name>/ (run_name defaults to dflash-smollm2): heads/ (load with
 ``heads.load(path, target=...)``), checkpoints/, config.yaml, metrics.jsonl.
 """
 
-import sys
-from pathlib import Path
-
-# Run as a script, Python puts train/ first on sys.path, where its modules (data, dflash, ...) would shadow
-# installed packages of those names and `train` would not import without an install; put the repository root there.
-_ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
-    sys.path[0] = str(_ROOT)
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from core.errors import reported_errors  # noqa: E402
-from train.dflash_method import DFlashMethod  # noqa: E402
-from train.loop import train  # noqa: E402
-
-
-@hydra.main(config_path="../conf", config_name="dflash", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with reported_errors():
-        result = train(cfg, DFlashMethod(cfg))
-        from decode.pipeline import after_training
-
-        after_training(cfg, result.heads_dir)
-
+from train.cli import main
 
 if __name__ == "__main__":
-    main()
+    main("dflash")

@@ -1,4 +1,4 @@
-"""The training loop every drafter family shares (Medusa, EAGLE and layer-skip exits), on accelerate.
+"""The training loop every drafter family shares (Medusa, EAGLE, DFlash and layer-skip exits), on accelerate.
 
     result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 

@@ -12,36 +12,13 @@
     torchrun --nproc_per_node 2 train/medusa.py              # two processes (DDP; gloo on CPU)
     accelerate launch --config_file conf/accelerate/ddp.yaml train/medusa.py experiment=medusa_llama8b_gpu
     accelerate launch --config_file conf/accelerate/zero2.yaml train/medusa.py trainer=gpu
+    selfspec-train medusa heads=medusa2 experiment=debug     # the installed command: the same overrides
 
 Outputs in outputs/<run_name>/: heads/ (load with ``heads.load(path, target)``), checkpoints/, config.yaml,
 metrics.jsonl.
 """
 
-import sys
-from pathlib import Path
-
-# Run as a script, Python puts train/ first on sys.path, where its modules (data, eagle, ...) would shadow
-# installed packages of those names and `train` would not import without an install; put the repository root there.
-_ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "train":
-    sys.path[0] = str(_ROOT)
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from core.errors import reported_errors  # noqa: E402
-from train.loop import train  # noqa: E402
-from train.medusa_method import medusa_method  # noqa: E402
-
-
-@hydra.main(config_path="../conf", config_name="medusa", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    with reported_errors():
-        result = train(cfg, medusa_method(cfg))  # Medusa-1 or Medusa-2, by heads.type
-        from decode.pipeline import after_training
-
-        after_training(cfg, result.heads_dir)
-
+from train.cli import main
 
 if __name__ == "__main__":
-    main()
+    main("medusa")

@@ -15,7 +15,7 @@ from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
 from decode.engine import prefill
 from decode.step import tree_forward
-from decode.kernels import decoding_kernels
+from decode.linear_kernels import decoding_kernels
 from decode.pipeline import Session, required
 from decode.types import root_only
 

@@ -1,0 +1,135 @@
+"""The decode-side commands beside decode/run.py: the benchmark, the export of heads and the check in real vLLM, as
+installed commands and as scripts/bench.py, scripts/export.py and scripts/serve_check.py (whose docstrings list the
+commands; the installed ones take the same arguments).
+
+    selfspec-bench heads=[outputs/medusa-smollm2/heads] prompts=../shared/data/mt_bench/question.jsonl limit=10
+    selfspec-export heads=outputs/medusa-smollm2/heads
+    selfspec-serve-check heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl
+
+Each command's config is in conf/decode/ (bench.yaml, export.yaml, serve_check.yaml); its library is
+decode/bench/, heads/export.py and decode/serving.py.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from core.config import CONF_DIR, hydra_app
+from core.errors import reported_errors
+
+DECODE_CONF = CONF_DIR / "decode"
+
+
+# --- selfspec-bench: scripts/bench.py --------------------------------------------------------------------------------
+
+
+def bench(argv: list[str] | None = None) -> dict:
+    """Run the benchmark (conf/decode/bench.yaml with the overrides ``argv``); SystemExit(1) after writing the outputs
+    if a method is not lossless."""
+    from hydra import compose, initialize_config_dir
+
+    from decode.bench import format_report, run_bench
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with initialize_config_dir(config_dir=str(DECODE_CONF), version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=argv)
+    report = run_bench(cfg, command=shlex.join(["python", "scripts/bench.py", *argv]))
+    print(format_report(report))
+    print("outputs: " + ", ".join(report["outputs"]))
+    if report["mismatches"]:
+        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (see above and bench.json)",
+              file=sys.stderr)
+        raise SystemExit(1)
+    return report
+
+
+def bench_main() -> None:
+    with reported_errors():
+        bench()
+
+
+# --- selfspec-export: scripts/export.py ------------------------------------------------------------------------------
+
+
+def run_export(cfg) -> dict:
+    """Export as ``cfg`` (conf/decode/export.yaml) says; returns {"out", "format", "url"}."""
+    import torch
+
+    from core.target import load_target
+    from decode.pipeline import resolve_target_config
+    from heads.export import export_heads, push_to_hub, resolve_format
+    from heads.io import heads_dir, read_heads_config
+
+    heads_path = heads_dir(str(cfg.heads))
+    meta = read_heads_config(heads_path)
+    model_cfg = resolve_target_config({"model": cfg.get("model"), "device": cfg.get("device")}, meta)
+    target = load_target(model_cfg)
+    dtype = getattr(torch, str(cfg.dtype)) if cfg.get("dtype") else None
+    fmt = resolve_format(str(cfg.format), meta["head_type"], meta.get("head_config", {}))
+    out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
+    repo = str(cfg.push_to_hub) if cfg.get("push_to_hub") else None
+    folder, fmt = export_heads(heads_path, out, target, fmt=fmt, include_embeddings=bool(cfg.include_embeddings),
+                               dtype=dtype, repo=repo, vocab=str(cfg.get("vocab", "auto")))
+    print(f"[selfspec] exported {meta['head_type']} heads as {fmt}: {folder}")
+    url = None
+    if repo:
+        url = push_to_hub(folder, repo, private=bool(cfg.private))
+        print(f"[selfspec] pushed to {url}")
+    return {"out": str(folder), "format": fmt, "url": url}
+
+
+def export_main() -> None:
+    def export(cfg: DictConfig) -> None:
+        with reported_errors():
+            run_export(cfg)
+
+    hydra_app(export, "export", job_name="export", config_dir=DECODE_CONF)
+
+
+# --- selfspec-serve-check: scripts/serve_check.py --------------------------------------------------------------------
+
+
+def run_check(cfg) -> dict:
+    """Check the heads in real vLLM as ``cfg`` (conf/decode/serve_check.yaml) says; writes report.json and report.md
+    into ``out`` and returns the report."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from core.config import to_plain
+    from core.errors import SettingError
+    from decode.bench import load_prompts
+    from decode.serving import CheckSettings, format_report, serve_check, vllm_python
+
+    examples = {"heads": "outputs/medusa-smollm2/heads", "prompts": "../shared/data/mt_bench/question.jsonl"}
+    for key, example in examples.items():
+        if OmegaConf.is_missing(cfg, key):
+            raise SettingError(f"{key} is not set: give {key}=... (e.g. {key}={example}).")
+    vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
+    questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
+    out = Path(str(cfg.out))
+    settings = CheckSettings(k=cfg.k, max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,
+                             model=to_plain(cfg.get("model")), out=str(out), timeout=float(cfg.serving.timeout),
+                             tolerance=float(cfg.tolerance), vocab=str(cfg.vocab))
+    report = serve_check(str(cfg.heads), [q["turns"][0] for q in questions], formats=to_plain(cfg.formats),
+                         settings=settings)
+    text = format_report(report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(text + "\n")
+    print(text)
+    return report
+
+
+def serve_check_main() -> None:
+    def serve_check(cfg: DictConfig) -> None:
+        with reported_errors():
+            report = run_check(cfg)
+        if not report["ok"]:
+            sys.exit(1)
+
+    hydra_app(serve_check, "serve_check", job_name="serve_check", config_dir=DECODE_CONF)

@@ -1,0 +1,81 @@
+"""Train any drafter family of core/families.py on a frozen target: one Hydra app over the family's entry config.
+
+    selfspec-train medusa                                    # = python train/medusa.py
+    selfspec-train medusa heads=medusa2 experiment=debug     # the overrides its entry file takes
+    selfspec-train eagle3 experiment=cpu_1h                  # = python train/eagle.py heads=eagle3 experiment=cpu_1h
+    selfspec-train dflash --cfg job                          # print the composed config
+    torchrun --nproc_per_node 2 -m train.cli layerskip       # two processes (python -m train.cli works alike)
+    selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
+
+A family trains under its entry config ``conf/<train_conf>.yaml`` with its ``heads_conf`` option (EAGLE-3:
+``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's ``method``) and the end-of-run
+speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is :func:`main` with its family named,
+and its docstring lists the commands.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from omegaconf import DictConfig
+
+from core.config import hydra_app
+from core.errors import SettingError, reported_errors
+from core.families import FAMILIES, Family
+
+
+def trainable(name: str) -> Family:
+    """The family ``name``, refused clearly when there is none of that name or it trains nothing."""
+    family = FAMILIES.get(name)
+    if family is None or not family.trains:
+        names = ", ".join(n for n, f in FAMILIES.items() if f.trains)
+        raise SettingError(f"No family {name!r} to train: one of {names}.")
+    return family
+
+
+def run(cfg: DictConfig, family: Family) -> None:
+    """Train ``family`` as ``cfg`` (its composed entry config) says, then decode with the heads for a speed check."""
+    from train.loop import train
+
+    with reported_errors():
+        result = train(cfg, family.load("method")(cfg))
+        from decode.pipeline import after_training
+
+        after_training(cfg, result.heads_dir)
+
+
+def main(family: str | None = None) -> None:
+    """The Hydra app of ``family`` over the command line's overrides; without ``family`` (``selfspec-train``), the
+    first argument names it."""
+    if family is None:
+        family = _family_argument()
+    with reported_errors():
+        chosen = trainable(family)
+    sys.argv[1:1] = chosen.train_overrides()  # before the user's: Hydra keeps the last value of a key
+    hydra_app(functools.partial(run, family=chosen), chosen.train_conf, job_name=chosen.train_conf)
+
+
+def _family_argument() -> str:
+    """``selfspec-train FAMILY [overrides]``: FAMILY, taken off sys.argv so that Hydra reads the overrides."""
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-") or "=" in sys.argv[1]:
+        names = " | ".join(n for n, f in FAMILIES.items() if f.trains)
+        print(f"usage: selfspec-train {{{names}}} [overrides ...] [hydra options]\n{__doc__}", file=sys.stderr)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+    return sys.argv.pop(1)
+
+
+def regenerate_main() -> None:
+    """``selfspec-regenerate``: scripts/regenerate.py (conf/regenerate.yaml, train/regenerate.py)."""
+
+    def regenerate(cfg: DictConfig) -> None:
+        from train.regenerate import run as regenerate_run
+
+        with reported_errors():
+            regenerate_run(cfg)
+
+    hydra_app(regenerate, "regenerate", job_name="regenerate")
+
+
+if __name__ == "__main__":
+    main()

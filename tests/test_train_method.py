@@ -1,5 +1,6 @@
 """train/method.py: a method that writes only the required members of TrainMethod trains through the shared loop,
-every optional capability has the default the loop relies on, and each declared capability is what the loop uses."""
+every optional capability has the default the loop relies on, and each declared capability is what the loop uses; a
+method that does not count its items (the step's normaliser) is refused."""
 
 from __future__ import annotations
 
@@ -32,9 +33,13 @@ class NextToken(TrainMethod):
                                                 attention_mask=batch["attention_mask"]).last_hidden_state
         return drafter(hidden.float())[:, :-1]  # [B, T-1, V]: position t predicts token t + 1
 
-    def compute_loss(self, batch, target, drafter, num_items=None):
-        logits = self._logits(batch, target, drafter)
-        return F.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100), {}
+    def count_items(self, batch) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    def compute_loss(self, batch, target, drafter, num_items):
+        logits = self._logits(batch, target, drafter)  # [B, T-1, V]
+        loss_sum = F.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="sum")
+        return loss_sum / num_items, {}
 
     def evaluate(self, loader, target, drafter, accelerator) -> dict[str, float]:
         return {"eval/batches": float(sum(1 for _ in loader))}
@@ -49,7 +54,6 @@ def test_the_optional_capabilities_have_declared_defaults():
     method, drafter = NextToken(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     drafter[0].requires_grad_(False)
     assert method.trains_target is False and method.supports_packing is False
-    assert method.count_items({"labels": torch.zeros(2, 3)}) is None
     [group] = method.param_groups(drafter, lr=1e-3)
     assert [id(p) for p in group["params"]] == [id(p) for p in drafter[1].parameters()]
     collate = object()
@@ -75,3 +79,23 @@ def test_packing_is_refused_for_a_method_that_does_not_declare_it(tmp_path):
     cfg = medusa_cfg(tmp_path / "run", "trainer.packing=true")
     with pytest.raises(SettingError, match=r"not supported by next-token training: set trainer.packing=false"):
         train(cfg, NextToken(), target=tiny_target(), datasets=tiny_datasets())
+
+
+def test_a_method_that_does_not_count_its_items_cannot_be_built():
+    """count_items is required: without it a step has no normaliser, so the class cannot be instantiated."""
+
+    class Uncounted(NextToken):
+        count_items = TrainMethod.count_items  # the abstract declaration, not overridden
+
+    with pytest.raises(TypeError, match="count_items"):
+        Uncounted()
+
+
+def test_the_loop_refuses_a_count_that_is_not_a_tensor(tmp_path):
+    class CountsNothing(NextToken):
+        def count_items(self, batch):
+            return None
+
+    cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=1")
+    with pytest.raises(TypeError, match=r"CountsNothing.count_items returned None, not a tensor"):
+        train(cfg, CountsNothing(), target=tiny_target(), datasets=tiny_datasets())

@@ -293,9 +293,10 @@ class DFlashMethod(TrainMethod):
             else torch.ones_like(batch["input_ids"], dtype=torch.bool)
         return retrieval_hits(batch["input_ids"], valid, self.retrieval_min_match, RETRIEVAL_MAX_MATCH)
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
-        if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
-            batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
+        if "anchors" not in batch:
+            raise RuntimeError("DFlash draws a micro-batch's anchors in count_items (the step's normaliser): call "
+                               "count_items(batch) before compute_loss(batch, ...), as train.loop does.")
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
         weights = self._weights(batch, batch["anchors"], blocks.scored)
         top = self._teacher_top(blocks)

@@ -109,15 +109,15 @@ class EagleTrainModule(nn.Module):
         self.drafter = drafter
         self.weights, self.unroll_steps, self.feature_noise = weights, unroll_steps, feature_noise
 
-    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, segment_ids=None,
-                position_ids=None, num_items=None):
-        """-> (loss, metrics); noise only in training mode; segment_ids / position_ids of a packed batch; num_items
-        the step's counts per unrolled step (None: the loss terms are this batch's means)."""
+    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, num_items, segment_ids=None,
+                position_ids=None):
+        """-> (loss, metrics); noise only in training mode; num_items [unroll_steps] the step's counts per unrolled
+        step (heads.eagle_loss.drafter_loss); segment_ids / position_ids of a packed batch."""
         return drafter_loss(
-            self.drafter, hidden_states, target_logits, input_ids, labels, self.weights,
+            self.drafter, hidden_states, target_logits, input_ids, labels, self.weights, num_items,
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
             feature_noise=self.feature_noise if self.training else 0.0,
-            segment_ids=segment_ids, position_ids=position_ids, num_items=num_items,
+            segment_ids=segment_ids, position_ids=position_ids,
         )
 
 
@@ -186,12 +186,12 @@ class EagleMethod(TrainMethod):
         draft_labels = self._draft_vocab_of(batch["labels"])
         return step_counts(draft_labels, self.settings.unroll_steps, batch.get("segment_ids"))
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
-                                batch.get("segment_ids"), batch.get("position_ids"), num_items)
+                                num_items, batch.get("segment_ids"), batch.get("position_ids"))
         return loss, {k: v for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
 
     # --- evaluation ---------------------------------------------------------------------------------------------
@@ -205,8 +205,8 @@ class EagleMethod(TrainMethod):
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         for batch in loader:
             hidden_states, logits = self._target_outputs(batch, target, layer_ids)
-            loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"],
-                                    batch["attention_mask"], batch.get("segment_ids"), batch.get("position_ids"))
+            _, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                 self.count_items(batch), batch.get("segment_ids"), batch.get("position_ids"))
             for j in range(steps):
                 n = metrics[f"count_{j}"]
                 token = float(metrics.get(f"token_{j}", 0.0)) \

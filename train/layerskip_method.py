@@ -234,12 +234,12 @@ class LayerSkipMethod(TrainMethod):
     def count_items(self, batch: dict) -> torch.Tensor:
         return exit_positions(batch["labels"]).sum().reshape(1)
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items=None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
+        """num_items [1]: the step's trained positions (:meth:`count_items`); every exit's KL sum is divided by it."""
         where = exit_positions(batch["labels"])
         states, teacher, _ = self._teacher(batch, target, where)
         logits, losses = drafter(states, teacher, where, batch["attention_mask"])
-        n = num_items.sum() if num_items is not None else where.sum().clamp(min=1)
-        loss = sum(losses.values()) / n
+        loss = sum(losses.values()) / num_items.sum()
         best = teacher.argmax(-1)
         metrics = {f"acc_exit{e}": (logits[e].argmax(-1) == best).float().mean().detach() if best.numel() else
                    torch.tensor(0.0) for e in logits}

@@ -1,8 +1,8 @@
 """What a drafter family supplies to the shared training loop (:func:`train.loop.train`): one :class:`TrainMethod`.
 
-The whole contract is this class. Four methods are required (``build_drafter``, ``compute_loss``, ``evaluate``,
-``save``) plus a ``name``; every optional capability is declared here with its default, so a family overrides only
-what it offers and the loop calls each member directly:
+The whole contract is this class. Five methods are required (``build_drafter``, ``count_items``, ``compute_loss``,
+``evaluate``, ``save``; a subclass that lacks one cannot be instantiated) plus a ``name``; every optional capability
+is declared here with its default, so a family overrides only what it offers and the loop calls each member directly:
 
 =====================  ==================================================================================
 capability             default
@@ -11,12 +11,17 @@ capability             default
 ``supports_packing``   False: ``trainer.packing=true`` is refused
 ``prepare_data``       the splits and the collate function unchanged
 ``param_groups``       one group: every trainable parameter of the drafter
-``count_items``        None: ``compute_loss`` returns a per-micro-batch mean
 =====================  ==================================================================================
+
+One normalisation rule: a loss is a sum over the items a micro-batch trains on divided by ``num_items``, their count
+over the whole optimizer step (``count_items`` summed over the step's micro-batches and every rank), so how a step is
+split into micro-batches and processes does not change its gradient. Every family's loss function takes ``num_items``
+as a required argument; none falls back to a micro-batch's own count.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +30,7 @@ import torch
 from torch import nn
 
 
-class TrainMethod:
+class TrainMethod(ABC):
     """A drafter family's training: what is trained and how its loss, evaluation and save go.
 
     ``name`` (e.g. "medusa") names the method in logs and in the saved heads' metadata; a subclass sets it as a class
@@ -44,28 +49,36 @@ class TrainMethod:
 
     # --- required -------------------------------------------------------------------------------------------------
 
+    @abstractmethod
     def build_drafter(self, target: Any) -> nn.Module:
         """The module whose trainable parameters are optimised (it may hold the target, e.g. with LoRA); its forward
         is what ``compute_loss`` calls, so that DDP syncs its gradients. Called after ``prepare_data``."""
-        raise NotImplementedError
 
-    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor | None = None
+    @abstractmethod
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """The items this micro-batch's loss is a sum over, a tensor of any shape (e.g. label positions per head).
+
+        The loop sums the counts over the step's micro-batches and ranks (elementwise, at least 1 each), passes them
+        to ``compute_loss`` as ``num_items``, and undoes accelerate's averaging over micro-batches and ranks, so a
+        step's gradient is that of the mean over every item of the global batch, whatever the split. Called on each
+        micro-batch of a step before its ``compute_loss``."""
+
+    @abstractmethod
+    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, metrics) of one micro-batch on the device; metrics map a name to a scalar tensor, logged averaged
-        over the step. ``num_items`` is passed only to a method whose ``count_items`` counts: the global count over
-        the step (all micro-batches, all ranks, summed elementwise), and the loss is then ``loss_sum / num_items``.
-        Otherwise the loss is this micro-batch's mean."""
-        raise NotImplementedError
+        over the step. ``num_items``: the step's global count (see ``count_items``); the loss is this micro-batch's
+        ``loss_sum / num_items``."""
 
+    @abstractmethod
     def evaluate(self, loader: Any, target: Any, drafter: nn.Module, accelerator: Any) -> dict[str, float]:
         """Metrics over the whole (sharded) eval loader, reduced over ranks; the keys are logged as they are. Runs
         under ``torch.no_grad`` and the accelerator's autocast, with the drafter in eval mode."""
-        raise NotImplementedError
 
+    @abstractmethod
     def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
         """Write the trained drafter to ``path`` (main process only) and return the folder. ``drafter`` is unwrapped,
         ``state_dict`` its full state gathered from every rank, ``meta`` what the run was (steps, data, trainer)."""
-        raise NotImplementedError
 
     # --- optional, with their defaults ----------------------------------------------------------------------------
 
@@ -80,15 +93,6 @@ class TrainMethod:
         """The optimizer's parameter groups (e.g. a learning-rate multiplier for some of them); ``lr`` is
         ``trainer.learning_rate``. By default one group of every trainable parameter."""
         return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
-
-    def count_items(self, batch: dict) -> torch.Tensor | None:
-        """The items this micro-batch's loss is a sum over (any shape, e.g. label positions per head), or None.
-
-        A count makes the loss normalised over the whole step: the loop sums the counts over the step's micro-batches
-        and ranks, passes them to ``compute_loss`` as ``num_items``, and undoes accelerate's averaging over
-        micro-batches and ranks, so a step's gradient is that of the mean over every item of the global batch,
-        whatever the split. None (the default, for every batch): the loss is a per-micro-batch mean."""
-        return None
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -99,3 +99,49 @@ def test_the_loop_refuses_a_count_that_is_not_a_tensor(tmp_path):
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=1")
     with pytest.raises(TypeError, match=r"CountsNothing.count_items returned None, not a tensor"):
         train(cfg, CountsNothing(), target=tiny_target(), datasets=tiny_datasets())
+
+
+SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and what save_drafter adds
+    "format_version", "head_type", "base_model", "target_fingerprint", "hidden_size", "vocab_size", "num_heads",
+    "num_layers", "head_config", "adapter", "weights_sha256", "run_name", "method", "steps", "tokens_seen", "data",
+    "trainer", "eval", "features"}
+
+
+@pytest.mark.parametrize("family, module, settings_key, decode_key", [
+    ("medusa", "train.medusa_method", "heads", None), ("medusa2", "train.medusa_method", "heads", None),
+    ("eagle", "train.eagle_method", "heads", "tree"), ("eagle3", "train.eagle_method", "heads", "tree"),
+    ("dflash", "train.dflash_method", "heads", None), ("layerskip", "train.layerskip_method", "exit", "decode")])
+def test_every_family_saves_through_save_drafter(tmp_path, monkeypatch, family, module, settings_key, decode_key):
+    """Each family's save hands its heads to train.method.save_drafter (one call, two for layer-skip's two exits),
+    and the heads folder's config.json carries the common keys, the settings and the decode settings under the key
+    decoding reads them from; it loads back with the target."""
+    import importlib
+    import json
+
+    import heads
+    from test_accumulation import _method
+    from train import method as method_module
+
+    calls = []
+
+    def spy(path, *args, **kwargs):
+        calls.append(Path(path))
+        return method_module.save_drafter(path, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module(module), "save_drafter", spy)
+    cfg, method = _method(family, tmp_path / "run")
+    cfg.trainer.max_steps = 1
+    if family == "layerskip":
+        cfg.exit.candidates = [1, 2]
+    target = tiny_target()
+    result = train(cfg, method, target=target, datasets=tiny_datasets())
+    assert result.heads_dir in calls and len(calls) == (2 if family == "layerskip" else 1)
+    saved = json.loads((result.heads_dir / "config.json").read_text())
+    assert SAVED_BY_EVERY_FAMILY <= saved.keys()
+    assert saved[settings_key] == dict(method.settings.__dict__) and saved["features"] == "online"
+    assert saved["head_type"] == {"medusa2": "medusa"}.get(family, family) and saved["steps"] == 1
+    assert (decode_key in saved) == (decode_key is not None)
+    assert (saved["adapter"] == "adapter") == (family == "medusa2")  # Medusa-2's LoRA, beside the heads
+    if family == "layerskip":
+        assert saved["decode"]["threshold"] == saved["exit_layers"][0]["threshold"]
+    assert heads.load(result.heads_dir, target=tiny_target()).module is not None

@@ -74,7 +74,7 @@ from core.runtime import rows_through
 from train.config import settings_from_cfg
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
-from train.method import TrainMethod, saved_state_and_extra, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 TOKEN_LOSSES = ("kl", "ce")
 LOSS_KEYS = ("token_loss", "gamma", "retrieved_weight", "retrieval_min_match", "off_path_weight")
@@ -405,12 +405,11 @@ class DFlashMethod(TrainMethod):
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
-
+        """The block drafter as head type ``dflash``."""
         core = drafter.drafter if isinstance(drafter, DFlashTrainModule) else drafter
-        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
-                                             self.draft_vocab_coverage)
-        return save_heads(path, core, "dflash", core.config.to_dict(), target, extra, state_dict=state)
+        return save_drafter(path, core, "dflash", target, meta, settings=self.settings, features=self.features.kind,
+                            draft_vocab_coverage=self.draft_vocab_coverage,
+                            state_dict=state_under(state_dict, "drafter."))
 
 
 def target_greedy(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:

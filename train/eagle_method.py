@@ -43,7 +43,7 @@ from core.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, saved_state_and_extra, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -228,10 +228,9 @@ class EagleMethod(TrainMethod):
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
-
+        """The drafter as head type ``eagle`` / ``eagle3``, with its tree settings as decoding's defaults."""
         core = drafter.drafter if isinstance(drafter, EagleTrainModule) else drafter
-        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
-                                             self.draft_vocab_coverage)
-        extra["tree"] = dict(self.settings.tree)  # decoding defaults for these heads
-        return save_heads(path, core, core.variant, core.config.to_dict(), target, extra, state_dict=state)
+        return save_drafter(path, core, core.variant, target, meta, settings=self.settings,
+                            features=self.features.kind, draft_vocab_coverage=self.draft_vocab_coverage,
+                            decode=self.settings.tree, decode_key="tree",
+                            state_dict=state_under(state_dict, "drafter."))

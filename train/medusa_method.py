@@ -48,7 +48,7 @@ from train.config import settings_from_cfg
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.medusa_eval import eval_summary, medusa_eval_metrics
-from train.method import TrainMethod, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
@@ -277,16 +277,11 @@ class MedusaMethod(TrainMethod):
 
     def _save_heads(self, path: Path, heads: MedusaHeads, target, meta: dict, heads_state: dict | None,
                     adapter: nn.Module | None = None, adapter_state: dict | None = None) -> Path:
-        from heads.io import save_heads
-
-        extra = dict(meta)
-        extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
-        extra["heads"] = dict(self.settings.__dict__)
-        extra["features"] = self.features.kind
-        if self.draft_vocab_coverage is not None:
-            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
-        return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra, adapter=adapter,
-                          state_dict=heads_state, adapter_state_dict=adapter_state)
+        """Medusa-1 and Medusa-2 heads (with Medusa-2's adapter) as head type ``medusa``."""
+        return save_drafter(path, heads, "medusa", target, meta, settings=self.settings, features=self.features.kind,
+                            draft_vocab_coverage=self.draft_vocab_coverage,
+                            eval_metrics=eval_summary(meta.get("eval", {}), self.settings.num_heads),
+                            state_dict=heads_state, adapter=adapter, adapter_state_dict=adapter_state)
 
 
 class Medusa1Method(MedusaMethod):
@@ -432,11 +427,8 @@ class Medusa2Method(MedusaMethod):
             return causal_lm.get_output_embeddings()(hidden)
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        heads_state = adapter_state = None
-        if state_dict is not None:
-            heads_state = {k[len("heads."):]: v for k, v in state_dict.items() if k.startswith("heads.")}
-            adapter_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
-        return self._save_heads(path, drafter.heads, target, meta, heads_state, drafter.target, adapter_state)
+        return self._save_heads(path, drafter.heads, target, meta, state_under(state_dict, "heads."), drafter.target,
+                                state_under(state_dict, "target."))
 
 
 METHODS: dict[str, type[MedusaMethod]] = {"medusa": Medusa1Method, "medusa2": Medusa2Method}

@@ -17,6 +17,9 @@ One normalisation rule: a loss is a sum over the items a micro-batch trains on d
 over the whole optimizer step (``count_items`` summed over the step's micro-batches and every rank), so how a step is
 split into micro-batches and processes does not change its gradient. Every family's loss function takes ``num_items``
 as a required argument; none falls back to a micro-batch's own count.
+
+One save path: a family's ``save`` hands its module and what it chose to :func:`save_drafter`, which builds the
+metadata every heads folder carries and calls heads.io.save_heads.
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ class TrainMethod(ABC):
 
     @abstractmethod
     def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
-        """Write the trained drafter to ``path`` (main process only) and return the folder. ``drafter`` is unwrapped,
-        ``state_dict`` its full state gathered from every rank, ``meta`` what the run was (steps, data, trainer)."""
+        """Write the trained drafter to ``path`` (main process only) through :func:`save_drafter` and return the
+        folder. ``drafter`` is unwrapped, ``state_dict`` its full state gathered from every rank, ``meta`` what the
+        run was (run name, steps, data, trainer, eval metrics)."""
 
     # --- optional, with their defaults ----------------------------------------------------------------------------
 
@@ -102,21 +106,47 @@ def unwrap(module: nn.Module) -> nn.Module:
     return extract_model_from_parallel(module)
 
 
-def saved_state_and_extra(state_dict: dict | None, prefix: str, meta: dict, settings: Any, features: str,
-                          draft_vocab_coverage: float | None) -> tuple[dict | None, dict]:
-    """What a family's ``save`` passes to heads.io.save_heads besides the module: the entries of the gathered
-    ``state_dict`` of its training module under ``prefix`` (e.g. "drafter."), renamed without it (None: None), and
-    the metadata of the run: ``meta``, the heads settings (a dataclass), the feature source, the draft vocabulary's
-    coverage if one was counted."""
-    state = None
-    if state_dict is not None:
-        state = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    extra = dict(meta)
-    extra["heads"] = asdict(settings)
-    extra["features"] = features
+def state_under(state_dict: dict | None, prefix: str) -> dict | None:
+    """The entries of a gathered ``state_dict`` under ``prefix`` (e.g. "drafter."), renamed without it (None: None):
+    the state of one submodule of the module the loop trained."""
+    if state_dict is None:
+        return None
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def save_drafter(path: Path, module: nn.Module, head_type: str, target: Any, meta: dict, *, settings: Any,
+                 features: str, draft_vocab_coverage: float | None, settings_key: str = "heads",
+                 eval_metrics: dict | None = None, extra: dict | None = None, decode: dict | None = None,
+                 decode_key: str = "decode", state_dict: dict | None = None, adapter: nn.Module | None = None,
+                 adapter_state_dict: dict | None = None) -> Path:
+    """Every family's save: ``module`` into the heads folder ``path`` through heads.io.save_heads, as head type
+    ``head_type`` with its ``module.config.to_dict()``, and the metadata of the run in config.json:
+
+    - ``meta`` (run name, method, steps, tokens, data, trainer; from the loop), its ``eval`` replaced by
+      ``eval_metrics`` when the family summarises them (Medusa);
+    - ``settings`` (the family's settings dataclass) under ``settings_key`` ("heads"; layer-skip's "exit");
+    - ``features`` (the feature source: online | store), and ``draft_vocab_coverage`` when a draft vocabulary was
+      counted;
+    - ``extra``: the family's own keys (layer-skip's exit ranking);
+    - ``decode``: the decode settings training chose for these heads, under ``decode_key``, the key decoding reads
+      them from (decode/registry.py's ``saved_key``: "decode", EAGLE's "tree").
+
+    ``state_dict`` / ``adapter`` / ``adapter_state_dict`` go to save_heads as they are (gathered weights, Medusa-2's
+    LoRA)."""
+    from heads.io import save_heads
+
+    saved = dict(meta)
+    if eval_metrics is not None:
+        saved["eval"] = eval_metrics
+    saved[settings_key] = asdict(settings)
+    saved["features"] = features
     if draft_vocab_coverage is not None:
-        extra["draft_vocab_coverage"] = draft_vocab_coverage
-    return state, extra
+        saved["draft_vocab_coverage"] = draft_vocab_coverage
+    saved.update(extra or {})
+    if decode is not None:
+        saved[decode_key] = dict(decode)
+    return save_heads(path, module, head_type, module.config.to_dict(), target, saved, adapter=adapter,
+                      state_dict=state_dict, adapter_state_dict=adapter_state_dict)
 
 
-__all__ = ["TrainMethod", "saved_state_and_extra", "unwrap"]
+__all__ = ["TrainMethod", "save_drafter", "state_under", "unwrap"]

@@ -399,12 +399,12 @@ def retrieval_hits(input_ids: torch.Tensor, valid: torch.Tensor, min_match: int,
 
 
 def dflash_block_loss(logits: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, token_loss: str,
-                      num_items: torch.Tensor | float | None = None) -> torch.Tensor:
+                      num_items: torch.Tensor | float) -> torch.Tensor:
     """The weighted loss over N scored block positions. ``logits`` [N, Vd] the draft's; ``teacher`` [N, Vd] the
     target's logits over the draft vocabulary (``kl``: KL(target || draft) of the target's distribution renormalised
     over the draft vocabulary) or [N] long draft ids of the target's own tokens (``ce``; -100: not scored);
-    ``weights`` [N] each position's weight. Normalised by ``num_items`` (the sum of weights over an optimizer step)
-    or, without it, by this batch's weights."""
+    ``weights`` [N] each position's weight. The weighted sum divided by ``num_items``: the sum of weights over an
+    optimizer step (a scalar tensor; 1.0 for the sum itself, e.g. an evaluation's)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     if token_loss == "kl":
         tlogp = F.log_softmax(teacher.float(), dim=-1)
@@ -416,8 +416,7 @@ def dflash_block_loss(logits: torch.Tensor, teacher: torch.Tensor, weights: torc
     else:
         raise SettingError(f"token_loss={token_loss!r}: use kl or ce.")
     total = (per * weights).sum()
-    denom = weights.sum() if num_items is None else num_items
-    return total / (denom.clamp(min=1e-6) if torch.is_tensor(denom) else max(float(denom), 1e-6))
+    return total / (num_items.clamp(min=1e-6) if torch.is_tensor(num_items) else max(float(num_items), 1e-6))
 
 
 # --- save / load ---------------------------------------------------------------------------------------------------------

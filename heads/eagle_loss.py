@@ -96,17 +96,17 @@ def _loss_at(
     weights: EagleLossWeights,
     target_features: torch.Tensor | None,
     teacher: torch.Tensor | None,
+    num_items: torch.Tensor,
     segment_ids: torch.Tensor | None = None,
-    num_items: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The unrolled loss over the positions it trains on, given as teacher rows (b, p) [N] (sample, position of the
     feature / teacher row a draft step predicts; its drafted token is labels[b, p + 1]) with ``teacher`` [N, V'] the
     target's logits there. Step j reads index t = p - j - 1 of its features (where t >= 0), so each step's logits
     are computed only at the positions it is scored on. With ``segment_ids`` (a packed batch) step j is scored only
-    where index t and the drafted token p + 1 lie in the same example. Each loss term of step j is a mean over its
-    positions, or with ``num_items`` [steps] (:func:`step_counts` summed over an optimizer step) a sum over them
-    divided by ``num_items[j]``. The metrics are means either way and stay on the device (scalar tensors;
-    ``count_j``, a shape, is a float), so a training step does not wait for them."""
+    where index t and the drafted token p + 1 lie in the same example. Each loss term of step j is a sum over its
+    positions divided by ``num_items[j]`` ([steps]: :func:`step_counts` summed over an optimizer step; computed as
+    the mean times count / num_items[j]). The metrics are means over this batch and stay on the device (scalar
+    tensors; ``count_j``, a shape, is a float), so a training step does not wait for them."""
     total = step_features[0].new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor | float] = {}
     for j, feat in enumerate(step_features):
@@ -140,8 +140,7 @@ def _loss_at(
             first = feat[:, :1]
             extra = step_logits(first).sum() if callable(step_logits) else step_logits[j].sum()
             step_loss = step_loss + (extra + first.sum()) * 0.0
-        if num_items is not None:  # the means' sums over the step's count
-            step_loss = step_loss * (count / num_items[j].clamp(min=1)).to(step_loss.dtype)
+        step_loss = step_loss * (count / num_items[j].clamp(min=1)).to(step_loss.dtype)  # the sum over the count
         total = total + (weights.step_decay**j) * step_loss
     metrics["loss"] = total.detach()
     return total, metrics
@@ -164,8 +163,9 @@ def eagle_loss(
     and teacher_logits [B, T, V'] (the target's logits, index t predicting token t+1) are optional;
     teacher_valid [B, T] marks teacher positions usable (eagle3: the target's top token is a draft token).
     Step j at index t is trained where labels[t+j+2] != -100 (the drafted token is an assistant token).
-    Each loss term is a mean over the positions it is trained on; metrics hold per step the loss terms, ``acc_j``
-    (top-1 agreement with the teacher, or with the labels without one) and ``count_j`` (positions).
+    Each loss term is a mean over the positions it is trained on (this batch is the whole step: its own counts are
+    the ``num_items``); metrics hold per step the loss terms, ``acc_j`` (top-1 agreement with the teacher, or with
+    the labels without one) and ``count_j`` (positions).
     """
     _check_loss_inputs(weights, target_features, teacher_logits)
     trained = shift_left(labels, 1, fill=-100) != -100  # teacher row p is used when token p + 1 is trained on
@@ -173,7 +173,8 @@ def eagle_loss(
         trained = trained & teacher_valid
     b, p = trained.nonzero(as_tuple=True)
     teacher = teacher_logits[b, p] if teacher_logits is not None else None
-    return _loss_at(b, p, step_features, step_logits, labels, weights, target_features, teacher)
+    counts = torch.stack([_scored_at(b, p, j, None).sum() for j in range(len(step_features))])  # [steps]
+    return _loss_at(b, p, step_features, step_logits, labels, weights, target_features, teacher, counts)
 
 
 def _check_loss_inputs(weights: EagleLossWeights, target_features, teacher_logits) -> None:
@@ -190,13 +191,13 @@ def drafter_loss(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     weights: EagleLossWeights,
+    num_items: torch.Tensor,
     unroll_steps: int = 1,
     attention_mask: torch.Tensor | None = None,
     feature_noise: float = 0.0,
     generator: torch.Generator | None = None,
     segment_ids: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    num_items: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The training loss of one batch, given the frozen target's forward over it (the same as :func:`eagle_loss`
     over the drafter's full logits, but the draft's and the target's vocabulary projections, the costliest part of a
@@ -208,7 +209,8 @@ def drafter_loss(
     collated (labels -100 off the assistant's tokens). Noise goes on the step-0 input features only; regression
     targets stay clean. A packed batch (train.data.collate_packed) passes its ``segment_ids`` and ``position_ids``:
     the loss then equals the padded batch's over the same examples. ``num_items`` [unroll_steps]: the step's global
-    :func:`step_counts`, for a loss normalised over a whole optimizer step (None: over this batch).
+    :func:`step_counts` (summed over the optimizer step's micro-batches and ranks), which each step's loss terms are
+    normalised by; a batch that is a whole step passes its own :func:`step_counts`.
     """
     use_teacher = target_logits is not None and weights.token_loss == "kl"
     _check_loss_inputs(weights, hidden_states[-1] if weights.regression > 0 else None,
@@ -229,7 +231,7 @@ def drafter_loss(
         if drafter.variant != "eagle":
             raise SettingError("eagle3 has no feature regression target: set heads.loss.regression=0.")
         regression_target = hidden_states[-1].to(steps[0].dtype)
-    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher, segment_ids,
-                    num_items)
+    return _loss_at(b, p, steps, drafter.logits, draft_labels, weights, regression_target, teacher, num_items,
+                    segment_ids)
 
 

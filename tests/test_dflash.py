@@ -48,7 +48,8 @@ def block_loss(drafter: DFlashDrafter, features, seqs, teacher_ids, labels, anch
     hidden = drafter(block, positions, context_kv, mask).reshape(bsz, anchors.shape[1], bs, -1)
     b, a, k = block_targets(anchors, labels, bs)
     teacher = drafter.target_to_draft(teacher_ids[b, anchors[b, a] + k - 1])  # the target's own choice of p + k
-    return dflash_block_loss(drafter.logits(hidden[b, a, k]), teacher, weights[k], "ce")
+    num_items = (weights[k] * (teacher != -100)).sum()  # the batch is the whole step: its scored positions' weight
+    return dflash_block_loss(drafter.logits(hidden[b, a, k]), teacher, weights[k], "ce", num_items)
 
 
 def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> DFlashDrafter:

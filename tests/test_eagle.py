@@ -27,6 +27,7 @@ from heads.eagle_loss import (
     drafter_loss,
     eagle_loss,
     feature_regression_loss,
+    step_counts,
     token_ce_loss,
     token_kl_loss,
 )
@@ -271,11 +272,12 @@ def test_loss_trains_the_draft(tiny_llama):
 
 
 def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, weights, steps_n, attention_mask):
-    """The EAGLE loss written the plain way: every step's logits over every position, masks over [B, T]."""
+    """The EAGLE loss written the plain way: every step's logits over every position, masks over [B, T]; each step's
+    terms are means over its mask. Returns (loss, each step's positions [steps_n])."""
     steps = drafter.unrolled_forward(drafter.target_features(hidden_states), ids, steps_n, key_padding=attention_mask)
     draft_labels = drafter.target_to_draft(labels)
     teacher, valid = drafter.teacher_logits(target_logits)
-    total = torch.zeros((), device=ids.device)
+    total, counts = torch.zeros((), device=ids.device), []
     for j, feat in enumerate(steps):
         mask = (shift_left(draft_labels, j + 2, fill=-100) != -100) & shift_left(valid, j + 1, fill=False)
         step = weights.token * token_kl_loss(drafter.logits(feat), shift_left(teacher, j + 1, fill=0.0), mask)
@@ -283,7 +285,8 @@ def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, wei
             step = step + weights.regression * feature_regression_loss(
                 feat, shift_left(hidden_states[-1], j + 1, fill=0.0), mask)
         total = total + weights.step_decay**j * step
-    return total
+        counts.append(mask.sum())
+    return total, torch.stack(counts)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -318,11 +321,13 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
         loss.backward()
         return [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
 
-    dense = dense_reference_loss(drafter, out.hidden_states, out.logits, ids, labels, weights, 3, attention_mask)
+    dense, counts = dense_reference_loss(drafter, out.hidden_states, out.logits, ids, labels, weights, 3,
+                                         attention_mask)
     dense_grads = grads(dense)
     lm_head = model.lm_head
     for teacher in (out.logits, lambda b, p: lm_head(out.hidden_states[-1][b, p])):
-        loss, metrics = drafter_loss(drafter, out.hidden_states, teacher, ids, labels, weights, unroll_steps=3,
+        # normalised by the dense loss's counts: the positions whose teacher is in the draft vocabulary
+        loss, metrics = drafter_loss(drafter, out.hidden_states, teacher, ids, labels, weights, counts, unroll_steps=3,
                                      attention_mask=attention_mask)
         assert float(loss.detach()) == pytest.approx(float(dense.detach()), rel=1e-5) and float(loss.detach()) > 0
         assert metrics["count_0"] > metrics["count_2"] > 0
@@ -330,7 +335,7 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
             torch.testing.assert_close(g_compact, g_dense, rtol=1e-4, atol=1e-6)
     # Nothing trained on: a zero loss that still reaches every parameter.
     loss, metrics = drafter_loss(drafter, out.hidden_states, out.logits, ids, torch.full_like(labels, -100), weights,
-                                 unroll_steps=2, attention_mask=attention_mask)
+                                 torch.zeros(2), unroll_steps=2, attention_mask=attention_mask)
     assert float(loss.detach()) == 0.0 and metrics["count_0"] == 0.0
     assert all(g is not None and float(g.abs().sum()) == 0.0 for g in grads(loss))
 
@@ -419,8 +424,9 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
         drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=1.0)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    num_items = step_counts(drafter.target_to_draft(seqs), 2)  # the batch is the whole step
     for _ in range(steps):
-        loss, _ = drafter_loss(drafter, out.hidden_states, out.logits, seqs, seqs, weights, unroll_steps=2)
+        loss, _ = drafter_loss(drafter, out.hidden_states, out.logits, seqs, seqs, weights, num_items, unroll_steps=2)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -706,7 +712,7 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
             super().__init__(cfg)
             self.calls, self.kill_call = 0, kill_call
 
-        def compute_loss(self, batch, target, drafter, num_items=None):
+        def compute_loss(self, batch, target, drafter, num_items):
             self.calls += 1
             if self.calls == self.kill_call:
                 raise KilledEagle

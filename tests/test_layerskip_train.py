@@ -217,7 +217,7 @@ def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path, dete
             super().__init__(cfg)
             self.calls, self.kill_call = 0, kill_call
 
-        def compute_loss(self, batch, target, drafter, num_items=None):
+        def compute_loss(self, batch, target, drafter, num_items):
             self.calls += 1
             if self.calls == self.kill_call:
                 raise Killed

@@ -97,7 +97,7 @@ class KilledAt:
         super().__init__(cfg)
         self.calls, self.kill_call = 0, (kill_at_step - 1) * accum + 1
 
-    def compute_loss(self, batch, target, drafter, num_items=None):
+    def compute_loss(self, batch, target, drafter, num_items):
         self.calls += 1
         if self.calls == self.kill_call:
             raise Killed
@@ -108,7 +108,7 @@ class NanAt(KilledAt):
     """Its loss is NaN at the first micro-batch of a given step; ``before`` holds the drafter's parameters as they
     were then."""
 
-    def compute_loss(self, batch, target, drafter, num_items=None):
+    def compute_loss(self, batch, target, drafter, num_items):
         if self.calls + 1 == self.kill_call:
             self.calls += 1
             self.before = {k: v.detach().clone() for k, v in drafter.named_parameters()}

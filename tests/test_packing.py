@@ -122,9 +122,11 @@ def _compare(method, target, module, ex, capacity):
     packed = to(collate_packed(ex, target.tokenizer.pad_token_id, capacity), device)
     assert packed["input_ids"].shape[0] < len(ex)
     module.eval()  # no dropout (Medusa-2's LoRA): both layouts see the same function; gradients still flow
-    want, _ = method.compute_loss(padded, target, module)
+    num_items = method.count_items(padded)  # each batch is a whole step
+    assert torch.equal(method.count_items(packed), num_items)
+    want, _ = method.compute_loss(padded, target, module, num_items)
     want_grads = _grads(module, want)
-    got, _ = method.compute_loss(packed, target, module)
+    got, _ = method.compute_loss(packed, target, module, num_items)
     assert float(got.detach()) == pytest.approx(float(want.detach()), rel=RTOL) and float(want.detach()) > 0
     got_grads = _grads(module, got)
     assert got_grads.keys() == want_grads.keys() and got_grads
@@ -132,7 +134,7 @@ def _compare(method, target, module, ex, capacity):
         torch.testing.assert_close(got_grads[name], want_grads[name], rtol=RTOL, atol=ATOL, msg=name)
     # the same rows read as single sequences (no segments, positions running on): a different loss
     unpacked = {k: v for k, v in packed.items() if k not in ("segment_ids", "position_ids")}
-    crossed, _ = method.compute_loss(unpacked, target, module)
+    crossed, _ = method.compute_loss(unpacked, target, module, num_items)
     assert abs(float(crossed.detach()) - float(want.detach())) > 1e-3 * float(want.detach())
 
 

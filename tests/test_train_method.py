@@ -1,6 +1,7 @@
 """train/method.py: a method that writes only the required members of TrainMethod trains through the shared loop,
-every optional capability has the default the loop relies on, and each declared capability is what the loop uses;
-every family of the table (core/families.py) that trains composes its entry config and builds its method."""
+every optional capability has the default the loop relies on, and each declared capability is what the loop uses; a
+method that does not count its items (the step's normaliser) is refused; every family of the table (core/families.py)
+that trains composes its entry config, builds its method and saves through the one save path."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ class NextToken(TrainMethod):
                                                 attention_mask=batch["attention_mask"]).last_hidden_state
         return drafter(hidden.float())[:, :-1]  # [B, T-1, V]: position t predicts token t + 1
 
-    def compute_loss(self, batch, target, drafter, num_items=None):
-        logits = self._logits(batch, target, drafter)
-        return F.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100), {}
+    def count_items(self, batch) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    def compute_loss(self, batch, target, drafter, num_items):
+        logits = self._logits(batch, target, drafter)  # [B, T-1, V]
+        loss_sum = F.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="sum")
+        return loss_sum / num_items, {}
 
     def evaluate(self, loader, target, drafter, accelerator) -> dict[str, float]:
         return {"eval/batches": float(sum(1 for _ in loader))}
@@ -52,7 +57,6 @@ def test_the_optional_capabilities_have_declared_defaults():
     method, drafter = NextToken(), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     drafter[0].requires_grad_(False)
     assert method.trains_target is False and method.supports_packing is False
-    assert method.count_items({"labels": torch.zeros(2, 3)}) is None
     [group] = method.param_groups(drafter, lr=1e-3)
     assert [id(p) for p in group["params"]] == [id(p) for p in drafter[1].parameters()]
     collate = object()
@@ -102,3 +106,69 @@ def test_every_trainable_family_composes_its_entry_config_and_instantiates_its_m
         GlobalHydra.instance().clear()
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["task"] == name and shown["run_name"] == f"{name}-debug"
+
+
+def test_a_method_that_does_not_count_its_items_cannot_be_built():
+    """count_items is required: without it a step has no normaliser, so the class cannot be instantiated."""
+
+    class Uncounted(NextToken):
+        count_items = TrainMethod.count_items  # the abstract declaration, not overridden
+
+    with pytest.raises(TypeError, match="count_items"):
+        Uncounted()
+
+
+def test_the_loop_refuses_a_count_that_is_not_a_tensor(tmp_path):
+    class CountsNothing(NextToken):
+        def count_items(self, batch):
+            return None
+
+    cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=1")
+    with pytest.raises(TypeError, match=r"CountsNothing.count_items returned None, not a tensor"):
+        train(cfg, CountsNothing(), target=tiny_target(), datasets=tiny_datasets())
+
+
+SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and what save_drafter adds
+    "format_version", "head_type", "base_model", "target_fingerprint", "hidden_size", "vocab_size", "num_heads",
+    "num_layers", "head_config", "adapter", "weights_sha256", "run_name", "method", "steps", "tokens_seen", "data",
+    "trainer", "eval", "features"}
+
+
+@pytest.mark.parametrize("family, module, settings_key, decode_key", [
+    ("medusa", "train.medusa_method", "heads", None), ("medusa2", "train.medusa_method", "heads", None),
+    ("eagle", "train.eagle_method", "heads", "tree"), ("eagle3", "train.eagle_method", "heads", "tree"),
+    ("dflash", "train.dflash_method", "heads", None), ("layerskip", "train.layerskip_method", "exit", "decode")])
+def test_every_family_saves_through_save_drafter(tmp_path, monkeypatch, family, module, settings_key, decode_key):
+    """Each family's save hands its heads to train.method.save_drafter (one call, two for layer-skip's two exits),
+    and the heads folder's config.json carries the common keys, the settings and the decode settings under the key
+    decoding reads them from; it loads back with the target."""
+    import importlib
+    import json
+
+    import heads
+    from test_accumulation import _method
+    from train import method as method_module
+
+    calls = []
+
+    def spy(path, *args, **kwargs):
+        calls.append(Path(path))
+        return method_module.save_drafter(path, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module(module), "save_drafter", spy)
+    cfg, method = _method(family, tmp_path / "run")
+    cfg.trainer.max_steps = 1
+    if family == "layerskip":
+        cfg.exit.candidates = [1, 2]
+    target = tiny_target()
+    result = train(cfg, method, target=target, datasets=tiny_datasets())
+    assert result.heads_dir in calls and len(calls) == (2 if family == "layerskip" else 1)
+    saved = json.loads((result.heads_dir / "config.json").read_text())
+    assert SAVED_BY_EVERY_FAMILY <= saved.keys()
+    assert saved[settings_key] == dict(method.settings.__dict__) and saved["features"] == "online"
+    assert saved["head_type"] == {"medusa2": "medusa"}.get(family, family) and saved["steps"] == 1
+    assert (decode_key in saved) == (decode_key is not None)
+    assert (saved["adapter"] == "adapter") == (family == "medusa2")  # Medusa-2's LoRA, beside the heads
+    if family == "layerskip":
+        assert saved["decode"]["threshold"] == saved["exit_layers"][0]["threshold"]
+    assert heads.load(result.heads_dir, target=tiny_target()).module is not None

@@ -74,7 +74,7 @@ from core.runtime import rows_through
 from train.config import settings_from_cfg
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
-from train.method import TrainMethod, saved_state_and_extra, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 TOKEN_LOSSES = ("kl", "ce")
 LOSS_KEYS = ("token_loss", "gamma", "retrieved_weight", "retrieval_min_match", "off_path_weight")
@@ -293,9 +293,10 @@ class DFlashMethod(TrainMethod):
             else torch.ones_like(batch["input_ids"], dtype=torch.bool)
         return retrieval_hits(batch["input_ids"], valid, self.retrieval_min_match, RETRIEVAL_MAX_MATCH)
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
-        if "anchors" not in batch:  # called without count_items: the loss is this batch's weighted mean
-            batch["anchors"] = sample_anchors(batch["labels"], self.settings.anchors_per_sequence)
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
+        if "anchors" not in batch:
+            raise RuntimeError("DFlash draws a micro-batch's anchors in count_items (the step's normaliser): call "
+                               "count_items(batch) before compute_loss(batch, ...), as train.loop does.")
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
         weights = self._weights(batch, batch["anchors"], blocks.scored)
         top = self._teacher_top(blocks)
@@ -404,12 +405,11 @@ class DFlashMethod(TrainMethod):
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
-
+        """The block drafter as head type ``dflash``."""
         core = drafter.drafter if isinstance(drafter, DFlashTrainModule) else drafter
-        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
-                                             self.draft_vocab_coverage)
-        return save_heads(path, core, "dflash", core.config.to_dict(), target, extra, state_dict=state)
+        return save_drafter(path, core, "dflash", target, meta, settings=self.settings, features=self.features.kind,
+                            draft_vocab_coverage=self.draft_vocab_coverage,
+                            state_dict=state_under(state_dict, "drafter."))
 
 
 def target_greedy(model: nn.Module, rows: torch.Tensor) -> torch.Tensor:

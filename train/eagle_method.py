@@ -43,7 +43,7 @@ from core.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, saved_state_and_extra, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -109,15 +109,15 @@ class EagleTrainModule(nn.Module):
         self.drafter = drafter
         self.weights, self.unroll_steps, self.feature_noise = weights, unroll_steps, feature_noise
 
-    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, segment_ids=None,
-                position_ids=None, num_items=None):
-        """-> (loss, metrics); noise only in training mode; segment_ids / position_ids of a packed batch; num_items
-        the step's counts per unrolled step (None: the loss terms are this batch's means)."""
+    def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, num_items, segment_ids=None,
+                position_ids=None):
+        """-> (loss, metrics); noise only in training mode; num_items [unroll_steps] the step's counts per unrolled
+        step (heads.eagle_loss.drafter_loss); segment_ids / position_ids of a packed batch."""
         return drafter_loss(
-            self.drafter, hidden_states, target_logits, input_ids, labels, self.weights,
+            self.drafter, hidden_states, target_logits, input_ids, labels, self.weights, num_items,
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
             feature_noise=self.feature_noise if self.training else 0.0,
-            segment_ids=segment_ids, position_ids=position_ids, num_items=num_items,
+            segment_ids=segment_ids, position_ids=position_ids,
         )
 
 
@@ -186,12 +186,12 @@ class EagleMethod(TrainMethod):
         draft_labels = self._draft_vocab_of(batch["labels"])
         return step_counts(draft_labels, self.settings.unroll_steps, batch.get("segment_ids"))
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         hidden_states, logits = self._target_outputs(batch, target, layer_ids)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
-                                batch.get("segment_ids"), batch.get("position_ids"), num_items)
+                                num_items, batch.get("segment_ids"), batch.get("position_ids"))
         return loss, {k: v for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
 
     # --- evaluation ---------------------------------------------------------------------------------------------
@@ -205,8 +205,8 @@ class EagleMethod(TrainMethod):
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         for batch in loader:
             hidden_states, logits = self._target_outputs(batch, target, layer_ids)
-            loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"],
-                                    batch["attention_mask"], batch.get("segment_ids"), batch.get("position_ids"))
+            _, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
+                                 self.count_items(batch), batch.get("segment_ids"), batch.get("position_ids"))
             for j in range(steps):
                 n = metrics[f"count_{j}"]
                 token = float(metrics.get(f"token_{j}", 0.0)) \
@@ -228,10 +228,9 @@ class EagleMethod(TrainMethod):
     # --- saving -------------------------------------------------------------------------------------------------
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        from heads.io import save_heads
-
+        """The drafter as head type ``eagle`` / ``eagle3``, with its tree settings as decoding's defaults."""
         core = drafter.drafter if isinstance(drafter, EagleTrainModule) else drafter
-        state, extra = saved_state_and_extra(state_dict, "drafter.", meta, self.settings, self.features.kind,
-                                             self.draft_vocab_coverage)
-        extra["tree"] = dict(self.settings.tree)  # decoding defaults for these heads
-        return save_heads(path, core, core.variant, core.config.to_dict(), target, extra, state_dict=state)
+        return save_drafter(path, core, core.variant, target, meta, settings=self.settings,
+                            features=self.features.kind, draft_vocab_coverage=self.draft_vocab_coverage,
+                            decode=self.settings.tree,
+                            state_dict=state_under(state_dict, "drafter."))

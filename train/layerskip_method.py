@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from core.runtime import rows_through
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 
 @dataclass
@@ -234,12 +234,12 @@ class LayerSkipMethod(TrainMethod):
     def count_items(self, batch: dict) -> torch.Tensor:
         return exit_positions(batch["labels"]).sum().reshape(1)
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items=None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
+        """num_items [1]: the step's trained positions (:meth:`count_items`); every exit's KL sum is divided by it."""
         where = exit_positions(batch["labels"])
         states, teacher, _ = self._teacher(batch, target, where)
         logits, losses = drafter(states, teacher, where, batch["attention_mask"])
-        n = num_items.sum() if num_items is not None else where.sum().clamp(min=1)
-        loss = sum(losses.values()) / n
+        loss = sum(losses.values()) / num_items.sum()
         best = teacher.argmax(-1)
         metrics = {f"acc_exit{e}": (logits[e].argmax(-1) == best).float().mean().detach() if best.numel() else
                    torch.tensor(0.0) for e in logits}
@@ -326,23 +326,13 @@ class LayerSkipMethod(TrainMethod):
 
     def _save_exit(self, path: Path, core: ExitSet, row: dict, rows: list[dict], target, meta: dict,
                    state_dict: dict | None) -> Path:
-        from heads.io import save_heads
-
+        """The exit of ``row`` as head type ``layerskip``, with the ranking of every exit and its chosen threshold."""
         e = row["exit_layer"]
-        exit_module = core[e]
-        state = None
-        if state_dict is not None:
-            prefix = f"exits.exits.{e}."
-            state = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        extra = dict(meta)
-        extra["exit"] = asdict(self.settings)
-        extra["features"] = self.features.kind
-        extra["exit_layers"] = rows
-        extra["decode"] = {"threshold": row["threshold"], "max_depth": self.settings.max_depth}
-        if self.vocab_coverage is not None:
-            extra["draft_vocab_coverage"] = self.vocab_coverage
-        return save_heads(path, exit_module, "layerskip", exit_module.config.to_dict(), target, extra,
-                          state_dict=state)
+        return save_drafter(path, core[e], "layerskip", target, meta, settings=self.settings, settings_key="exit",
+                            features=self.features.kind, draft_vocab_coverage=self.vocab_coverage,
+                            extra={"exit_layers": rows},
+                            decode={"threshold": row["threshold"], "max_depth": self.settings.max_depth},
+                            state_dict=state_under(state_dict, f"exits.exits.{e}."))
 
 
 def report_table(rows: list[dict], stream) -> None:

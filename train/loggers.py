@@ -99,18 +99,16 @@ class LogWindow:
     tokens: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
-    counted: bool = False  # the losses are count-normalised (the method's count_items counts)
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def empty(cls, device: torch.device) -> "LogWindow":
         return cls(loss=torch.zeros((), device=device), tokens=torch.zeros((), device=device))
 
-    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, counted: bool, accum: int) -> None:
-        """One micro-batch of a step of ``accum``: per-micro-batch means are averaged over the step, count-normalised
-        losses (already a share of the step's mean) summed."""
-        self.counted = counted
-        self.loss += loss.detach().float() * (1 if counted else 1 / accum)
+    def add(self, loss: torch.Tensor, metrics: dict, tokens: torch.Tensor, accum: int) -> None:
+        """One micro-batch of a step of ``accum``: its loss, normalised by the step's count (already a share of the
+        step's mean on this rank), is summed; its metrics are averaged over the step."""
+        self.loss += loss.detach().float()
         for k, v in metrics.items():
             self.metrics[k] = self.metrics.get(k, 0) + torch.as_tensor(v).detach().float() / accum
         self.tokens += tokens
@@ -120,10 +118,9 @@ class LogWindow:
         self.started = time.perf_counter()
 
     def reduce(self, accelerator) -> tuple[dict[str, float], int]:
-        """(mean over the window, tokens over all ranks); the loss summed over ranks (count-normalised) or averaged
-        (per-batch means)."""
-        loss = accelerator.reduce(self.loss.clone(), reduction="sum")
-        loss = loss / self.steps if self.counted else loss / (self.steps * accelerator.num_processes)
+        """(mean over the window, tokens over all ranks); the loss summed over ranks (each rank's share of a step's
+        count-normalised loss)."""
+        loss = accelerator.reduce(self.loss.clone(), reduction="sum") / self.steps
         record = {"loss": loss.item()}
         for k, v in sorted(self.metrics.items()):
             record[k] = (accelerator.reduce(v.to(accelerator.device).clone(), reduction="mean") / self.steps).item()

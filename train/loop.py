@@ -19,11 +19,10 @@ resumed from it (``trainer.resume=true``, or a path) skips the consumed batches 
 same parameters as a run that was never stopped. Resuming with a larger ``trainer.max_steps`` trains on: the
 learning-rate schedule is rebuilt for the new length and goes on from the checkpoint's step.
 
-Loss normalisation. A method whose ``count_items(batch)`` counts (e.g. label tokens per head) gets the global count
-over the whole step (all micro-batches, all ranks) as ``num_items`` and returns ``loss_sum / num_items``; the loop
-undoes the averaging over micro-batches and ranks, so a step's gradient is that of the mean over every item of the
-global batch, whatever the split into ranks and micro-batches. Methods that count nothing (None, the default) return
-a per-micro-batch mean.
+Loss normalisation. Every method counts the items of a micro-batch (``count_items``, e.g. label tokens per head); the
+loop sums the counts over the whole step (all micro-batches, all ranks) and passes them as ``num_items``, the method
+returns ``loss_sum / num_items``, and the loop undoes accelerate's averaging over micro-batches and ranks, so a step's
+gradient is that of the mean over every item of the global batch, whatever the split into ranks and micro-batches.
 
 Device syncs. Losses and metrics stay on the device; the loop reads them once per optimizer step (the check that the
 step's losses are finite, before the backward that may update) and once per log line.
@@ -409,27 +408,26 @@ def _optimizer_step(run: _Run, micro: list[dict], window: LogWindow, step: int) 
     non-finite loss stops training before any update and costs one device sync per step."""
     accelerator, accum = run.accelerator, len(micro)
     num_items = _step_items(run, micro)
-    kwargs = {} if num_items is None else {"num_items": num_items}
     losses = []
     for i, batch in enumerate(micro):
         with accelerator.accumulate(run.drafter), accelerator.autocast():
-            loss, metrics = run.method.compute_loss(batch, run.target, run.drafter, **kwargs)
+            loss, metrics = run.method.compute_loss(batch, run.target, run.drafter, num_items=num_items)
             losses.append(loss.detach())
             if i == accum - 1:
                 _stop_if_not_finite(accelerator, torch.stack(losses), "loss", step, run.ckpt_dir)
             # num_items already normalises over the step: undo the mean over micro-batches and ranks.
-            accelerator.backward(loss * (accum * run.world) if num_items is not None else loss)
+            accelerator.backward(loss * (accum * run.world))
             if accelerator.sync_gradients:
                 _update(run, step)
-        window.add(loss, metrics, batch["attention_mask"].sum(), num_items is not None, accum)
+        window.add(loss, metrics, batch["attention_mask"].sum(), accum)
 
 
-def _step_items(run: _Run, micro: list[dict]) -> torch.Tensor | None:
-    """The method's item counts summed over the step's micro-batches and every rank (at least 1 each), or None when
-    its losses are per-micro-batch means (``count_items`` returns None)."""
+def _step_items(run: _Run, micro: list[dict]) -> torch.Tensor:
+    """The method's item counts summed over the step's micro-batches and every rank (at least 1 each)."""
     counts = [run.method.count_items(batch) for batch in micro]
-    if counts[0] is None:
-        return None
+    if not all(torch.is_tensor(c) for c in counts):
+        raise TypeError(f"{type(run.method).__name__}.count_items returned {counts[0]!r}, not a tensor: it counts the "
+                        "items a micro-batch's loss is a sum over (train/method.py:TrainMethod.count_items).")
     local = sum(c.to(run.accelerator.device, torch.float64) for c in counts)
     return run.accelerator.reduce(local, reduction="sum").clamp(min=1)
 

@@ -48,7 +48,7 @@ from train.config import settings_from_cfg
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.medusa_eval import eval_summary, medusa_eval_metrics
-from train.method import TrainMethod, unwrap
+from train.method import TrainMethod, save_drafter, state_under, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
@@ -163,16 +163,15 @@ def stored_teacher(batch: dict, head_index: torch.Tensor, num_heads: int, vocab_
 
 
 def heads_step_loss(head_logits: torch.Tensor, head_targets: torch.Tensor, loss_targets: torch.Tensor,
-                    teacher: torch.Tensor | None, num_items: torch.Tensor | None, decay: float
+                    teacher: torch.Tensor | None, num_items: torch.Tensor, decay: float
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The heads' loss of a micro-batch and its metrics. head_logits [K, N, V or V']; head_targets [K, N] target ids;
     loss_targets [K, N] the ids the loss reads (draft-vocabulary columns, -100 outside it); teacher [K, N, V'] or
-    None (cross-entropy); num_items [K] the step's global counts, or None (this micro-batch's own counts).
+    None (cross-entropy); num_items [K] the step's global counts (the heads' ``count_items`` over the step).
     The loss is sum_k decay**k * loss_sum_k / num_items_k."""
     num_heads = head_logits.shape[0]
     loss_sum, count = medusa_head_losses(head_logits, loss_targets, teacher)
-    denom = (num_items if num_items is not None else count).clamp(min=1).to(loss_sum.dtype)
-    loss = weighted_head_loss(loss_sum / denom, decay)
+    loss = weighted_head_loss(loss_sum / num_items.clamp(min=1).to(loss_sum.dtype), decay)
     metrics = {f"loss_head{k}": (loss_sum[k] / count[k].clamp(min=1)).detach() for k in range(num_heads)}
     labelled = (head_targets != IGNORE_INDEX).sum(-1)  # a token outside the draft vocabulary is a miss
     correct = ((head_logits.detach().argmax(-1) == loss_targets) & (loss_targets != IGNORE_INDEX)).sum(-1)
@@ -278,16 +277,11 @@ class MedusaMethod(TrainMethod):
 
     def _save_heads(self, path: Path, heads: MedusaHeads, target, meta: dict, heads_state: dict | None,
                     adapter: nn.Module | None = None, adapter_state: dict | None = None) -> Path:
-        from heads.io import save_heads
-
-        extra = dict(meta)
-        extra["eval"] = eval_summary(meta.get("eval", {}), self.settings.num_heads)
-        extra["heads"] = dict(self.settings.__dict__)
-        extra["features"] = self.features.kind
-        if self.draft_vocab_coverage is not None:
-            extra["draft_vocab_coverage"] = self.draft_vocab_coverage
-        return save_heads(path, heads, "medusa", heads.config.to_dict(), target, extra, adapter=adapter,
-                          state_dict=heads_state, adapter_state_dict=adapter_state)
+        """Medusa-1 and Medusa-2 heads (with Medusa-2's adapter) as head type ``medusa``."""
+        return save_drafter(path, heads, "medusa", target, meta, settings=self.settings, features=self.features.kind,
+                            draft_vocab_coverage=self.draft_vocab_coverage,
+                            eval_metrics=eval_summary(meta.get("eval", {}), self.settings.num_heads),
+                            state_dict=heads_state, adapter=adapter, adapter_state_dict=adapter_state)
 
 
 class Medusa1Method(MedusaMethod):
@@ -299,7 +293,7 @@ class Medusa1Method(MedusaMethod):
     def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
         return self._heads_forward(drafter, self._hidden(batch, target).flatten(0, 1)[head_index])
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
         head_index, head_targets, loss_targets = self._positions(batch)
         hidden = self._hidden(batch, target)  # [B, T, H]
         head_logits = self._heads_forward(drafter, hidden.flatten(0, 1)[head_index])
@@ -392,7 +386,8 @@ class Medusa2Method(MedusaMethod):
     def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
         return self._forward(batch, drafter, head_index)[0]
 
-    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor | None = None):
+    def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
+        """num_items [K + 1]: the heads' counts, then the target loss's (:meth:`count_items`)."""
         s = self.settings
         head_index, head_targets, loss_targets = self._positions(batch)
         head_logits, lm_logits = self._forward(batch, drafter, head_index)
@@ -402,7 +397,7 @@ class Medusa2Method(MedusaMethod):
             columns = base[:, self.token_map.to(base.device)] if self.reduced else base
             teacher = head_rows(columns, head_index, s.num_heads)
         heads_loss, metrics = heads_step_loss(head_logits, head_targets, loss_targets, teacher,
-                                              None if num_items is None else num_items[: s.num_heads], s.decay)
+                                              num_items[: s.num_heads], s.decay)
         lm_index, lm_targets = lm_positions(batch["labels"])
         if s.target_loss == "lm":
             lm_sum = F.cross_entropy(lm_logits.float(), lm_targets, reduction="sum")
@@ -410,7 +405,7 @@ class Medusa2Method(MedusaMethod):
             lm_sum = F.kl_div(F.log_softmax(lm_logits.float(), -1), F.log_softmax(base[lm_index].float(), -1),
                               log_target=True, reduction="sum")
         lm_count = torch.as_tensor(lm_targets.numel(), device=lm_logits.device)
-        lm_denom = (num_items[-1] if num_items is not None else lm_count).clamp(min=1).to(lm_sum.dtype)
+        lm_denom = num_items[-1].clamp(min=1).to(lm_sum.dtype)
         metrics["loss_target"] = (lm_sum / lm_count.clamp(min=1)).detach()
         metrics["loss_heads"] = heads_loss.detach()
         return s.target_loss_weight * lm_sum / lm_denom + s.heads_loss_weight * heads_loss, metrics
@@ -432,11 +427,8 @@ class Medusa2Method(MedusaMethod):
             return causal_lm.get_output_embeddings()(hidden)
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
-        heads_state = adapter_state = None
-        if state_dict is not None:
-            heads_state = {k[len("heads."):]: v for k, v in state_dict.items() if k.startswith("heads.")}
-            adapter_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
-        return self._save_heads(path, drafter.heads, target, meta, heads_state, drafter.target, adapter_state)
+        return self._save_heads(path, drafter.heads, target, meta, state_under(state_dict, "heads."), drafter.target,
+                                state_under(state_dict, "target."))
 
 
 METHODS: dict[str, type[MedusaMethod]] = {"medusa": Medusa1Method, "medusa2": Medusa2Method}

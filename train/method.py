@@ -1,8 +1,8 @@
 """What a drafter family supplies to the shared training loop (:func:`train.loop.train`): one :class:`TrainMethod`.
 
-The whole contract is this class. Four methods are required (``build_drafter``, ``compute_loss``, ``evaluate``,
-``save``) plus a ``name``; every optional capability is declared here with its default, so a family overrides only
-what it offers and the loop calls each member directly:
+The whole contract is this class. Five methods are required (``build_drafter``, ``count_items``, ``compute_loss``,
+``evaluate``, ``save``; a subclass that lacks one cannot be instantiated) plus a ``name``; every optional capability
+is declared here with its default, so a family overrides only what it offers and the loop calls each member directly:
 
 =====================  ==================================================================================
 capability             default
@@ -11,12 +11,20 @@ capability             default
 ``supports_packing``   False: ``trainer.packing=true`` is refused
 ``prepare_data``       the splits and the collate function unchanged
 ``param_groups``       one group: every trainable parameter of the drafter
-``count_items``        None: ``compute_loss`` returns a per-micro-batch mean
 =====================  ==================================================================================
+
+One normalisation rule: a loss is a sum over the items a micro-batch trains on divided by ``num_items``, their count
+over the whole optimizer step (``count_items`` summed over the step's micro-batches and every rank), so how a step is
+split into micro-batches and processes does not change its gradient. Every family's loss function takes ``num_items``
+as a required argument; none falls back to a micro-batch's own count.
+
+One save path: a family's ``save`` hands its module and what it chose to :func:`save_drafter`, which builds the
+metadata every heads folder carries and calls heads.io.save_heads.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -24,8 +32,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from core.families import FAMILIES
 
-class TrainMethod:
+
+class TrainMethod(ABC):
     """A drafter family's training: what is trained and how its loss, evaluation and save go.
 
     ``name`` (e.g. "medusa") names the method in logs and in the saved heads' metadata; a subclass sets it as a class
@@ -44,28 +54,37 @@ class TrainMethod:
 
     # --- required -------------------------------------------------------------------------------------------------
 
+    @abstractmethod
     def build_drafter(self, target: Any) -> nn.Module:
         """The module whose trainable parameters are optimised (it may hold the target, e.g. with LoRA); its forward
         is what ``compute_loss`` calls, so that DDP syncs its gradients. Called after ``prepare_data``."""
-        raise NotImplementedError
 
-    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor | None = None
+    @abstractmethod
+    def count_items(self, batch: dict) -> torch.Tensor:
+        """The items this micro-batch's loss is a sum over, a tensor of any shape (e.g. label positions per head).
+
+        The loop sums the counts over the step's micro-batches and ranks (elementwise, at least 1 each), passes them
+        to ``compute_loss`` as ``num_items``, and undoes accelerate's averaging over micro-batches and ranks, so a
+        step's gradient is that of the mean over every item of the global batch, whatever the split. Called on each
+        micro-batch of a step before its ``compute_loss``."""
+
+    @abstractmethod
+    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, metrics) of one micro-batch on the device; metrics map a name to a scalar tensor, logged averaged
-        over the step. ``num_items`` is passed only to a method whose ``count_items`` counts: the global count over
-        the step (all micro-batches, all ranks, summed elementwise), and the loss is then ``loss_sum / num_items``.
-        Otherwise the loss is this micro-batch's mean."""
-        raise NotImplementedError
+        over the step. ``num_items``: the step's global count (see ``count_items``); the loss is this micro-batch's
+        ``loss_sum / num_items``."""
 
+    @abstractmethod
     def evaluate(self, loader: Any, target: Any, drafter: nn.Module, accelerator: Any) -> dict[str, float]:
         """Metrics over the whole (sharded) eval loader, reduced over ranks; the keys are logged as they are. Runs
         under ``torch.no_grad`` and the accelerator's autocast, with the drafter in eval mode."""
-        raise NotImplementedError
 
+    @abstractmethod
     def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
-        """Write the trained drafter to ``path`` (main process only) and return the folder. ``drafter`` is unwrapped,
-        ``state_dict`` its full state gathered from every rank, ``meta`` what the run was (steps, data, trainer)."""
-        raise NotImplementedError
+        """Write the trained drafter to ``path`` (main process only) through :func:`save_drafter` and return the
+        folder. ``drafter`` is unwrapped, ``state_dict`` its full state gathered from every rank, ``meta`` what the
+        run was (run name, steps, data, trainer, eval metrics)."""
 
     # --- optional, with their defaults ----------------------------------------------------------------------------
 
@@ -81,15 +100,6 @@ class TrainMethod:
         ``trainer.learning_rate``. By default one group of every trainable parameter."""
         return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
 
-    def count_items(self, batch: dict) -> torch.Tensor | None:
-        """The items this micro-batch's loss is a sum over (any shape, e.g. label positions per head), or None.
-
-        A count makes the loss normalised over the whole step: the loop sums the counts over the step's micro-batches
-        and ranks, passes them to ``compute_loss`` as ``num_items``, and undoes accelerate's averaging over
-        micro-batches and ranks, so a step's gradient is that of the mean over every item of the global batch,
-        whatever the split. None (the default, for every batch): the loss is a per-micro-batch mean."""
-        return None
-
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
@@ -98,21 +108,47 @@ def unwrap(module: nn.Module) -> nn.Module:
     return extract_model_from_parallel(module)
 
 
-def saved_state_and_extra(state_dict: dict | None, prefix: str, meta: dict, settings: Any, features: str,
-                          draft_vocab_coverage: float | None) -> tuple[dict | None, dict]:
-    """What a family's ``save`` passes to heads.io.save_heads besides the module: the entries of the gathered
-    ``state_dict`` of its training module under ``prefix`` (e.g. "drafter."), renamed without it (None: None), and
-    the metadata of the run: ``meta``, the heads settings (a dataclass), the feature source, the draft vocabulary's
-    coverage if one was counted."""
-    state = None
-    if state_dict is not None:
-        state = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    extra = dict(meta)
-    extra["heads"] = asdict(settings)
-    extra["features"] = features
+def state_under(state_dict: dict | None, prefix: str) -> dict | None:
+    """The entries of a gathered ``state_dict`` under ``prefix`` (e.g. "drafter."), renamed without it (None: None):
+    the state of one submodule of the module the loop trained."""
+    if state_dict is None:
+        return None
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def save_drafter(path: Path, module: nn.Module, head_type: str, target: Any, meta: dict, *, settings: Any,
+                 features: str, draft_vocab_coverage: float | None, settings_key: str = "heads",
+                 eval_metrics: dict | None = None, extra: dict | None = None, decode: dict | None = None,
+                 state_dict: dict | None = None, adapter: nn.Module | None = None,
+                 adapter_state_dict: dict | None = None) -> Path:
+    """Every family's save: ``module`` into the heads folder ``path`` through heads.io.save_heads, as head type
+    ``head_type`` with its ``module.config.to_dict()``, and the metadata of the run in config.json:
+
+    - ``meta`` (run name, method, steps, tokens, data, trainer; from the loop), its ``eval`` replaced by
+      ``eval_metrics`` when the family summarises them (Medusa);
+    - ``settings`` (the family's settings dataclass) under ``settings_key`` ("heads"; layer-skip's "exit");
+    - ``features`` (the feature source: online | store), and ``draft_vocab_coverage`` when a draft vocabulary was
+      counted;
+    - ``extra``: the family's own keys (layer-skip's exit ranking);
+    - ``decode``: the decode settings training chose for these heads, under the family's ``saved_key``
+      (core/families.py), the key decoding reads them from ("decode", EAGLE's "tree").
+
+    ``state_dict`` / ``adapter`` / ``adapter_state_dict`` go to save_heads as they are (gathered weights, Medusa-2's
+    LoRA)."""
+    from heads.io import save_heads
+
+    saved = dict(meta)
+    if eval_metrics is not None:
+        saved["eval"] = eval_metrics
+    saved[settings_key] = asdict(settings)
+    saved["features"] = features
     if draft_vocab_coverage is not None:
-        extra["draft_vocab_coverage"] = draft_vocab_coverage
-    return state, extra
+        saved["draft_vocab_coverage"] = draft_vocab_coverage
+    saved.update(extra or {})
+    if decode is not None:
+        saved[FAMILIES[head_type].saved_key] = dict(decode)
+    return save_heads(path, module, head_type, module.config.to_dict(), target, saved, adapter=adapter,
+                      state_dict=state_dict, adapter_state_dict=adapter_state_dict)
 
 
-__all__ = ["TrainMethod", "saved_state_and_extra", "unwrap"]
+__all__ = ["TrainMethod", "save_drafter", "state_under", "unwrap"]

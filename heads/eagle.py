@@ -33,7 +33,7 @@ embedding and the feature into it (``EagleConfig.layout``):
     residual stream is the feature itself: ``h = feature + attn(...)``, ``out = h + mlp(post_attention_layernorm(h))``
     (the layer's own input norm is dropped: ``embed_norm`` and ``feature_norm`` take its place). Weights map one to
     one onto those implementations' checkpoints (:mod:`heads.export`). Not the default: with the same steps it has
-    learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/benchmarks.md; the tests' tiny
+    learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/journal/; the tests' tiny
     models likewise), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
 Used, not owned: the target's token embedding, its rotary embedding and (``eagle``) its LM head are reached through

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 # A process's first WARMUP_STEPS steps are left out of the pace (its allocator, caches and the feature store's first
 # reads from disk make them slow: the first 50 of the DFlash hour recipe ran at 6,485 tokens/s, the next 150 at
-# 7,980, the whole run at 7,726, docs/benchmarks.md); the next PROBE_STEPS steps size the run (~40 s of that recipe).
+# 7,980, the whole run at 7,726, docs/journal/); the next PROBE_STEPS steps size the run (~40 s of that recipe).
 WARMUP_STEPS = 50
 PROBE_STEPS = 100
 

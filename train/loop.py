@@ -72,7 +72,7 @@ from train.method import TrainMethod
 
 # Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
 # more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
-# memory stayed flat (docs/benchmarks.md).
+# memory stayed flat (docs/journal/).
 RELEASE_HELD_EVERY = 25
 
 

@@ -155,13 +155,13 @@ def build_decoder(target: Target, drafter: Drafter, settings: dict, kernel: str,
                   eos_token_ids: list[int] | None = None) -> SpeculativeDecoder:
     """The engine for ``drafter`` under its settings (a family without a setting has it off): adaptive depth if
     ``adaptive``; with ``suffix``, the drafter and the suffix drafter merged into one tree per step
-    (decode/hybrid.py:build_hybrid; the hybrid then applies the depth policy to the drafter's part)."""
+    (decode/hybrid.py:build_hybrid), the engine's depth policy then applied to the drafter's part."""
     policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share, drafter)
               if settings.get("adaptive") else None)
     if settings.get("suffix"):
         from decode.hybrid import build_hybrid
 
-        drafter, policy = build_hybrid(target, drafter, settings, policy), None
+        drafter = build_hybrid(target, drafter, settings)
     return SpeculativeDecoder(target.model, drafter, eos_token_ids=eos_token_ids, decode=target.tokenizer.decode,
                               linear_kernel=kernel, depth_policy=policy)
 

@@ -265,15 +265,30 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @dataclass
 class CheckSettings:
-    k: int | str = "auto"  # tokens vLLM drafts per step (num_speculative_tokens); auto: :func:`requested_depth`
-    max_new_tokens: int = 64
-    venv: str | None = None
-    model: Any = None  # the target (a name in conf/model/, a folder); None: the one the heads record
-    out: str | None = None  # where the exports go (None: a temporary folder)
-    warmup: bool = True  # decode one prompt first in every engine, not reported
-    timeout: float | None = 1800.0
-    tolerance: float = 0.01  # per-position acceptance rates may differ by this much (serve_check.py's aim)
-    vocab: str = "auto"  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+    """The serving check's settings: conf/decode/serve_check.yaml describes them and writes their defaults, the only
+    place they are written (:meth:`from_config`)."""
+
+    k: int | str  # tokens vLLM drafts per step (num_speculative_tokens); auto: :func:`requested_depth`
+    max_new_tokens: int
+    venv: str | None  # vLLM's venv (None: $SELFSPEC_VLLM_VENV, else .venv-vllm)
+    model: Any  # the target (a name in conf/model/, a folder); None: the one the heads record
+    out: str | None  # where the exports go (None: a temporary folder)
+    warmup: bool  # decode one prompt first in every engine, not reported
+    timeout: float | None  # seconds vLLM may take for all its runs
+    tolerance: float  # per-position acceptance rates may differ by this much (serve_check.py's aim)
+    vocab: str  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "CheckSettings":
+        """The settings of a composed conf/decode/serve_check.yaml."""
+        from decode.pipeline import required
+
+        c = required(cfg, ("k", "max_new_tokens", "model", "out", "warmup", "tolerance", "vocab", "serving"))
+        serving = required(c["serving"], ("vllm_venv", "timeout"))
+        return cls(k=c["k"], max_new_tokens=int(c["max_new_tokens"]), venv=serving["vllm_venv"], model=c["model"],
+                   out=None if c["out"] is None else str(c["out"]), warmup=bool(c["warmup"]),
+                   timeout=None if serving["timeout"] is None else float(serving["timeout"]),
+                   tolerance=float(c["tolerance"]), vocab=str(c["vocab"]))
 
 
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
@@ -350,15 +365,14 @@ def served_depth(meta: dict, k: int) -> int:
     return k
 
 
-def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,
-                settings: CheckSettings | None = None, progress: bool = True) -> dict:
+def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None, *,
+                settings: CheckSettings, progress: bool = True) -> dict:
     """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
     the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
     (see :func:`format_report`)."""
     from heads.export import export_heads
     from heads.io import heads_dir, read_heads_config
 
-    settings = settings or CheckSettings()
     heads_path = heads_dir(str(heads_path))
     meta = read_heads_config(heads_path)
     head_type = meta["head_type"]

@@ -43,9 +43,7 @@ def run_check(cfg) -> dict:
     vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
     questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
     out = Path(str(cfg.out))
-    settings = CheckSettings(k=cfg.k, max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,
-                             model=to_plain(cfg.get("model")), out=str(out), timeout=float(cfg.serving.timeout),
-                             tolerance=float(cfg.tolerance), vocab=str(cfg.vocab))
+    settings = CheckSettings.from_config(cfg)
     report = serve_check(str(cfg.heads), [q["turns"][0] for q in questions], formats=to_plain(cfg.formats),
                          settings=settings)
     text = format_report(report)

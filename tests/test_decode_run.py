@@ -187,7 +187,7 @@ def test_tree_sweep_script(tmp_path, capsys):
 
     session = load_session(compose("decode", ["model=tiny", "drafter=eagle"]))
     hybrid = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True)["eagle 2:1:2"]
-    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.drafter.policy is not None
+    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.depth_policy is not None
     assert (hybrid.drafter.inner.top_k, hybrid.drafter.inner.total_tokens) == (1, 2)
     alone = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True, draft={"suffix": False})["eagle 2:1:2"]
     assert not isinstance(alone.drafter, HybridDrafter) and alone.depth_policy is not None

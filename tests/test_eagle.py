@@ -590,7 +590,7 @@ def test_tree_settings_bound_the_tree(tiny_llama):
     assert all(n == min(6, 1 + 2 + 2 * 2 * 2) and d <= min(3, budget) for n, d, budget in seen if budget >= 3)
     assert any(budget < 3 and d <= budget for n, d, budget in seen)  # cut to the token budget at the end
     with pytest.raises(ValueError, match="top_k >= 1"):
-        EagleTreeDrafter(make(model, "eagle"), top_k=0)
+        EagleTreeDrafter(make(model, "eagle"), depth=5, top_k=0, total_tokens=48)
 
 
 SAMPLING = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)

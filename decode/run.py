@@ -35,7 +35,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == _ROOT / "decode":
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from decode.pipeline import run  # noqa: E402
+from decode.cli import run  # noqa: E402
 from core.errors import reported_errors  # noqa: E402
 
 

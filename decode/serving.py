@@ -281,7 +281,7 @@ class CheckSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> "CheckSettings":
         """The settings of a composed conf/decode/serve_check.yaml."""
-        from decode.pipeline import required
+        from decode.settings import required
 
         c = required(cfg, ("k", "max_new_tokens", "model", "out", "warmup", "tolerance", "vocab", "serving"))
         serving = required(c["serving"], ("vllm_venv", "timeout"))
@@ -294,8 +294,8 @@ class CheckSettings:
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
     """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
     Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
-    from decode import registry
-    from decode.pipeline import build_decoder, decode_config, load_session
+    from decode.session import load_session
+    from decode.settings import decode_config
     from heads.export import medusa_vocab
 
     base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
@@ -306,13 +306,8 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
         vocab = medusa_vocab(chain.heads, settings.vocab)
         if vocab == "full" and chain.heads.token_map is not None:
             chain.heads.token_map = None  # as vLLM will draft: argmax over the target's whole LM head
-            entry = registry.entry(head_type)
-            chain.decoder = build_decoder(chain.target, entry.build(chain.heads, chain.target, chain.draft_settings),
-                                          chain.draft_settings, "auto")
-    vanilla = registry.entry("vanilla")
-    plain = build_decoder(chain.target, vanilla.build(None, chain.target, vanilla.settings()), vanilla.settings(),
-                          "auto")
-    return chain, plain, vocab
+            chain.decoder = chain.decoder_for()
+    return chain, chain.decoder_for("vanilla"), vocab
 
 
 AUTO_DEPTH = 3  # what k=auto asks of heads that draft any depth (EAGLE-3); scripts/bench.py's vLLM proposers draft 3
@@ -381,7 +376,7 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
     if prompts and isinstance(prompts[0], str):
-        from decode.pipeline import prompt_ids
+        from decode.prompts import prompt_ids
 
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
@@ -425,19 +420,21 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
 def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]]) -> list[dict]:
     """Per prompt: HF generate's tokens and time, selfspec's plain decoding, selfspec's chain of k (the steps vLLM
     runs counted as vLLM counts them)."""
+    import dataclasses
+
     import torch
 
-    from decode.pipeline import hf_generate
+    from decode.session import hf_generate
 
     n, k = settings.max_new_tokens, settings.k
-    chain.settings["max_new_tokens"] = n
+    answer_settings = dataclasses.replace(chain.settings, max_new_tokens=n)
     with torch.no_grad():
         for ids in warmup:
             plain.generate(ids, max_new_tokens=n)
             chain.decoder.generate(ids, max_new_tokens=n + k)
         rows = []
         for ids in prompts:
-            hf_tokens, hf_s = hf_generate(chain, ids)
+            hf_tokens, hf_s = hf_generate(chain, ids, answer_settings)
             p = plain.generate(ids, max_new_tokens=n)
             c = chain.decoder.generate(ids, max_new_tokens=n + k)
             st = c.stats

@@ -29,14 +29,14 @@ def run_export(cfg) -> dict:
     """Export as ``cfg`` (conf/export.yaml) says; returns {"out", "format", "url"}."""
     import torch
 
-    from decode.pipeline import resolve_target_config
+    from decode.settings import resolve_target_config
     from heads.export import export_heads, push_to_hub
     from heads.io import heads_dir, read_heads_config
     from core.target import load_target
 
     heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)
-    model_cfg = resolve_target_config({"model": cfg.get("model"), "device": cfg.get("device")}, meta)
+    model_cfg = resolve_target_config(cfg.get("model"), meta, device=cfg.get("device"))
     target = load_target(model_cfg)
     dtype = getattr(torch, str(cfg.dtype)) if cfg.get("dtype") else None
     fmt = str(cfg.format)

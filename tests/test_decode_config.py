@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, compose
 from decode import registry
-from decode.pipeline import SESSION_KEYS, load_session
+from decode.session import load_session
+from decode.settings import SESSION_KEYS, DecodeSettings
 from decode.types import DecodeSetupError
 
 
@@ -63,7 +64,7 @@ def test_the_constructors_the_registry_builds_write_no_default_of_a_conf_setting
 def test_a_hybrid_s_node_budget_is_the_conf_setting():
     session = load_session(compose("decode", ["model=tiny"]))
     assert session.decoder.drafter.max_nodes == registry.defaults_of("hybrid")["merged_nodes"]
-    smaller = load_session(compose("decode", ["model=tiny", "draft.merged_nodes=5"])).decoder
+    smaller = session.decoder_for(draft={"merged_nodes": 5})
     assert smaller.drafter.max_nodes == 5
 
 
@@ -82,11 +83,26 @@ def test_the_serve_check_s_settings_are_serve_check_yaml_s():
         CheckSettings.from_config(partial)
 
 
+def test_a_training_run_s_speed_check_reads_its_config():
+    from core.errors import SettingError
+    from train.speed_check import after_training, speed_check
+
+    assert all(p.default is inspect.Parameter.empty
+               for name, p in inspect.signature(speed_check).parameters.items() if name != "out")
+    cfg = compose("medusa", ["experiment=debug"])
+    assert cfg.speed_check.max_new_tokens > 0
+    with pytest.raises(SettingError, match=r"Missing speed_check option\(s\) \['max_new_tokens'\]"):
+        after_training(OmegaConf.create({"speed_check": {"prompts": 1}}), "nowhere")
+
+
 def test_a_session_reads_decode_yaml_and_names_a_missing_key():
     yaml = OmegaConf.load(CONF / "decode" / "decode.yaml")
     session = load_session(compose("decode", ["model=tiny", "heads=null"]))
-    assert session.settings == {"max_new_tokens": yaml.max_new_tokens, "stop": list(yaml.stop), "seed": yaml.seed,
-                                "chat": yaml.chat, "system_prompt": yaml.system_prompt}
+    settings = session.settings
+    assert isinstance(settings, DecodeSettings)
+    assert (settings.max_new_tokens, settings.stop, settings.seed, settings.chat, settings.system_prompt) == (
+        yaml.max_new_tokens, list(yaml.stop), yaml.seed, yaml.chat, yaml.system_prompt)
+    assert (settings.heads, settings.family, settings.draft) == (None, None, {})  # draft.*: null keeps the defaults
     s = session.sampling
     assert (s.acceptance, s.temperature, s.top_k, s.top_p) == (yaml.acceptance, yaml.temperature, yaml.top_k,
                                                                yaml.top_p)

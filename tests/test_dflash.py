@@ -354,7 +354,7 @@ def test_the_heads_folder_round_trip_decodes_identically(trained, tmp_path):
 
 def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     from conftest import compose
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from heads.io import save_heads
 
     target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
@@ -362,7 +362,7 @@ def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     save_heads(tmp_path / "heads", heads, "dflash", heads.config.to_dict(), target)
     args = ["max_new_tokens=12", f"heads={tmp_path / 'heads'}"]
     session = load_session(compose("decode", args))
-    assert session.drafter == "dflash" and isinstance(session.decoder.drafter, HybridDrafter)
+    assert session.family == "dflash" and isinstance(session.decoder.drafter, HybridDrafter)
     assert isinstance(session.decoder.drafter.inner, DFlashBlockDrafter) and session.decoder.depth_policy is not None
     alone = load_session(compose("decode", args + ["draft.suffix=false", "draft.top_k=2", "draft.adaptive=false",
                                                    "draft.dtype=float32"]))

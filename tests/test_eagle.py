@@ -793,7 +793,8 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from decode.pipeline import DecodeSetupError, load_session
+    from decode.session import load_session
+    from decode.types import DecodeSetupError
     from heads.io import save_heads
     from train.eagle_method import EagleMethod
     from train.loop import train

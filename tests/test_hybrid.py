@@ -248,7 +248,7 @@ def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
 def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_suffix_false(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "draft.tree=small_16", "max_new_tokens=12"]))
     drafter = session.decoder.drafter

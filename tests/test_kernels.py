@@ -191,7 +191,7 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     import kernel_plan
 
     import decode.kernels as kernels
-    from decode.pipeline import model_config
+    from decode.settings import model_config
     from core.target import load_target
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))

@@ -118,7 +118,7 @@ def test_bad_exit_layers_and_architectures_are_refused(tiny_llama):
 def test_decode_run_drafts_with_the_target_own_first_layers():
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "drafter=layerskip", "draft.exit_layer=1",
                                               "draft.threshold=0.0", "max_new_tokens=12"]))

@@ -282,7 +282,7 @@ def test_bad_exit_settings_are_refused_clearly(tmp_path):
 def test_decode_session_drafts_with_a_trained_exit_folder(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from heads.io import save_heads
 
     target = tiny_run_target()

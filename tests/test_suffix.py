@@ -269,7 +269,8 @@ def test_corpus_files_are_read_and_cached(tmp_path, tiny_llama, monkeypatch):
 def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import DecodeSetupError, load_session
+    from decode.session import load_session
+    from decode.types import DecodeSetupError
 
     session = load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=4", "max_new_tokens=12"]))
     assert isinstance(session.decoder.drafter, SuffixDrafter) and session.heads is None

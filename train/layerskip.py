@@ -39,7 +39,7 @@ from train.loop import train  # noqa: E402
 def main(cfg: DictConfig) -> None:
     with reported_errors():
         result = train(cfg, LayerSkipMethod(cfg))
-        from decode.pipeline import after_training
+        from train.speed_check import after_training
 
         after_training(cfg, result.heads_dir)
 

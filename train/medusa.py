@@ -38,7 +38,7 @@ from train.medusa_method import medusa_method  # noqa: E402
 def main(cfg: DictConfig) -> None:
     with reported_errors():
         result = train(cfg, medusa_method(cfg))  # Medusa-1 or Medusa-2, by heads.type
-        from decode.pipeline import after_training
+        from train.speed_check import after_training
 
         after_training(cfg, result.heads_dir)
 

@@ -18,7 +18,8 @@ from decode.engine import prefill
 from decode.hybrid import HybridDrafter
 from decode.kernels import decoding_kernels
 from decode.layerskip import LayerSkipDrafter
-from decode.pipeline import Session, required
+from decode.session import Session
+from decode.settings import required
 from decode.step import tree_forward
 from decode.types import Drafter, root_only
 

@@ -60,13 +60,13 @@ def run_export(cfg) -> dict:
     import torch
 
     from core.target import load_target
-    from decode.pipeline import resolve_target_config
+    from decode.settings import resolve_target_config
     from heads.export import export_heads, push_to_hub, resolve_format
     from heads.io import heads_dir, read_heads_config
 
     heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)
-    model_cfg = resolve_target_config({"model": cfg.get("model"), "device": cfg.get("device")}, meta)
+    model_cfg = resolve_target_config(cfg.get("model"), meta, device=cfg.get("device"))
     target = load_target(model_cfg)
     dtype = getattr(torch, str(cfg.dtype)) if cfg.get("dtype") else None
     fmt = resolve_format(str(cfg.format), meta["head_type"], meta.get("head_config", {}))
@@ -112,9 +112,7 @@ def run_check(cfg) -> dict:
     vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
     questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
     out = Path(str(cfg.out))
-    settings = CheckSettings(k=cfg.k, max_new_tokens=int(cfg.max_new_tokens), venv=cfg.serving.vllm_venv,
-                             model=to_plain(cfg.get("model")), out=str(out), timeout=float(cfg.serving.timeout),
-                             tolerance=float(cfg.tolerance), vocab=str(cfg.vocab))
+    settings = CheckSettings.from_config(cfg)
     report = serve_check(str(cfg.heads), [q["turns"][0] for q in questions], formats=to_plain(cfg.formats),
                          settings=settings)
     text = format_report(report)

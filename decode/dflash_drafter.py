@@ -201,7 +201,7 @@ class DFlashBlockDrafter(DrafterBase):
     with the first position's ``top_k - 1`` next tokens as siblings of the chain's first node. ``dtype``: the decode
     form's (:func:`draft_dtype`; None: the module's own)."""
 
-    def __init__(self, heads: DFlashDrafter, top_k: int = 1, dtype: torch.dtype | None = None):
+    def __init__(self, heads: DFlashDrafter, top_k: int, dtype: torch.dtype | None = None):
         if not isinstance(heads, DFlashDrafter):
             raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (heads.dflash.DFlashDrafter), got "
                             f"{type(heads).__name__}.")

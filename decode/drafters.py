@@ -78,7 +78,7 @@ class MedusaDrafter(DrafterBase):
     name in conf/trees/, ``chain``, ``chain-K`` or ``single``. Its depth must not exceed the number of heads.
     """
 
-    def __init__(self, heads: MedusaHeads, tree: "str | Tree | Sequence[Sequence[int]]" = "auto"):
+    def __init__(self, heads: MedusaHeads, tree: "str | Tree | Sequence[Sequence[int]]"):
         self.heads = heads.eval()
         device = next(heads.parameters()).device
         self.tree = load_tree(medusa_tree(tree, device), num_heads=heads.config.num_heads)

@@ -38,9 +38,7 @@ class EagleTreeDrafter(DrafterBase):
     """EAGLE-2 dynamic trees: ``depth`` levels, ``top_k`` children per expanded node and ``top_k`` nodes expanded
     per level, the ``total_tokens`` best drafted nodes verified (plus the root)."""
 
-    draft_forward_per_level = True  # one draft forward per tree level
-
-    def __init__(self, heads: EagleDrafter, depth: int = 5, top_k: int = 8, total_tokens: int = 48):
+    def __init__(self, heads: EagleDrafter, depth: int, top_k: int, total_tokens: int):
         if depth < 0 or top_k < 1 or total_tokens < 0:
             raise SettingError(f"EAGLE tree needs depth >= 0, top_k >= 1, total_tokens >= 0 "
                              f"(got depth={depth}, top_k={top_k}, total_tokens={total_tokens}).")

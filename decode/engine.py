@@ -33,7 +33,7 @@ from decode.attention import GQA_SDPA
 from decode.cache import commit_kv, new_cache
 from decode.greedy_head import GreedyHead, greedy_head
 from decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
-from decode.step import DepthControl, synchronize, tree_forward
+from decode.step import DepthControl, StepClock, synchronize, tree_forward
 from decode.tree import Tree, single_node_tree
 from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
 from decode.verify import Sampling, Verdict, verify
@@ -236,20 +236,6 @@ def settle(state: DecodeState, emitted: list[int], rule: StopRule) -> tuple[Deco
 # --- the engine -----------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepClock:
-    """Wall-clock readings within a step; ``sync``: each after the device's queued work, for an honest split between
-    drafting and verifying (a GPU waits at each, so only when timings are asked for or a depth policy reads them)."""
-
-    device: torch.device
-    sync: bool
-
-    def __call__(self) -> float:
-        if self.sync:
-            synchronize(self.device)
-        return time.perf_counter()
-
-
 def default_eos_ids(model: torch.nn.Module) -> frozenset[int]:
     """EOS ids the target's generation config names (what HF generate stops on)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -270,6 +256,8 @@ class SpeculativeDecoder:
     in another dtype, as its plan for them says: :func:`decode.linear_kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
+    The engine applies it to every draft, or hands it to a drafter that applies it to a part of its draft
+    (``drafter.depth_control``: a hybrid, to its trained drafter's part), with the step's clock either way.
     ``greedy_head``: with the small-batch kernels and greedy acceptance, the engine's tree forward reads the LM head
     in bfloat16 with the float32 argmax kept exactly, where that is faster on this machine
     (decode/greedy_head.py); False: the model's own head always.
@@ -363,6 +351,7 @@ class SpeculativeDecoder:
         rule = StopRule(max_new_tokens, context_limit(self.model), self.eos_token_ids, tuple(stop), self.decode)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         stats = DecodeStats(prompt_tokens=len(ids))
+        control = self.drafter.depth_control(DepthControl(self.depth_policy, clock))
 
         synchronize(self.device)
         t_start = time.perf_counter()
@@ -376,7 +365,6 @@ class SpeculativeDecoder:
         if on_tokens and kept:
             on_tokens(kept)
 
-        control = DepthControl(self.depth_policy)
         fits = head is not None and head.fits(self.model, out.hidden[-1:], out.logits)  # logits = lm_head(h)?
         verify_forward = self._verify_forward(head if fits else None)
         while not state.done:

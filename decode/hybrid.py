@@ -3,13 +3,14 @@
 Each step (:class:`HybridDrafter`):
 
 1. the suffix drafter (decode/suffix.py) ranks its candidates; the trained drafter (Medusa, EAGLE, DFlash, ...)
-   drafts as deep as its adaptive depth policy says pays beside the nodes the suffix would verify alone
+   drafts as deep as the engine's adaptive depth policy says pays beside the nodes the suffix would verify alone
    (:class:`decode.adaptive.AdaptiveDepth` with a :class:`decode.types.Beside`: its tokens count where the suffix's
-   first level misses; the whole tree with ``adaptive: false``);
+   first level misses; the whole tree with ``adaptive: false``). The engine owns the policy and hands it over with
+   its step clock (:meth:`HybridDrafter.depth_control`); the engine then verifies the merged tree whole;
 2. the suffix drafter keeps those of its candidates whose expected tokens pay for what they add to the cost of the
    *whole* tree, the trained drafter's nodes included (:func:`decode.adaptive.best_size` with that tree as its
    base);
-3. :func:`merge_drafts` merges both into one tree under one node budget (``max_nodes``): a node's token under the
+3. :func:`merge_drafts` merges both into one tree under one node budget (``merged_nodes``): a node's token under the
    same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
    come first (they were chosen by their calibrated acceptance), then the trained drafter's, each after its parent;
    what does not fit the budget is dropped with its subtree. A drafter with its own verify forward (layer-skip,
@@ -28,13 +29,11 @@ stay lossless, and merging keeps sibling tokens distinct, as point-mass verifica
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from decode import registry
-from decode.adaptive import AdaptiveDepth
 from decode.step import DepthControl
 from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from decode.tree import Tree
@@ -86,30 +85,32 @@ def accepted_from(path: Sequence[int], nodes: set[int]) -> int:
 class HybridDrafter(DrafterBase):
     """A trained drafter (``inner``) and a :class:`SuffixDrafter` merged into one tree per step (module docstring).
 
-    ``policy``: the inner drafter's adaptive depth (None: its whole tree every step). ``max_nodes``: the merged
-    tree's drafted-node budget. ``exclusive``: each step either part drafts, not both: the suffix drafter when it
-    chose candidates (on top of the root alone), else the inner drafter. By default for an inner drafter with its own
-    verify forward (layer-skip): its chain is drafted one sequential pass per token, and beside the suffix's nodes
-    its verify runs the first layers again in a pass of their own, which cost more than the merged nodes earned
-    (docs/benchmarks.md); merged trees otherwise. ``marginal``: the policy weighs the inner drafter's draft beside
-    what the suffix would verify alone (its tokens count on the steps where the suffix's first level misses, its
-    nodes add to the suffix's), so a costly draft is skipped when the suffix already has the step in hand; False:
-    the policy weighs it as if it drafted alone.
+    ``max_nodes``: the merged tree's drafted-node budget. ``marginal``: the depth policy weighs the inner drafter's
+    draft beside what the suffix would verify alone (its tokens count on the steps where the suffix's first level
+    misses, its nodes add to the suffix's), so a costly draft is skipped when the suffix already has the step in
+    hand; False: the policy weighs it as if it drafted alone. ``exclusive``: each step either part drafts, not both:
+    the suffix drafter when it chose candidates (on top of the root alone), else the inner drafter. By default for an
+    inner drafter with its own verify forward (layer-skip): its chain is drafted one sequential pass per token, and
+    beside the suffix's nodes its verify runs the first layers again in a pass of their own, which cost more than
+    the merged nodes earned (docs/benchmarks.md); merged trees otherwise.
+    The depth policy is the engine's (:meth:`depth_control`); without one, the inner drafter drafts its whole tree.
     """
 
-    def __init__(self, inner: Drafter, suffix: SuffixDrafter, policy: AdaptiveDepth | None = None,
-                 max_nodes: int = 64, exclusive: bool | None = None, marginal: bool = True):
-        self.inner, self.suffix, self.policy, self.max_nodes = inner, suffix, policy, max_nodes
-        self.marginal = marginal
+    def __init__(self, inner: Drafter, suffix: SuffixDrafter, max_nodes: int, marginal: bool,
+                 exclusive: bool | None = None):
+        self.inner, self.suffix, self.max_nodes, self.marginal = inner, suffix, max_nodes, marginal
         self.exclusive = self._own_verify if exclusive is None else exclusive
+        self.control = DepthControl(None)  # the engine's, from the start of each decode
         self._step: tuple[int, Draft, SuffixPlan, list[set[int]], float] | None = None
+
+    def depth_control(self, control: DepthControl) -> DepthControl:
+        """The engine's depth policy and clock go to the inner drafter's part (the suffix's nodes are chosen by their
+        own calibrated acceptance); the engine drafts the merged tree whole, on the same clock."""
+        self.control = control
+        return DepthControl(None, control.clock)
 
     def modules(self) -> Sequence[torch.nn.Module]:
         return self.inner.modules()
-
-    @property
-    def alone(self) -> Drafter:
-        return self.inner
 
     @property
     def max_draft_depth(self) -> int | None:
@@ -128,20 +129,20 @@ class HybridDrafter(DrafterBase):
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
-        device = self.suffix.device
+        device, control = self.suffix.device, self.control
         ranking = self.suffix.rank(state, max_depth)
         plan = self.suffix.choose(ranking) if self.exclusive else None
         beside = ROOT
-        if self.marginal and plan is None and self.policy is not None:  # what the suffix would verify alone
+        if self.marginal and plan is None and control.policy is not None:  # what the suffix would verify alone
             alone = self.suffix.choose(ranking, final=False)
             beside = Beside(nodes=1 + len(alone.chosen), expected=1.0 + alone.expected, miss=1.0 - alone.first)
-        t0 = time.perf_counter()
+        t0 = control.clock()
         if plan is not None and plan.chosen:  # exclusive: the suffix has this step
             asked, inner = 0, root_only(state, device)
         else:
-            asked, inner = DepthControl(self.policy).draft(self.inner, state, max_depth, device, beside)
-        inner_seconds = time.perf_counter() - t0
-        expected = 1.0 if self.policy is None or asked == 0 else self.policy.expected(int(inner.tree.max_depth))
+            asked, inner = control.draft(self.inner, state, max_depth, device, beside)
+        inner_seconds = control.clock() - t0
+        expected = control.expected(int(inner.tree.max_depth))
         if plan is None:
             plan = self.suffix.choose(ranking, base_nodes=inner.tree.num_nodes, base_expected=expected)
         suffix = candidates_draft(state.next_token, plan.cands, sorted(plan.chosen), device)
@@ -158,9 +159,9 @@ class HybridDrafter(DrafterBase):
 
     @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
-        t0 = time.perf_counter()
+        t0 = self.control.clock()
         self.inner.on_commit(state, draft, verdict, out)
-        inner_seconds = time.perf_counter() - t0
+        inner_seconds = self.control.clock() - t0
         if self._step is None:
             return
         asked, inner, plan, (suffix_nodes, inner_nodes), propose_seconds = self._step
@@ -171,14 +172,14 @@ class HybridDrafter(DrafterBase):
         # so its acceptance is learned on those steps only; a step the suffix's nodes won says nothing of that rate
         # (both parts are right on the same easy text). Its draft's size and time count on every step.
         accepted = None if self.marginal and suffix_accepted > 0 else accepted_from(verdict.path, inner_nodes)
-        DepthControl(self.policy).observe(asked, inner, accepted, propose_seconds + inner_seconds)
+        self.control.observe(asked, inner, accepted, propose_seconds + inner_seconds)
 
 
-def build_hybrid(target, inner: Drafter, settings: dict, policy: AdaptiveDepth | None = None) -> HybridDrafter:
+def build_hybrid(target, inner: Drafter, settings: dict) -> HybridDrafter:
     """``inner`` (built under ``settings``, a registry entry's with ``hybrid`` on) merged with a suffix drafter: the
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
-    them. ``policy``: the inner drafter's adaptive depth. ``target``: the ``core.target.Target`` decoded with."""
+    them; ``merged_nodes`` and ``marginal`` from ``settings``. ``target``: the ``core.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
     passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k in registry.defaults_of("suffix")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))
-    return HybridDrafter(inner, suffix, policy, marginal=bool(settings["marginal"]))
+    return HybridDrafter(inner, suffix, max_nodes=int(settings["merged_nodes"]), marginal=bool(settings["marginal"]))

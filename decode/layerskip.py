@@ -94,11 +94,10 @@ class LayerStack:
 class LayerSkipDrafter(DrafterBase):
     """Drafts a chain with layers 0..``exit_layer``-1 and an exit; stops when the exit's top probability falls below
     ``threshold`` or at ``max_depth`` tokens. ``exit``: a trained exit (heads/layerskip.py: a head, or an adapter
-    block and a head, possibly over a reduced vocabulary); None reads the target's own final norm and LM head."""
+    block and a head, possibly over a reduced vocabulary); None reads the target's own final norm and LM head.
+    ``exit_layer`` None: the trained exit's own layer."""
 
-    draft_forward_per_level = True  # one pass over the first layers per drafted token
-
-    def __init__(self, model: nn.Module, exit_layer: int | None = None, threshold: float = 0.5, max_depth: int = 6,
+    def __init__(self, model: nn.Module, exit_layer: int | None, threshold: float, max_depth: int,
                  exit: nn.Module | None = None):
         self.stack = LayerStack(model)
         if exit is not None:

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from core.config import CONF_DIR
 from core.errors import reported_errors
-from decode.pipeline import run
+from decode.answers import run
 
 
 @hydra.main(config_path=str(CONF_DIR / "decode"), config_name="decode", version_base="1.3")

@@ -265,22 +265,37 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @dataclass
 class CheckSettings:
-    k: int | str = "auto"  # tokens vLLM drafts per step (num_speculative_tokens); auto: :func:`requested_depth`
-    max_new_tokens: int = 64
-    venv: str | None = None
-    model: Any = None  # the target (a name in conf/model/, a folder); None: the one the heads record
-    out: str | None = None  # where the exports go (None: a temporary folder)
-    warmup: bool = True  # decode one prompt first in every engine, not reported
-    timeout: float | None = 1800.0
-    tolerance: float = 0.01  # per-position acceptance rates may differ by this much (serve_check.py's aim)
-    vocab: str = "auto"  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+    """The serving check's settings: conf/decode/serve_check.yaml describes them and writes their defaults, the only
+    place they are written (:meth:`from_config`)."""
+
+    k: int | str  # tokens vLLM drafts per step (num_speculative_tokens); auto: :func:`requested_depth`
+    max_new_tokens: int
+    venv: str | None  # vLLM's venv (None: $SELFSPEC_VLLM_VENV, else .venv-vllm)
+    model: Any  # the target (a name in conf/model/, a folder); None: the one the heads record
+    out: str | None  # where the exports go (None: a temporary folder)
+    warmup: bool  # decode one prompt first in every engine, not reported
+    timeout: float | None  # seconds vLLM may take for all its runs
+    tolerance: float  # per-position acceptance rates may differ by this much (serve_check.py's aim)
+    vocab: str  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "CheckSettings":
+        """The settings of a composed conf/decode/serve_check.yaml."""
+        from decode.settings import required
+
+        c = required(cfg, ("k", "max_new_tokens", "model", "out", "warmup", "tolerance", "vocab", "serving"))
+        serving = required(c["serving"], ("vllm_venv", "timeout"))
+        return cls(k=c["k"], max_new_tokens=int(c["max_new_tokens"]), venv=serving["vllm_venv"], model=c["model"],
+                   out=None if c["out"] is None else str(c["out"]), warmup=bool(c["warmup"]),
+                   timeout=None if serving["timeout"] is None else float(serving["timeout"]),
+                   tolerance=float(c["tolerance"]), vocab=str(c["vocab"]))
 
 
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
     """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
     Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
-    from decode import registry
-    from decode.pipeline import build_decoder, decode_config, load_session
+    from decode.session import load_session
+    from decode.settings import decode_config
     from heads.export import medusa_vocab
 
     base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
@@ -291,13 +306,8 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
         vocab = medusa_vocab(chain.heads, settings.vocab)
         if vocab == "full" and chain.heads.token_map is not None:
             chain.heads.token_map = None  # as vLLM will draft: argmax over the target's whole LM head
-            entry = registry.entry(head_type)
-            chain.decoder = build_decoder(chain.target, entry.build(chain.heads, chain.target, chain.draft_settings),
-                                          chain.draft_settings, "auto")
-    vanilla = registry.entry("vanilla")
-    plain = build_decoder(chain.target, vanilla.build(None, chain.target, vanilla.settings()), vanilla.settings(),
-                          "auto")
-    return chain, plain, vocab
+            chain.decoder = chain.decoder_for()
+    return chain, chain.decoder_for("vanilla"), vocab
 
 
 AUTO_DEPTH = 3  # what k=auto asks of heads that draft any depth (EAGLE-3); scripts/bench.py's vLLM proposers draft 3
@@ -350,15 +360,14 @@ def served_depth(meta: dict, k: int) -> int:
     return k
 
 
-def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None,
-                settings: CheckSettings | None = None, progress: bool = True) -> dict:
+def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None, *,
+                settings: CheckSettings, progress: bool = True) -> dict:
     """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
     the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
     (see :func:`format_report`)."""
     from heads.export import export_heads
     from heads.io import heads_dir, read_heads_config
 
-    settings = settings or CheckSettings()
     heads_path = heads_dir(str(heads_path))
     meta = read_heads_config(heads_path)
     head_type = meta["head_type"]
@@ -367,7 +376,7 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
     if prompts and isinstance(prompts[0], str):
-        from decode.pipeline import prompt_ids
+        from decode.prompts import prompt_ids
 
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
@@ -411,19 +420,21 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
 def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]]) -> list[dict]:
     """Per prompt: HF generate's tokens and time, selfspec's plain decoding, selfspec's chain of k (the steps vLLM
     runs counted as vLLM counts them)."""
+    import dataclasses
+
     import torch
 
-    from decode.pipeline import hf_generate
+    from decode.session import hf_generate
 
     n, k = settings.max_new_tokens, settings.k
-    chain.settings["max_new_tokens"] = n
+    answer_settings = dataclasses.replace(chain.settings, max_new_tokens=n)
     with torch.no_grad():
         for ids in warmup:
             plain.generate(ids, max_new_tokens=n)
             chain.decoder.generate(ids, max_new_tokens=n + k)
         rows = []
         for ids in prompts:
-            hf_tokens, hf_s = hf_generate(chain, ids)
+            hf_tokens, hf_s = hf_generate(chain, ids, answer_settings)
             p = plain.generate(ids, max_new_tokens=n)
             c = chain.decoder.generate(ids, max_new_tokens=n + k)
             st = c.stats

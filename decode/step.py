@@ -1,12 +1,13 @@
 """The pieces of a decode step that the engine and the drafters share: one target forward over a draft's tree, a
-draft cut to a depth and moved to the target's device, and :class:`DepthControl`, the one place a depth policy is
-applied. The engine (decode/engine.py) and the drafters (decode/hybrid.py, decode/layerskip.py, ...) import this
-module and decode/types.py, not each other."""
+draft cut to a depth and moved to the target's device, the step's clock (:class:`StepClock`), and
+:class:`DepthControl`, the one place a depth policy is applied. The engine (decode/engine.py) and the drafters
+(decode/hybrid.py, decode/layerskip.py, ...) import this module and decode/types.py, not each other."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -66,12 +67,30 @@ def on_device(draft: Draft, device: torch.device) -> Draft:
 
 
 @dataclass(frozen=True)
+class StepClock:
+    """Wall-clock readings within a step; ``sync``: each after the device's queued work, for an honest split between
+    drafting and verifying (a GPU waits at each, so only when timings are asked for or a depth policy reads them)."""
+
+    device: torch.device
+    sync: bool
+
+    def __call__(self) -> float:
+        if self.sync:
+            synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass(frozen=True)
 class DepthControl:
     """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
-    that depth, and the policy hears how the draft did. The engine runs one over its drafter; a hybrid
-    (decode/hybrid.py) runs one over its trained part. ``policy`` None: every draft as deep as the budget allows."""
+    that depth, and the policy hears how the draft did. The engine (decode/engine.py) owns one per decode, over its
+    drafter, and hands it to a drafter that applies it to a part of its draft (``Drafter.depth_control``: a hybrid,
+    decode/hybrid.py, to its trained drafter's part). ``policy`` None: every draft as deep as the budget allows.
+    ``clock``: what a draft's seconds are read with for the policy (the engine's :class:`StepClock`, which waits for
+    the device's queued work whenever a policy reads the times)."""
 
     policy: DepthPolicy | None
+    clock: Callable[[], float] = time.perf_counter
 
     def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device,
               beside: Beside = ROOT) -> tuple[int, Draft]:
@@ -81,6 +100,11 @@ class DepthControl:
         depth = room if self.policy is None else min(room, self.policy.choose(room, beside))
         draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
         return depth, on_device(truncate_draft(draft, depth), device)
+
+    def expected(self, depth: int) -> float:
+        """Tokens a step whose draft reaches ``depth`` is expected to yield, the target's own included (1 without a
+        policy or a draft)."""
+        return 1.0 if self.policy is None or depth == 0 else self.policy.expected(depth)
 
     def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
         if self.policy is not None:

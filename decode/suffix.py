@@ -284,16 +284,17 @@ def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: to
 class SuffixDrafter(DrafterBase):
     """Proposes continuations of the longest earlier match (see the module docstring).
 
-    ``budget``: ``auto`` (adaptive, up to ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
+    ``budget``, ``max_nodes``, ``max_depth``, ``max_match``, ``remember``: the suffix family's settings
+    (conf/decode/drafters.yaml describes them and writes their defaults). ``budget``: ``auto`` (adaptive, up to
+    ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
     ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
     ``chain``: draft one branch (the best child at each level) instead of a tree, for engines that verify chains
     (vLLM: decode/vllm_suffix.py).
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None,
-                 budget: int | str = "auto", max_nodes: int = 24, max_depth: int = 16, max_match: int = 24,
-                 max_occurrences: int = 32, cost_curve: CostCurve | None = None, remember: int = 200_000,
-                 chain: bool = False):
+    def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None, *, budget: int | str,
+                 max_nodes: int, max_depth: int, max_match: int, remember: int, max_occurrences: int = 32,
+                 cost_curve: CostCurve | None = None, chain: bool = False):
         if budget != "auto" and (not isinstance(budget, int) or budget < 0):
             raise DecodeSetupError(f"draft.budget={budget!r}: use auto or a number of drafted nodes >= 0.")
         if min(max_nodes, max_depth, max_match, max_occurrences) < 1:

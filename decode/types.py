@@ -7,7 +7,7 @@ module (and decode/step.py, the step's shared pieces) and not each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -15,6 +15,9 @@ from transformers import DynamicCache
 from decode.tree import Tree, single_node_tree
 from decode.verify import Verdict
 from core.errors import SelfspecError
+
+if TYPE_CHECKING:
+    from decode.step import DepthControl
 
 
 class DecodeSetupError(SelfspecError, ValueError):
@@ -84,11 +87,15 @@ ROOT = Beside()
 
 class DepthPolicy(Protocol):
     """How deep the next draft may go (decode/adaptive.py: :class:`~decode.adaptive.AdaptiveDepth`); 0 skips drafting
-    and runs a plain step. The engine reports every step back."""
+    and runs a plain step. Every step is reported back. decode/step.py:DepthControl is what calls it."""
 
     def choose(self, max_depth: int, beside: Beside = ROOT) -> int:
         """A depth in 0..max_depth for the next draft, in a tree that already holds ``beside`` (a hybrid's other
         drafter's nodes; a policy may ignore it)."""
+
+    def expected(self, depth: int) -> float:
+        """The tokens a step whose draft reaches ``depth`` is expected to yield, the target's own included (a hybrid
+        weighs the suffix drafter's candidates beside them)."""
 
     def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
         """The draft verified after asking for depth ``asked``, how many drafted nodes were accepted (None: a step
@@ -106,8 +113,6 @@ class Drafter(Protocol):
     verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None
     verify_share: float
     max_draft_depth: int | None
-    draft_forward_per_level: bool
-    alone: Drafter
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         """After the prompt's forward: ``prefill.hidden_states`` are [T, H] for every prompt position (a drafter
@@ -128,6 +133,10 @@ class Drafter(Protocol):
     def draft_nodes(self, depth: int) -> int | None:
         """Tree nodes (the root included) of a draft cut to ``depth``, when known before drafting; else None."""
 
+    def depth_control(self, control: DepthControl) -> DepthControl:
+        """The engine's ``control`` (its depth policy and step clock) at the start of a decode; returns the one the
+        engine applies to the whole draft."""
+
 
 class DrafterBase:
     """No-op hooks, no modules, and every optional capability at its default; subclasses implement ``propose``.
@@ -142,22 +151,18 @@ class DrafterBase:
       verify cost curve by it); 1 unless ``verify_forward`` skips work its draft already did.
     - ``max_draft_depth``: the deepest draft it proposes (a static tree's depth, a dynamic tree's or chain's
       levels); None when it does not say (adaptive depth then learns it from the first draft).
-    - ``draft_forward_per_level``: drafting runs one forward per tree level (EAGLE trees, layer-skip chains) rather
-      than one per proposal; the benchmark's draft-step cost divides by the levels then.
     - ``draft_nodes(depth)``: how many tree nodes (the root included) a draft cut to ``depth`` holds, when the
       family knows it before drafting (a static tree, a dynamic tree's budget, a block); None when it does not.
       Adaptive depth weighs each depth's verify cost by it from the first step, instead of guessing a chain.
-    - ``alone``: the drafter whose own cost the benchmark measures: itself, or a hybrid's trained drafter.
+    - ``depth_control(control)``: the engine's depth control (its policy and step clock) at the start of each
+      decode; the default returns it, and the engine applies the policy to every draft. A drafter that applies it
+      to a part of its draft instead (decode/hybrid.py: to its trained drafter's part, beside the suffix drafter's
+      nodes) keeps it and returns one without a policy on the same clock.
     """
 
     verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None = None
     verify_share: float = 1.0
     max_draft_depth: int | None = None
-    draft_forward_per_level: bool = False
-
-    @property
-    def alone(self) -> Drafter:
-        return self
 
     def start(self, state: DecodeState, prefill: ForwardOutput) -> None:
         return None
@@ -170,6 +175,9 @@ class DrafterBase:
 
     def draft_nodes(self, depth: int) -> int | None:
         return None
+
+    def depth_control(self, control: DepthControl) -> DepthControl:
+        return control
 
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         raise NotImplementedError

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace):
     """The target the overrides name (a random stand-in with ``--shape``'s shapes under model=tiny)."""
-    from decode.pipeline import target_config_from_overrides
+    from decode.settings import target_config_from_overrides
     from core.errors import SettingError
     from core.target import load_target
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from decode.pipeline import target_config_from_overrides
+    from decode.settings import target_config_from_overrides
     from core.errors import reported_errors
     from core.target import load_target
 

@@ -33,8 +33,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from decode import registry
-from decode.bench import format_sweep, sweep_drafters
-from decode.pipeline import DecodeSetupError, build_decoder, load_session, read_questions
+from decode.bench import format_sweep, sweep_decoders
+from decode.prompts import read_questions
+from decode.session import load_session
+from decode.types import DecodeSetupError
 from core.config import CONF_DIR, to_dict
 from core.errors import reported_errors
 
@@ -72,31 +74,29 @@ def exit_heads(session, heads_path, exit_layer: int):
     return load_heads(folder, target=session.target).module
 
 
-def build_drafters(session, trees: list[str], eagle: list[str], vanilla: bool, layerskip: list[str] = (),
+def build_decoders(session, trees: list[str], eagle: list[str], vanilla: bool, layerskip: list[str] = (),
                    heads_path=None, as_decoded: bool = False, draft: dict | None = None) -> dict:
-    """One drafter per swept setting, each built by the session's registry entry from its settings (defaults <
-    saved with the heads < ``draft``, the command's draft.* < the swept value), so a setting of another family is
-    refused by the entry. ``as_decoded``: each in the decoder decode/run.py builds from those settings (adaptive
-    depth, the suffix hybrid)."""
-    entry = registry.entry(session.drafter)
+    """One decoder per swept setting (:meth:`Session.decoder_for`: the session's family under its settings, defaults
+    < saved with the heads < ``draft``, the command's draft.* < the swept value), so a setting of another family is
+    refused. Each runs as given: adaptive depth and the suffix hybrid off; ``as_decoded``: as decode/run.py builds it
+    from those settings (adaptive depth, the suffix hybrid)."""
     sweeps = ([(f"tree {t}", {"tree": t}) for t in trees] + [(f"eagle {e}", parse_eagle(e)) for e in eagle]
               + [(f"layerskip {x}", parse_layerskip(x)) for x in layerskip])
     if not sweeps:
         raise DecodeSetupError("Nothing to sweep: give --trees (Medusa heads), --eagle (EAGLE heads) or --layerskip.")
-    drafters = {}
+    takes = registry.entry(session.family).defaults
+    as_given = {} if as_decoded else {k: False for k in ("adaptive", "suffix") if k in takes}
+    decoders = {}
     for name, overrides in sweeps:
-        heads = session.heads
+        heads = None
         if "exit_layer" in overrides:
             heads = exit_heads(session, heads_path, overrides["exit_layer"])
             if heads is not None:
                 overrides = {k: v for k, v in overrides.items() if k != "exit_layer"}
-        settings = entry.settings(session.heads_config, {**(draft or {}), **overrides})
-        drafters[name] = entry.build(heads, session.target, settings)
-        if as_decoded:
-            drafters[name] = build_decoder(session.target, drafters[name], settings, session.decoder.linear_kernel)
+        decoders[name] = session.decoder_for(draft={**(draft or {}), **overrides, **as_given}, heads=heads)
     if vanilla:
-        drafters["vanilla"] = registry.entry("vanilla").build(None, session.target, {})
-    return drafters
+        decoders["vanilla"] = session.decoder_for("vanilla")
+    return decoders
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -115,12 +115,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")
     session = load_session(cfg)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    drafters = build_drafters(session, split(args.trees), split(args.eagle), not args.no_vanilla,
+    decoders = build_decoders(session, split(args.trees), split(args.eagle), not args.no_vanilla,
                               split(args.layerskip), cfg.heads, args.as_decoded, to_dict(cfg.draft))
     questions = read_questions(cfg.prompts, cfg.max_questions)
     print(f"target {session.target.name}, heads {cfg.heads}; {len(questions)} prompts (first turns), "
           f"max_new_tokens={cfg.max_new_tokens}, acceptance {cfg.acceptance}")
-    ways = sweep_drafters(session, drafters, questions)
+    ways = sweep_decoders(session, decoders, questions)
     print(format_sweep(ways))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ def questions(tmp_path_factory):
 @pytest.fixture(scope="module")
 def medusa_folder(tmp_path_factory):
     from conftest import compose
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from heads.io import save_heads
 
     session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
@@ -147,7 +147,8 @@ def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_l
     from decode.bench import Method, draft_step_cost
     from decode.drafters import MedusaDrafter, VanillaDrafter
     from decode.layerskip import LayerSkipDrafter
-    from decode.pipeline import Session
+    from types import SimpleNamespace
+
     from decode.verify import Sampling
     from test_engine import random_heads
 
@@ -155,7 +156,7 @@ def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_l
 
     def cost(drafter, **clock):
         decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
-        session = Session(target=None, decoder=decoder, sampling=Sampling())
+        session = SimpleNamespace(sampling=Sampling())  # draft_step_cost reads the session's sampling only
         return draft_step_cost(Method("m", session, decoder), [5, 6, 7, 8], repeats=5, clock=ScriptedClock(**clock))
 
     medusa = cost(MedusaDrafter(random_heads(model, num_heads=4), "small_16"), propose=0.003, forward=0.002,
@@ -257,7 +258,7 @@ def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
 def test_a_trained_exit_folder_runs_alone_and_as_a_hybrid_beside_the_training_free_exit(tmp_path, questions):
     from test_layerskip_train import trained_like_exit
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from conftest import compose
     from heads.io import save_heads
 
@@ -342,7 +343,7 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
     itself is stood in for by HF generate (its own tests, tests/test_serving.py, run it for real)."""
     import decode.bench.methods as methods_module
     from decode.bench.methods import Method
-    from decode.pipeline import hf_generate
+    from decode.session import hf_generate
 
     events = []
 

@@ -1,4 +1,4 @@
-"""decode/run.py and its library (decode/pipeline.py) on the tiny target: every decode option composes and runs,
+"""decode/run.py and its library (decode/answers.py, decode/session.py) on the tiny target: every decode option composes and runs,
 prompts and MT-bench style files are answered (conversation carried between turns), the HF baseline agrees under
 greedy decoding, trained heads bring their own target, and bad input fails clearly."""
 
@@ -17,7 +17,9 @@ from core.families import FAMILIES
 from decode.drafters import MedusaDrafter, VanillaDrafter
 from decode import registry
 from decode.eagle_drafter import EagleTreeDrafter
-from decode.pipeline import DecodeSetupError, load_session, run
+from decode.answers import run
+from decode.session import load_session
+from decode.types import DecodeSetupError
 from decode.hybrid import HybridDrafter
 from decode.tree import TreeError
 
@@ -72,6 +74,63 @@ def test_draft_settings_apply_the_same_way_for_every_family():
     with pytest.raises(DecodeSetupError, match="needs heads"):
         load_session(compose("decode", TINY + ["heads=null", "drafter=medusa"]))
     assert isinstance(load_session(compose("decode", TINY + ["heads=null"])).decoder.drafter, VanillaDrafter)
+
+
+def reference(session, ids: list[int], new: int) -> list[int]:
+    """HF generate's greedy answer on the session's target."""
+    model = session.target.model
+    return model.generate(torch.tensor([ids], device=model.device), do_sample=False, max_new_tokens=new,
+                          pad_token_id=0)[0, len(ids):].tolist()
+
+
+def test_decoder_for_builds_what_a_session_loaded_for_those_settings_builds():
+    """Session.decoder_for, the one way to an engine under other settings: plain decoding gives HF generate's greedy
+    tokens; another family, or other draft.* settings, give the drafter and the steps a session loaded for them
+    gives; the session's own settings give a decoder like its own."""
+    session = load_session(compose("decode", TINY))  # random Medusa heads, a hybrid with adaptive depth
+    ids = [5, 6, 7, 8, 5, 6, 7]
+    ref = reference(session, ids, 12)
+    plain = session.decoder_for("vanilla")
+    assert isinstance(plain.drafter, VanillaDrafter) and plain.depth_policy is None
+    assert plain.generate(ids, max_new_tokens=12).tokens == ref
+    own = session.decoder_for()
+    assert type(own.drafter) is type(session.decoder.drafter) is HybridDrafter and own is not session.decoder
+    assert own.drafter.inner.tree.num_nodes == session.decoder.drafter.inner.tree.num_nodes
+    assert own.generate(ids, max_new_tokens=12).tokens == ref
+    for family, over in (("suffix", {}), ("layerskip", {"adaptive": False, "suffix": False})):  # as loaded for it
+        built = session.decoder_for(family, over)
+        args = [f"draft.{k}={str(v).lower()}" for k, v in over.items()]
+        loaded = load_session(compose("decode", TINY + ["heads=null", f"drafter={family}", *args])).decoder
+        assert type(built.drafter) is type(loaded.drafter)
+        assert (built.depth_policy is None) == (loaded.depth_policy is None)
+        first, again = built.generate(ids, max_new_tokens=12), loaded.generate(ids, max_new_tokens=12)
+        assert first.tokens == again.tokens == ref and first.stats.accept_lengths == again.stats.accept_lengths
+    # other draft settings of the session's own family and heads
+    over = ["draft.suffix=false", "draft.adaptive=false", "draft.tree=chain"]
+    loaded = load_session(compose("decode", TINY + over)).decoder
+    built = session.decoder_for(draft={"suffix": False, "adaptive": False, "tree": "chain"})
+    assert isinstance(built.drafter, MedusaDrafter) and built.drafter.tree.num_nodes == loaded.drafter.tree.num_nodes
+    first, again = built.generate(ids, max_new_tokens=12), loaded.generate(ids, max_new_tokens=12)
+    assert first.tokens == again.tokens == ref and first.stats.accept_lengths == again.stats.accept_lengths
+    with pytest.raises(DecodeSetupError, match="needs heads of its own"):
+        session.decoder_for("eagle")
+    with pytest.raises(DecodeSetupError, match="draft.tree is not a setting of the suffix drafter"):
+        session.decoder_for("suffix", {"tree": "chain"})
+
+
+@pytest.mark.real_model
+def test_decoder_for_is_lossless_on_smollm2():
+    """On the real target: the default decoder (random Medusa heads merged with the suffix drafter, adaptive depth)
+    and plain decoding through decoder_for give HF generate's greedy tokens."""
+    from decode.prompts import prompt_ids
+
+    session = load_session(compose("decode", ["max_new_tokens=24"]))  # heads=random: the embedded SmolLM2
+    plain = session.decoder_for("vanilla")
+    for text in ["Name three colours.", "What is 12 times 7?"]:
+        ids = prompt_ids(session.target.tokenizer, [{"role": "user", "content": text}])
+        ref = reference(session, ids, 24)
+        assert session.decoder.generate(ids, max_new_tokens=24).tokens == ref
+        assert plain.generate(ids, max_new_tokens=24).tokens == ref
 
 
 def test_trained_heads_bring_their_target(tmp_path):
@@ -172,15 +231,14 @@ def test_tree_sweep_script(tmp_path, capsys):
     assert all(w["same_as_first"] == 2 for w in ways.values())
     # --as-decoded: each setting in the decoder decode/run.py builds (adaptive depth, the suffix hybrid by default;
     # the command's draft.* switch them off for every setting)
-    from decode.hybrid import HybridDrafter
-    from decode.pipeline import load_session
-
     session = load_session(compose("decode", ["model=tiny", "drafter=eagle"]))
-    hybrid = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True)["eagle 2:1:2"]
-    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.drafter.policy is not None
+    hybrid = sweep.build_decoders(session, [], ["2:1:2"], False, as_decoded=True)["eagle 2:1:2"]
+    assert isinstance(hybrid.drafter, HybridDrafter) and hybrid.depth_policy is not None
     assert (hybrid.drafter.inner.top_k, hybrid.drafter.inner.total_tokens) == (1, 2)
-    alone = sweep.build_drafters(session, [], ["2:1:2"], False, as_decoded=True, draft={"suffix": False})["eagle 2:1:2"]
+    alone = sweep.build_decoders(session, [], ["2:1:2"], False, as_decoded=True, draft={"suffix": False})["eagle 2:1:2"]
     assert not isinstance(alone.drafter, HybridDrafter) and alone.depth_policy is not None
+    as_given = sweep.build_decoders(session, [], ["2:1:2"], False)["eagle 2:1:2"]  # the tree alone, whole each step
+    assert not isinstance(as_given.drafter, HybridDrafter) and as_given.depth_policy is None
     ways = sweep.main(["model=tiny", "drafter=eagle", f"prompts={questions}", "max_questions=2", "max_new_tokens=8",
                        "--eagle", "2:1:2,3:4:8", "--as-decoded"])
     assert all(w["same_as_first"] == 2 for w in ways.values())
@@ -193,7 +251,6 @@ def test_tree_sweep_script(tmp_path, capsys):
 def test_layerskip_sweep_over_exit_layer_depth_and_threshold(tmp_path):
     from test_layerskip_train import trained_like_exit
 
-    from decode.pipeline import load_session
     from heads.io import save_heads
 
     questions = tmp_path / "q.jsonl"
@@ -238,7 +295,7 @@ def test_expected_mistakes_print_one_line_without_a_traceback(script, args, mess
 def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):
     import io
 
-    from decode.pipeline import speed_check
+    from train.speed_check import speed_check
     from heads.io import save_heads
 
     from decode.drafters import VanillaDrafter
@@ -271,4 +328,4 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
     assert result["ratio"] == pytest.approx(expected["heads"] / expected["plain"])
     assert f"{result['ratio']:.2f}x" in text
     quiet = io.StringIO()
-    assert speed_check(folder, prompts=0, out=quiet) == {} and "decode/run.py" in quiet.getvalue()
+    assert speed_check(folder, prompts=0, max_new_tokens=6, out=quiet) == {} and "decode/run.py" in quiet.getvalue()

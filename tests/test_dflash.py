@@ -14,7 +14,8 @@ from decode.cache import CacheError
 from decode.dflash_drafter import DFlashBlockDrafter
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter
-from decode.suffix import SuffixArray, SuffixDrafter
+from decode.suffix import SuffixArray
+from test_suffix import suffix_drafter
 from heads.dflash import (
     DFlashConfig, DFlashDrafter, block_mask, block_targets, dflash_block_loss, position_weights, sample_anchors,
 )
@@ -165,8 +166,8 @@ def decoder_for(model, drafter, hybrid: bool, adaptive: bool, corpus=None) -> Sp
     """The engine over ``drafter`` alone or merged with a suffix drafter, with adaptive depth or the whole block."""
     policy = adaptive_policy() if adaptive else None
     if hybrid:
-        suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
-        return SpeculativeDecoder(model, HybridDrafter(drafter, suffix, policy, max_nodes=16))
+        suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
+        drafter = HybridDrafter(drafter, suffix, max_nodes=16, marginal=True)
     return SpeculativeDecoder(model, drafter, depth_policy=policy)
 
 
@@ -196,7 +197,7 @@ def test_bfloat16_drafts_are_accepted_and_greedy_output_is_unchanged(trained):
     model, heads, prompts = trained
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
-        drafter = ContextCheck(heads, dtype=dtype)
+        drafter = ContextCheck(heads, top_k=1, dtype=dtype)
         decoder = decoder_for(model, drafter, hybrid=False, adaptive=False)
         for i, ids in enumerate(prompts):
             ref, eos = hf_greedy(model, ids, i)
@@ -241,7 +242,7 @@ def test_the_decode_form_follows_the_modules_weights(trained):
     the next decode: the decode form is made again."""
     model, heads, prompts = trained
     heads = copy_drafter(heads, model)
-    drafter = DFlashBlockDrafter(heads)
+    drafter = DFlashBlockDrafter(heads, top_k=1)
     decoder = SpeculativeDecoder(model, drafter)
     ids = prompts[0]
     before = decoder.generate(ids, max_new_tokens=MAX_NEW).stats.accepted_per_step
@@ -279,7 +280,7 @@ def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
 
 def test_the_context_catches_up_lazily_while_drafting_is_off(trained):
     model, heads, prompts = trained
-    drafter = DFlashBlockDrafter(heads)
+    drafter = DFlashBlockDrafter(heads, top_k=1)
     projections = []
     original = drafter._catch_up
 
@@ -326,8 +327,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab, top_k, hybri
     drafter = ContextCheck(heads, top_k=top_k)
     policy = adaptive_policy() if adaptive else None
     if hybrid:
-        drafter = HybridDrafter(drafter, SuffixDrafter(model, corpus=corpus, budget=4), policy, max_nodes=12)
-        policy = None
+        drafter = HybridDrafter(drafter, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500, depth_policy=policy)
     inner = drafter.inner if hybrid else drafter
     assert accept_rate > 0.3 and inner.accepted >= 0.3 * inner.proposed  # the block's own drafts were accepted often
@@ -355,7 +355,7 @@ def test_the_heads_folder_round_trip_decodes_identically(trained, tmp_path):
 
 def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     from conftest import compose
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from heads.io import save_heads
 
     target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
@@ -363,8 +363,8 @@ def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     save_heads(tmp_path / "heads", heads, "dflash", heads.config.to_dict(), target)
     args = ["max_new_tokens=12", f"heads={tmp_path / 'heads'}"]
     session = load_session(compose("decode", args))
-    assert session.drafter == "dflash" and isinstance(session.decoder.drafter, HybridDrafter)
-    assert isinstance(session.decoder.drafter.inner, DFlashBlockDrafter) and session.decoder.drafter.policy is not None
+    assert session.family == "dflash" and isinstance(session.decoder.drafter, HybridDrafter)
+    assert isinstance(session.decoder.drafter.inner, DFlashBlockDrafter) and session.decoder.depth_policy is not None
     alone = load_session(compose("decode", args + ["draft.suffix=false", "draft.top_k=2", "draft.adaptive=false",
                                                    "draft.dtype=float32"]))
     assert isinstance(alone.decoder.drafter, DFlashBlockDrafter) and alone.decoder.drafter.top_k == 2
@@ -385,4 +385,4 @@ def test_bad_settings_fail_clearly(tiny_llama):
     with pytest.raises(SettingError, match="top_k=0"):
         DFlashBlockDrafter(heads, top_k=0)
     with pytest.raises(TypeError, match="DFlash heads"):
-        DFlashBlockDrafter(torch.nn.Linear(2, 2))
+        DFlashBlockDrafter(torch.nn.Linear(2, 2), top_k=1)

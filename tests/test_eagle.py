@@ -596,7 +596,7 @@ def test_tree_settings_bound_the_tree(tiny_llama):
     assert all(n == min(6, 1 + 2 + 2 * 2 * 2) and d <= min(3, budget) for n, d, budget in seen if budget >= 3)
     assert any(budget < 3 and d <= budget for n, d, budget in seen)  # cut to the token budget at the end
     with pytest.raises(ValueError, match="top_k >= 1"):
-        EagleTreeDrafter(make(model, "eagle"), top_k=0)
+        EagleTreeDrafter(make(model, "eagle"), depth=5, top_k=0, total_tokens=48)
 
 
 SAMPLING = Sampling(acceptance="sample", temperature=0.9, top_p=0.9)
@@ -799,7 +799,8 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from decode.pipeline import DecodeSetupError, load_session
+    from decode.session import load_session
+    from decode.types import DecodeSetupError
     from heads.io import save_heads
     from train.eagle_method import EagleMethod
     from train.loop import train

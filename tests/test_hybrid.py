@@ -15,9 +15,10 @@ from decode.drafters import MedusaDrafter, OracleDrafter, random_medusa_heads
 from decode.eagle_drafter import random_eagle_heads
 from decode.engine import SpeculativeDecoder
 from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
-from decode.suffix import SuffixArray, SuffixDrafter
+from decode.suffix import SuffixArray
 from decode.tree import Tree
 from decode.types import Draft
+from test_suffix import suffix_drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -87,7 +88,7 @@ def test_each_part_is_credited_with_its_own_accepted_prefix():
     assert accepted_from([0], {1, 2}) == 0
 
 
-def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
+def hybrid(model, family: str, corpus=None) -> HybridDrafter:
     if family == "medusa":
         inner = MedusaDrafter(random_medusa_heads(model, seed=1), tree="small_16")
     elif family.startswith("layerskip"):  # the target's own exit after layer 1, or a trained adapter exit there
@@ -101,9 +102,9 @@ def hybrid(model, family: str, corpus=None, policy=None) -> HybridDrafter:
         from decode.eagle_drafter import EagleTreeDrafter
 
         inner = EagleTreeDrafter(random_eagle_heads(model, seed=1, variant=family), depth=3, top_k=2, total_tokens=6)
-    suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
+    suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
     exclusive = False if family == "layerskip_merged" else None  # layer-skip: turns by default, or one merged tree
-    return HybridDrafter(inner, suffix, policy, max_nodes=16, exclusive=exclusive)
+    return HybridDrafter(inner, suffix, max_nodes=16, marginal=True, exclusive=exclusive)
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "layerskip", "layerskip_merged", "layerskip_adapter"])
@@ -118,8 +119,8 @@ def test_greedy_equals_hf_generate(family, arch, adaptive, tiny_llama, tiny_qwen
         model, _ = tiny_llama if arch == "llama" else tiny_qwen2
     corpus = SuffixArray.build([[9, 10, 11, 12, 13] * 4, list(range(20, 60))])
     policy = AdaptiveDepth(FLAT, measure_draft=False, explore_every=2) if adaptive else None
-    drafter = hybrid(model, family, corpus, policy)
-    decoder = SpeculativeDecoder(model, drafter)
+    drafter = hybrid(model, family, corpus)
+    decoder = SpeculativeDecoder(model, drafter, depth_policy=policy)
     suffix_accepted = 0
     for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
         ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=24,
@@ -171,7 +172,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     model = small_vocab_target()
     exact, corpus = own_samples_corpus(model)
     inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
-    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12)
+    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -222,7 +223,8 @@ def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution(exc
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact, corpus = own_samples_corpus(model)
     inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=2)
-    drafter = HybridDrafter(inner, SuffixDrafter(model, corpus=corpus, budget=4), max_nodes=12, exclusive=exclusive)
+    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True,
+                            exclusive=exclusive)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -234,9 +236,9 @@ def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
     model, _ = tiny_llama
     steep = CostCurve.from_relative({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6, 64: 8.0})
     policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
-    drafter = hybrid(model, "medusa", policy=policy)
+    drafter = hybrid(model, "medusa")
     drafter.suffix.cost_curve = steep
-    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=policy)
     for seed in range(4):  # random heads on a random model: their drafts are almost never the target's
         decoder.generate([5, 6, 7, 8] * 6 + [seed + 20], max_new_tokens=30)
     assert policy.reached.get(1, 0.0) < 0.2 * policy.tried[1]
@@ -246,16 +248,18 @@ def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
 def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_suffix_false(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "draft.tree=small_16", "max_new_tokens=12"]))
     drafter = session.decoder.drafter
     assert isinstance(drafter, HybridDrafter) and isinstance(drafter.inner, MedusaDrafter)
-    assert session.decoder.depth_policy is None and drafter.policy is not None  # the hybrid owns it
+    assert session.decoder.depth_policy is not None  # the engine's, which it hands the hybrid for the heads' part
     ids = [5, 6, 7, 8, 5, 6, 7]
     ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
                                         max_new_tokens=12, pad_token_id=0)
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == ref[0, len(ids):].tolist()
+    # the engine handed the hybrid its policy and its step clock, which waits for the device when the policy reads it
+    assert drafter.control.policy is session.decoder.depth_policy and drafter.control.clock.sync
     alone = load_session(compose("decode", ["model=tiny", "draft.suffix=false", "max_new_tokens=12"]))
     assert isinstance(alone.decoder.drafter, MedusaDrafter) and alone.decoder.depth_policy is not None
 
@@ -282,9 +286,10 @@ def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_h
     for marginal in (False, True):
         inner = OracleDrafter(own[len(prompt):], depth=3)  # the target's answer: every draft accepted
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
-        suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(inner, suffix, policy, max_nodes=16, marginal=marginal)
-        res = SpeculativeDecoder(model, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=40)
+        suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
+        drafter = HybridDrafter(inner, suffix, max_nodes=16, marginal=marginal)
+        res = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=policy).generate(prompt,
+                                                                                                 max_new_tokens=40)
         calls[marginal], outputs[marginal] = inner.calls, res.tokens
         assert res.tokens == own[len(prompt): len(prompt) + 40]
     assert calls[True] < calls[False]
@@ -301,15 +306,15 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
     corpus = SuffixArray.build([own[: len(prompt) + 24]])
     for marginal in (False, True):
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
-        suffix = SuffixDrafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, policy, max_nodes=16,
-                                marginal=marginal)
+        suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
+        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, max_nodes=16, marginal=marginal)
         steps, won = [], []
         record, observe = suffix.record, policy.observe
         suffix.record = lambda plan, accepted: won.append(accepted) or record(plan, accepted)
         policy.observe = lambda asked, draft, accepted, s: (
             steps.append((won[-1], asked, accepted)) or observe(asked, draft, accepted, s))
-        res = SpeculativeDecoder(model, drafter, eos_token_ids=[]).generate(prompt, max_new_tokens=40)
+        res = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=policy).generate(prompt,
+                                                                                                 max_new_tokens=40)
         assert res.tokens == own[len(prompt): len(prompt) + 40]
         drafted = [(w, a) for w, asked, a in steps if asked > 0]
         counted = [a for w, a in drafted if a is not None]

@@ -191,7 +191,7 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
 
     kernel_plan = load_script("kernel_plan")
     import decode.linear_kernels as kernels
-    from decode.pipeline import model_config
+    from decode.settings import model_config
     from core.target import load_target
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))

@@ -56,7 +56,8 @@ def test_the_import_graph_is_the_documented_layering():
     for module, names in decode.items():
         assert "train" not in {n.split(".")[0] for n in names}, module
     judged_by_decoding = {  # the end-of-run speed check, and layer-skip's exits ranked by their decode cost
-        "train.cli": {"decode.pipeline"}, "train.layerskip_method": {"decode.layerskip", "decode.pipeline"},
+        "train.speed_check": {"decode.prompts", "decode.session", "decode.settings"},
+        "train.layerskip_method": {"decode.layerskip", "decode.session"},
     }
     for module, names in train.items():
         used = {".".join(n.split(".")[:2]) for n in names if n.startswith("decode")}

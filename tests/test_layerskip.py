@@ -106,19 +106,19 @@ def test_bad_exit_layers_and_architectures_are_refused(tiny_llama):
     layers = model.config.num_hidden_layers
     for bad in (0, layers):
         with pytest.raises(DecodeSetupError, match=f"exit_layer={bad}"):
-            LayerSkipDrafter(model, exit_layer=bad)
+            LayerSkipDrafter(model, exit_layer=bad, threshold=0.5, max_depth=6)
 
     class Other(torch.nn.Module):
         config = type("C", (), {"model_type": "gpt2"})()
 
     with pytest.raises(DecodeSetupError, match="'gpt2'"):
-        LayerSkipDrafter(Other(), exit_layer=1)
+        LayerSkipDrafter(Other(), exit_layer=1, threshold=0.5, max_depth=6)
 
 
 def test_decode_run_drafts_with_the_target_own_first_layers():
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "drafter=layerskip", "draft.exit_layer=1",
                                               "draft.threshold=0.0", "max_new_tokens=12"]))
@@ -128,9 +128,10 @@ def test_decode_run_drafts_with_the_target_own_first_layers():
     assert isinstance(hybrid, HybridDrafter) and session.heads is None
     drafter = hybrid.inner
     assert isinstance(drafter, LayerSkipDrafter) and drafter.exit_layer == 1
-    assert hybrid.policy is not None  # adaptive by default: no drafting where it does not pay
+    policy = session.decoder.depth_policy  # the engine's, applied by the hybrid to the chain's part
+    assert policy is not None  # adaptive by default: no drafting where it does not pay
     # ... charging its verify pass only for the layers after the exit
-    assert hybrid.policy.verify_share == drafter.verify_share < 1
+    assert policy.verify_share == drafter.verify_share < 1
     ids = [5, 6, 7, 8, 5, 6, 7]
     ref = session.target.model.generate(torch.tensor([ids], device=session.target.model.device), do_sample=False,
                                         max_new_tokens=12, pad_token_id=0)
@@ -146,7 +147,7 @@ def test_the_verify_share_leaves_out_the_layers_drafting_ran(tiny_llama):
     head = model.get_output_embeddings().weight.numel()
     layers = model.config.num_hidden_layers
     for e in (1, layers - 1):
-        share = LayerSkipDrafter(model, exit_layer=e).verify_share
+        share = LayerSkipDrafter(model, exit_layer=e, threshold=0.5, max_depth=6).verify_share
         assert share == pytest.approx(1 - e * per_layer / (layers * per_layer + head), rel=1e-12)
 
 

@@ -46,7 +46,7 @@ def trained_like_exit(model, exit_layer: int, form: str, vocab: int | None, seed
 def test_trained_exits_draft_losslessly(arch, form, vocab):
     model, _ = confident_model(arch)
     for exit_layer in (1, 3):
-        drafter = LayerSkipDrafter(model, threshold=0.0, max_depth=4,
+        drafter = LayerSkipDrafter(model, exit_layer=None, threshold=0.0, max_depth=4,
                                    exit=trained_like_exit(model, exit_layer, form, vocab))
         assert drafter.exit_layer == exit_layer
         decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
@@ -65,7 +65,7 @@ def test_trained_exits_draft_losslessly(arch, form, vocab):
 def test_adapter_cache_after_each_commit_equals_a_fresh_run_of_the_adapter():
     model, _ = confident_model()
     exit_module = trained_like_exit(model, 2, "adapter", None)
-    drafter = LayerSkipDrafter(model, threshold=0.0, max_depth=3, exit=exit_module)
+    drafter = LayerSkipDrafter(model, exit_layer=None, threshold=0.0, max_depth=3, exit=exit_module)
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
     seen = []
     original = drafter.on_commit
@@ -97,7 +97,7 @@ def test_the_adapter_catches_up_only_when_drafting_resumes():
 
     model, _ = confident_model()
     exit_module = trained_like_exit(model, 2, "adapter", None)
-    drafter = LayerSkipDrafter(model, threshold=0.0, max_depth=3, exit=exit_module)
+    drafter = LayerSkipDrafter(model, exit_layer=None, threshold=0.0, max_depth=3, exit=exit_module)
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=OffAndOn())
     calls = []
     original = exit_module.features
@@ -126,7 +126,7 @@ def test_sampling_with_an_adapter_exit_keeps_the_target_distribution():
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact = exact_first_three(model, torch.tensor([3, 5, 7, 1])).reshape(-1)
-    drafter = LayerSkipDrafter(model, threshold=0.0, max_depth=2, exit=trained_like_exit(model, 1, "adapter", 8))
+    drafter = LayerSkipDrafter(model, exit_layer=None, threshold=0.0, max_depth=2, exit=trained_like_exit(model, 1, "adapter", 8))
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1000)
     assert accept_rate > 0.1
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -282,7 +282,7 @@ def test_bad_exit_settings_are_refused_clearly(tmp_path):
 def test_decode_session_drafts_with_a_trained_exit_folder(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import load_session
+    from decode.session import load_session
     from heads.io import save_heads
 
     target = tiny_run_target()

@@ -42,6 +42,15 @@ MAX_NEW = 32
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def check_settings(**changes) -> CheckSettings:
+    """conf/decode/serve_check.yaml's settings (where their defaults are written), ``changes`` over them."""
+    import dataclasses
+
+    from conftest import compose
+
+    return dataclasses.replace(CheckSettings.from_config(compose("serve_check", ["heads=x", "prompts=y"])), **changes)
+
+
 def vllm_or_skip():
     reason = vllm_available()
     if reason is None:
@@ -144,8 +153,8 @@ def test_the_serve_checks_k_auto_is_what_each_family_drafts_and_a_bad_k_is_named
 @pytest.mark.parametrize("family", ["medusa", "eagle3", "dflash"])
 def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_heads, family, tmp_path):
     # DFlash's k left to auto: its block less one, the K its heads were trained for
-    settings = CheckSettings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
-                             out=str(tmp_path / "exports"), timeout=900)
+    settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
+                              out=str(tmp_path / "exports"), timeout=900)
     report = serve_check(trained_heads[family], prompts(), settings=settings, progress=False)
     assert report["k"] == K
     assert not report["mismatches"], report["mismatches"]
@@ -164,11 +173,11 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_he
 
 def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
     with pytest.raises(ServingError, match="do not export to eagle3"):
-        serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=CheckSettings(k=K))
+        serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=check_settings(k=K))
     with pytest.raises(ServingError, match="at most 3 tokens"):
-        serve_check(trained_heads["medusa"], prompts(1), settings=CheckSettings(k=4))
+        serve_check(trained_heads["medusa"], prompts(1), settings=check_settings(k=4))
     with pytest.raises(ServingError, match=f"blocks of {K} tokens; check them with k={K}"):
-        serve_check(trained_heads["dflash"], prompts(1), settings=CheckSettings(k=K - 1))
+        serve_check(trained_heads["dflash"], prompts(1), settings=check_settings(k=K - 1))
 
 
 def test_a_missing_venv_is_named_with_the_command_that_makes_it(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from decode import registry
 from decode.adaptive import Calibration, CostCurve, best_size
 from decode.engine import SpeculativeDecoder
 from decode.suffix import (Candidates, NgramIndex, SuffixArray, SuffixDrafter, SuffixPlan, corpus_documents,
@@ -18,6 +19,13 @@ from decode.suffix import (Candidates, NgramIndex, SuffixArray, SuffixDrafter, S
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CPU_CURVE = CostCurve.from_relative({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.29, 16: 1.5, 32: 2.05, 64: 3.24})
+
+
+def suffix_drafter(model, corpus: SuffixArray | None = None, **settings) -> SuffixDrafter:
+    """A suffix drafter under the suffix family's settings of conf/decode/drafters.yaml, ``settings`` over them
+    (its corpus there is a file: ``corpus`` here is the index itself)."""
+    defaults = {k: v for k, v in registry.entry("suffix").defaults.items() if k != "corpus"}
+    return SuffixDrafter(model, corpus, **{**defaults, **settings})
 
 
 # --- indexes against brute force ------------------------------------------------------------------------------------
@@ -150,7 +158,7 @@ def test_before_any_evidence_a_deep_node_is_worth_less():
 
 def test_the_drafter_records_each_depth_of_its_branch(tiny_llama):
     model, _ = tiny_llama
-    drafter = SuffixDrafter(model, cost_curve=CPU_CURVE, remember=0)
+    drafter = suffix_drafter(model, cost_curve=CPU_CURVE, remember=0)
     cands = Candidates()
     cands.add([[10, 11, 12], [10, 13]], 1.0)  # 10 (score 1), then 11 and 13 (0.5 each), then 12 (0.5)
     chosen = cands.ranked(4)
@@ -166,7 +174,7 @@ def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch
     # this CPU's measured curve (2026-11-25): a second node costs 21% of a forward, so once the calibration has
     # fallen below that, nothing is worth verifying by the estimates alone
     measured = CostCurve.from_relative({1: 1.0, 2: 1.21, 4: 1.35, 8: 1.67, 16: 2.0, 32: 2.4, 64: 3.35})
-    drafter = SuffixDrafter(model, cost_curve=measured, remember=0)  # the rejections alone, no earlier answers
+    drafter = suffix_drafter(model, cost_curve=measured, remember=0)  # the rejections alone, no earlier answers
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
     import decode.engine as engine_module
     from decode.verify import Verdict, verify
@@ -201,7 +209,7 @@ def test_greedy_equals_hf_generate(budget, arch, tiny_llama, tiny_qwen2, tmp_pat
     model, tokenizer = tiny_llama if arch == "llama" else tiny_qwen2
     corpus = SuffixArray.build([[9, 10, 11, 12, 13] * 4, list(range(20, 60))])
     always = CostCurve.from_relative({1: 1.0, 64: 1.0})  # every candidate is verified: the most drafted nodes
-    drafter = SuffixDrafter(model, corpus=corpus, budget=budget, max_nodes=12, cost_curve=always)
+    drafter = suffix_drafter(model, corpus=corpus, budget=budget, max_nodes=12, cost_curve=always)
     decoder = SpeculativeDecoder(model, drafter)
     for prompt in ([9, 10, 11, 12], [5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 40))):
         ref = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=24,
@@ -229,7 +237,7 @@ def test_sampled_tokens_follow_the_target_distribution():
 
     model = small_vocab_target()
     exact, corpus = own_samples_corpus(model)
-    drafter = SuffixDrafter(model, corpus=corpus, budget=8)
+    drafter = suffix_drafter(model, corpus=corpus, budget=8)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)  # temperature 0.9, top-p 0.9
     assert accept_rate > 0.5  # drafts were accepted often enough for the test to mean something
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -261,7 +269,8 @@ def test_corpus_files_are_read_and_cached(tmp_path, tiny_llama, monkeypatch):
 def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
     from conftest import compose
 
-    from decode.pipeline import DecodeSetupError, load_session
+    from decode.session import load_session
+    from decode.types import DecodeSetupError
 
     session = load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=4", "max_new_tokens=12"]))
     assert isinstance(session.decoder.drafter, SuffixDrafter) and session.heads is None
@@ -283,7 +292,7 @@ def test_earlier_answers_are_indexed_and_the_oldest_dropped():
         lo, hi = drafter.history.find(pattern)
         return hi - lo
 
-    drafter = SuffixDrafter(None, remember=12, cost_curve=CPU_CURVE)
+    drafter = suffix_drafter(None, remember=12, cost_curve=CPU_CURVE)
     drafter.remember_answer([1, 2, 3, 4, 5])
     assert drafter.history is not None and occurrences([3, 4]) == 1
     drafter.remember_answer([7])  # a one-token answer teaches nothing
@@ -298,11 +307,11 @@ def test_earlier_answers_are_indexed_and_the_oldest_dropped():
     n, cands = drafter._candidates(depth=3)
     assert n == 2 and [cands.tokens[i] for i in cands.ranked(3)] == [8, 9]
     with pytest.raises(ValueError, match="draft.remember=-1"):
-        SuffixDrafter(None, remember=-1)
+        suffix_drafter(None, remember=-1)
 
 
 def test_rebuilding_waits_for_an_eighth_of_the_index():
-    drafter = SuffixDrafter(None, remember=10_000)
+    drafter = suffix_drafter(None, remember=10_000)
     drafter.remember_answer(list(range(800)))
     first = drafter.history
     drafter.remember_answer([1, 2])  # 2 new tokens: less than 800 / 8, the index is kept as it is
@@ -321,7 +330,7 @@ def test_a_second_generation_drafts_from_the_first_answer_and_stays_lossless(arc
     ref = ref[len(prompt):].tolist()
     runs = {}
     for remember in (0, 200_000):
-        decoder = SpeculativeDecoder(model, SuffixDrafter(model, remember=remember, cost_curve=always),
+        decoder = SpeculativeDecoder(model, suffix_drafter(model, remember=remember, cost_curve=always),
                                      eos_token_ids=[])
         first, second = (decoder.generate(prompt, max_new_tokens=32) for _ in range(2))
         assert first.tokens == second.tokens == ref  # lossless with and without the history

@@ -40,7 +40,7 @@ def run(cfg: DictConfig, family: Family) -> None:
 
     with reported_errors():
         result = train(cfg, family.load("method")(cfg))
-        from decode.pipeline import after_training
+        from train.speed_check import after_training
 
         after_training(cfg, result.heads_dir)
 

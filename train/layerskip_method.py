@@ -292,7 +292,7 @@ class LayerSkipMethod(TrainMethod):
         """Per trained exit: agreement, and the threshold and chain length with the best expected tokens/s against
         plain decoding under this machine's measured costs; best first."""
         from decode.layerskip import best_chain, measure_layer_costs
-        from decode.pipeline import depth_policy
+        from decode.session import depth_policy
 
         if not self._stats:
             raise RuntimeError("layer-skip exits are chosen from an evaluation: give the run an eval split "

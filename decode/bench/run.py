@@ -17,7 +17,9 @@ from decode.bench.methods import Method, build_methods, heads_folders, load_sess
 from decode.bench.prompts import load_prompts
 from decode.bench.report import machine_info, write_outputs
 from decode.bench.vllm import VLLM_METHODS
-from decode.pipeline import Session, prompt_ids, required
+from decode.prompts import prompt_ids
+from decode.session import Session
+from decode.settings import required
 from decode.types import DecodeSetupError
 from core.config import to_dict
 
@@ -65,7 +67,7 @@ def run_prompts(methods: list[Method], questions: list[dict], second_turns: bool
         messages: list[dict] = []
         for turn, text in enumerate(q_turns, start=1):
             messages.append({"role": "user", "content": text})
-            ids = prompt_ids(tokenizer, messages, s["chat"], s["system_prompt"])
+            ids = prompt_ids(tokenizer, messages, s.chat, s.system_prompt)
             where = {"question_id": q.get("question_id"), "category": q["category"], "turn": turn,
                      "source": q.get("source")}
             results = {}
@@ -114,7 +116,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
               "machine": machine_info(param.device), "target": base.target.name, "dtype": str(param.dtype),
               "settings": {"prompts": str(c["prompts"]), "questions": len(questions),
                            "second_turns": bool(c["second_turns"]), "fresh": bool(c["fresh"]),
-                           "vllm_rounds": len(rounds), **s,
+                           "vllm_rounds": len(rounds),
+                           **{k: getattr(s, k) for k in ("max_new_tokens", "stop", "seed", "chat", "system_prompt")},
                            "acceptance": base.sampling.acceptance, "linear_kernel": base.decoder.linear_kernel,
                            "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
@@ -140,15 +143,15 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
 
 def _first_turn(base: Session, question: dict) -> list[int]:
     s = base.settings
-    return prompt_ids(base.target.tokenizer, [{"role": "user", "content": question["turns"][0]}], s["chat"],
-                      s["system_prompt"])
+    return prompt_ids(base.target.tokenizer, [{"role": "user", "content": question["turns"][0]}], s.chat,
+                      s.system_prompt)
 
 
 def _warm_up(methods: list[Method], base: Session, questions: list[dict], c: dict) -> dict | None:
     """One short run of each method before timing, hf_early_exit's after its layer is chosen (swept on the first
     ``early_exit_sweep_prompts`` prompts unless given); returns that choice (None without hf_early_exit)."""
     s = base.settings
-    warm = prompt_ids(base.target.tokenizer, [{"role": "user", "content": "Hi"}], s["chat"], s["system_prompt"])
+    warm = prompt_ids(base.target.tokenizer, [{"role": "user", "content": "Hi"}], s.chat, s.system_prompt)
     early_exit = None
     for m in methods:
         if m.name == "hf_early_exit":

@@ -1,4 +1,4 @@
-"""One target, several drafters (e.g. one set of heads under several trees) on the same prompts: what
+"""One target, several decoders (e.g. one set of heads under several trees) on the same prompts: what
 scripts/sweep_trees.py prints to choose a tree."""
 
 from __future__ import annotations
@@ -6,34 +6,32 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from decode.engine import SpeculativeDecoder
-from decode.pipeline import Session, prompt_ids
+from decode.prompts import prompt_ids
+from decode.session import Session
 
 
-def sweep_drafters(session: Session, drafters: dict[str, object], questions: list[dict],
+def sweep_decoders(session: Session, decoders: dict[str, SpeculativeDecoder], questions: list[dict],
                    warmup: bool = True, progress: bool = True) -> dict[str, dict]:
-    """First turns of ``questions`` decoded by the session's target with each of ``drafters`` (name -> drafter, e.g.
-    one set of heads under several trees), prompt by prompt: tau, tokens/s, draft/verify seconds per drafter, and on
-    how many prompts its tokens equal the first drafter's (all of them under greedy acceptance: trees change speed,
-    never the output). What scripts/sweep_trees.py prints to choose a tree. A value may also be a whole
-    :class:`SpeculativeDecoder` (e.g. with adaptive depth, from :func:`decode.pipeline.build_decoder`)."""
+    """First turns of ``questions`` decoded by each of ``decoders`` (name -> an engine on the session's target, from
+    :meth:`Session.decoder_for`: e.g. one set of heads under several trees), prompt by prompt: tau, tokens/s,
+    draft/verify seconds per decoder, and on how many prompts its tokens equal the first decoder's (all of them under
+    greedy acceptance: trees change speed, never the output). What scripts/sweep_trees.py prints to choose a tree."""
     s, tokenizer = session.settings, session.target.tokenizer
-    decoders = {name: drafter if isinstance(drafter, SpeculativeDecoder) else session.engine_for(drafter)
-                for name, drafter in drafters.items()}
     if not decoders:
-        raise ValueError("Give at least one drafter to sweep.")
+        raise ValueError("Give at least one decoder to sweep.")
     if warmup:
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s["chat"])
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s.chat)
         for decoder in decoders.values():
-            decoder.generate(ids, max_new_tokens=4, sampling=session.sampling)
+            decoder.generate(ids, max_new_tokens=4, sampling=s.sampling)
     ways = {name: {"new_tokens": 0, "total_s": 0.0, "steps": 0, "step_tokens": 0, "draft_s": 0.0, "verify_s": 0.0,
                    "same_as_first": 0} for name in decoders}
     first = next(iter(decoders))
     for q in tqdm(questions, desc="prompts", unit="prompt", disable=not progress):
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s["chat"], s["system_prompt"])
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat, s.system_prompt)
         reference = None
         for name, decoder in decoders.items():
-            res = decoder.generate(ids, max_new_tokens=s["max_new_tokens"], sampling=session.sampling, stop=s["stop"],
-                                   seed=s["seed"], timings=True)
+            res = decoder.generate(ids, max_new_tokens=s.max_new_tokens, sampling=s.sampling, stop=s.stop, seed=s.seed,
+                                   timings=True)
             w = ways[name]
             w["new_tokens"] += res.stats.new_tokens
             w["steps"] += res.stats.steps

@@ -69,7 +69,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
                      out: Path, log_name: str = "vllm.log") -> tuple[dict[str, dict], dict[str, dict]]:
     """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}), vLLM's log written to
     ``out / log_name``: ({method: {tuple(ids): record}}, {method: info})."""
-    from decode.pipeline import required
+    from decode.settings import required
 
     c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
     k, suffix_k = int(c["vllm_speculative_tokens"]), int(c["vllm_suffix_tokens"])
@@ -83,8 +83,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     model = base.target.model
     limit = int(getattr(model.config, "max_position_embeddings", 2048))
     job = {"model": str(served), "dtype": str(model.dtype).removeprefix("torch."),
-           "max_model_len": min(limit, max(map(len, prompts)) + s["max_new_tokens"] + k + 8),
-           "max_new_tokens": s["max_new_tokens"], "prompts": prompts, "stop_token_ids": eos,
+           "max_model_len": min(limit, max(map(len, prompts)) + s.max_new_tokens + k + 8),
+           "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if "vllm_selfspec_suffix" in names:  # selfspec's proposer imports from this repository, inside vLLM's venv
         from decode.adaptive import measured_cost_curve

@@ -1,0 +1,144 @@
+"""The decode settings, read once from a composed conf/decode/decode.yaml into a :class:`DecodeSettings`, and the
+target's model config they name.
+
+Every decode default is written in conf/decode/ only (decode.yaml for the session, drafters.yaml for each family's
+``draft.*`` settings, bench.yaml and serve_check.yaml for those scripts): a key the composed config lacks is an error
+that names it (:func:`required`), never a default written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from core.config import MISSING, cfg_get, to_dict, to_plain
+from core.target import SMOLLM2_ID
+from decode.linear_kernels import KERNELS
+from decode.types import DecodeSetupError
+from decode.verify import Sampling
+
+MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
+DECODE_CONFIGS = MODEL_CONFIGS.parent / "decode"
+
+
+def required(cfg: Any, keys: Sequence[str]) -> dict:
+    """``cfg``'s values of ``keys`` as plain values, each read once. A key the config lacks (or leaves ``???``) is an
+    error that names it."""
+    values = {k: cfg_get(cfg, k, MISSING) for k in keys}
+    missing = [k for k, v in values.items() if isinstance(v, str) and v == MISSING]
+    if missing:
+        raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose the config from conf/decode/ "
+                               "(decode.yaml, or bench.yaml for the benchmark; decode.settings.decode_config() in "
+                               "code) rather than writing one of its own.")
+    return {k: to_plain(v) for k, v in values.items()}
+
+
+def decode_config(overrides: dict | None = None) -> Any:
+    """conf/decode/decode.yaml with ``overrides`` merged in: a whole decode config for code that sets a few keys."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.load(DECODE_CONFIGS / "decode.yaml"), overrides or {})
+
+
+SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", "dtype", "acceptance", "temperature",
+                "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What a session decodes under (conf/decode/decode.yaml says what each does), read once from the composed config
+    by :meth:`from_config`; the code past it reads these fields, never the config."""
+
+    heads: str | None  # a heads folder, ``random`` (untrained heads of the family) or None (no heads)
+    family: str | None  # ``drafter=``: a registry entry (decode/registry.py); None: the heads' own
+    draft: dict  # the ``draft.*`` settings given (the null ones left out: those keep the saved or default value)
+    random_heads: dict  # heads=random's options
+    model: Any  # ``model=``: a name in conf/model/, a hub id or folder, or a model config; None: the heads' target
+    device: str | None  # None: the model config's
+    dtype: str | None  # None: the model config's
+    sampling: Sampling
+    linear_kernel: str
+    max_new_tokens: int
+    stop: list[str]
+    seed: int
+    chat: bool
+    system_prompt: str | None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "DecodeSettings":
+        c = required(cfg, SESSION_KEYS)
+        kernel = str(c["linear_kernel"])
+        if kernel not in KERNELS:
+            raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
+        return cls(
+            heads=None if c["heads"] in (None, "none", "null") else str(c["heads"]),
+            family=None if c["drafter"] is None else str(c["drafter"]),
+            draft={k: v for k, v in to_dict(c["draft"]).items() if v is not None},
+            random_heads=to_dict(c["random_heads"]), model=c["model"], device=c["device"], dtype=c["dtype"],
+            sampling=Sampling(acceptance=str(c["acceptance"]), temperature=float(c["temperature"]),
+                              top_k=int(c["top_k"]), top_p=float(c["top_p"])),
+            linear_kernel=kernel, max_new_tokens=int(c["max_new_tokens"]), stop=[str(s) for s in (c["stop"] or [])],
+            seed=int(c["seed"]), chat=bool(c["chat"]), system_prompt=c["system_prompt"],
+        )
+
+    def target_config(self, heads_config: dict | None) -> dict:
+        """The model config of the target to decode with (:func:`resolve_target_config`)."""
+        return resolve_target_config(self.model, heads_config, self.device, self.dtype)
+
+
+# --- the target -------------------------------------------------------------------------------------------------------
+
+
+def target_config_from_heads(heads_config: dict) -> dict:
+    """A model config for the target a heads folder records (``model`` if the trainer saved it, else
+    ``base_model`` + fingerprint): the embedded SmolLM2, a tiny model, or a hub id / local folder."""
+    if isinstance(heads_config.get("model"), dict):
+        return dict(heads_config["model"])
+    name = heads_config.get("base_model")
+    if not name:
+        raise DecodeSetupError("The heads' config.json names no base_model: pass the target with model=NAME.")
+    if name == SMOLLM2_ID:
+        return {"source": "smollm2"}
+    if str(name).startswith("tiny-"):
+        fp = heads_config.get("target_fingerprint", {})
+        tiny = {"arch": str(name)[5:]}
+        tiny.update({k: fp[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers") if k in fp})
+        return {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": tiny}
+    return {"source": "hub", "name_or_path": name}
+
+
+def model_config(model: Any) -> dict:
+    """``model=``: a config dict, a name in conf/model/ (smollm2, tiny, ...), or a hub id / local folder."""
+    if not isinstance(model, str):
+        return to_dict(model)
+    named = MODEL_CONFIGS / f"{model}.yaml"
+    if "/" not in model and named.is_file():
+        from omegaconf import OmegaConf
+
+        return to_dict(OmegaConf.load(named))
+    return {"source": "hub", "name_or_path": model}
+
+
+def resolve_target_config(model: Any, heads_config: dict | None, device: str | None = None,
+                          dtype: str | None = None) -> dict:
+    """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2. ``device`` and
+    ``dtype`` replace the model config's when given."""
+    model = to_plain(model)
+    if model is not None:
+        model_cfg = model_config(model)
+    else:
+        model_cfg = target_config_from_heads(heads_config) if heads_config else {"source": "smollm2"}
+    model_cfg.update({k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
+    return model_cfg
+
+
+def target_config_from_overrides(overrides: list[str]) -> dict:
+    """The target conf/decode/decode.yaml names under command-line ``overrides`` (its ``model``, ``device``,
+    ``dtype``): for scripts that need a target and no drafter (scripts/kernel_plan.py, scripts/engine_ceiling.py)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(DECODE_CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="decode", overrides=list(overrides))
+    c = required(cfg, ("model", "device", "dtype"))
+    return resolve_target_config(c["model"], None, c["device"], c["dtype"])

@@ -1,0 +1,65 @@
+"""The end of a training entry (train/medusa.py, train/eagle.py, train/layerskip.py, train/dflash.py): the command
+that decodes with the new heads, and a quick speed check of them against plain decoding (:func:`speed_check`), as
+the entry config's ``speed_check`` block says (conf/<family>.yaml, where its defaults are written)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from core.config import cfg_get, to_dict
+from core.errors import SettingError
+
+SPEED_CHECK_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold, step by step.",
+    "Write a Python function that checks whether a string is a palindrome, with a few tests.",
+    "What are the main differences between a list and a tuple in Python?",
+)
+
+
+def after_training(cfg: Any, heads_dir: str | Path) -> None:
+    """:func:`speed_check` as ``cfg.speed_check`` says, on the main process only (the one that saved the heads)."""
+    from accelerate import PartialState
+
+    check = to_dict(cfg_get(cfg, "speed_check"))
+    missing = sorted({"prompts", "max_new_tokens"} - set(check))
+    if missing:
+        raise SettingError(f"Missing speed_check option(s) {missing}: compose the entry's config from conf/ "
+                           "(conf/<family>.yaml writes them).")
+    if check["prompts"] is not None and PartialState().is_main_process:
+        speed_check(heads_dir, int(check["prompts"]), int(check["max_new_tokens"]))
+
+
+def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: TextIO = sys.stderr) -> dict:
+    """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
+    few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the
+    same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}."""
+    from decode.prompts import prompt_ids
+    from decode.session import load_session
+    from decode.settings import decode_config
+
+    command = f'python decode/run.py heads={heads_dir} prompt="Write a haiku about the sea."'
+    print(f"[selfspec] decode with these heads:\n  {command}", file=out)
+    if prompts <= 0:
+        return {}
+    session = load_session(decode_config({"heads": str(heads_dir), "max_new_tokens": int(max_new_tokens)}))
+    plain = session.decoder_for("vanilla")
+    tokenizer = session.target.tokenizer
+    ids = [prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in SPEED_CHECK_PROMPTS[:prompts]]
+    for decoder in (session.decoder, plain):
+        decoder.generate(ids[0], max_new_tokens=8)  # warm-up
+    totals = {"heads": [0, 0.0], "plain": [0, 0.0]}
+    for prompt in ids:
+        for name, decoder in (("heads", session.decoder), ("plain", plain)):
+            res = decoder.generate(prompt, max_new_tokens=max_new_tokens)
+            totals[name][0] += res.stats.new_tokens
+            totals[name][1] += res.stats.total_s
+    rate = {k: n / s if s > 0 else 0.0 for k, (n, s) in totals.items()}
+    result = {**rate, "ratio": rate["heads"] / rate["plain"] if rate["plain"] else 0.0}
+    print(f"[selfspec] quick speed check ({len(ids)} prompts, {max_new_tokens} new tokens, greedy, "
+          f"{session.family} with its defaults {session.draft_settings}): {rate['heads']:.1f} tokens/s against "
+          f"{rate['plain']:.1f} for plain decoding: {result['ratio']:.2f}x. The benchmark: scripts/bench.py.",
+          file=out)
+    return result

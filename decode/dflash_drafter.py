@@ -50,7 +50,7 @@ from decode.cache import Backlog, CacheError, GrowingLayer
 from decode.tree import Tree
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
-from heads.dflash import DFlashConfig, DFlashDrafter
+from heads.dflash import DFlashConfig, DFlashHeads
 from core.errors import SettingError
 from core.runtime import native_bf16
 
@@ -148,7 +148,7 @@ class BlockForward(nn.Module):
     """A DFlash drafter's decode form: its weights in ``dtype``, projections merged, and its context's keys and
     values in cache layers (module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter, dtype: torch.dtype):
+    def __init__(self, drafter: DFlashHeads, dtype: torch.dtype):
         super().__init__()
         self.dtype, self.block_size = dtype, drafter.block_size
         self.fc = _fused([drafter.fc.weight], dtype)
@@ -201,9 +201,9 @@ class DFlashBlockDrafter(DrafterBase):
     with the first position's ``top_k - 1`` next tokens as siblings of the chain's first node. ``dtype``: the decode
     form's (:func:`draft_dtype`; None: the module's own)."""
 
-    def __init__(self, heads: DFlashDrafter, top_k: int, dtype: torch.dtype | None = None):
-        if not isinstance(heads, DFlashDrafter):
-            raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (heads.dflash.DFlashDrafter), got "
+    def __init__(self, heads: DFlashHeads, top_k: int, dtype: torch.dtype | None = None):
+        if not isinstance(heads, DFlashHeads):
+            raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (heads.dflash.DFlashHeads), got "
                             f"{type(heads).__name__}.")
         if top_k < 1:
             raise SettingError(f"DFlash top_k={top_k}: 1 drafts a chain, more adds the first position's next tokens.")
@@ -291,14 +291,14 @@ class DFlashBlockDrafter(DrafterBase):
 # --- what core/families.py names for the dflash family ---------------------------------------------------------------
 
 
-def dflash_from_settings(heads: DFlashDrafter, target, settings: dict) -> DFlashBlockDrafter:
+def dflash_from_settings(heads: DFlashHeads, target, settings: dict) -> DFlashBlockDrafter:
     return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]), dtype=draft_dtype(settings["dtype"], heads))
 
 
-def random_dflash_heads(model: nn.Module, seed: int = 0, **_) -> DFlashDrafter:
+def random_dflash_heads(model: nn.Module, seed: int = 0, **_) -> DFlashHeads:
     """An untrained DFlash block drafter for ``model`` (dry runs: its drafts are rarely accepted)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        heads = DFlashDrafter(DFlashConfig.from_target(model), model)
+        heads = DFlashHeads(DFlashConfig.from_target(model), model)
     param = next(model.parameters())
     return heads.to(device=param.device, dtype=param.dtype).eval()

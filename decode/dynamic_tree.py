@@ -15,7 +15,7 @@ score, so the engine's sibling order is the draft's preference order.
 
 The draft itself is reached only through an ``expand`` callback (frontier ids -> top-k children), so the selection
 logic is a small pure function tested against a brute-force reference. :class:`DraftTreeExpander` is the callback
-for an :class:`heads.eagle.EagleDrafter`: it appends the frontier's entries to the draft's own KV cache and lets each
+for an :class:`heads.eagle.EagleHeads`: it appends the frontier's entries to the draft's own KV cache and lets each
 node attend to the committed prefix, its tree ancestors and itself (an additive 4D mask), at position
 ``past_length + depth - 1`` (a depth-d node reads the feature its parent predicted for position past + d - 1).
 """
@@ -145,7 +145,7 @@ def grow_dynamic_tree(
 
 
 class DraftTreeExpander:
-    """``expand`` for an EagleDrafter: runs a frontier through the draft layer under a tree mask.
+    """``expand`` for an EagleHeads: runs a frontier through the draft layer under a tree mask.
 
     ``cache`` holds ``past_length`` committed entries (entry i read the target's feature of position i and token
     i + 1); ``root_feature`` [H] is the draft's predicted feature for position ``past_length``, which every depth-1

@@ -29,7 +29,7 @@ from decode.cache import Backlog, new_cache
 from decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dynamic_tree, topk_children
 from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
 from decode.verify import Verdict
-from heads.eagle import EagleConfig, EagleDrafter
+from heads.eagle import EagleConfig, EagleHeads
 from core.errors import SettingError
 from core.kv import crop_cache
 
@@ -38,12 +38,12 @@ class EagleTreeDrafter(DrafterBase):
     """EAGLE-2 dynamic trees: ``depth`` levels, ``top_k`` children per expanded node and ``top_k`` nodes expanded
     per level, the ``total_tokens`` best drafted nodes verified (plus the root)."""
 
-    def __init__(self, heads: EagleDrafter, depth: int, top_k: int, total_tokens: int):
+    def __init__(self, heads: EagleHeads, depth: int, top_k: int, total_tokens: int):
         if depth < 0 or top_k < 1 or total_tokens < 0:
             raise SettingError(f"EAGLE tree needs depth >= 0, top_k >= 1, total_tokens >= 0 "
                              f"(got depth={depth}, top_k={top_k}, total_tokens={total_tokens}).")
-        if not isinstance(heads, EagleDrafter):
-            raise TypeError(f"EagleTreeDrafter drafts with EAGLE heads (heads.eagle.EagleDrafter), got "
+        if not isinstance(heads, EagleHeads):
+            raise TypeError(f"EagleTreeDrafter drafts with EAGLE heads (heads.eagle.EagleHeads), got "
                             f"{type(heads).__name__}; train some with train/eagle.py.")
         self.drafter = heads.eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
@@ -117,19 +117,19 @@ class EagleTreeDrafter(DrafterBase):
 # --- what core/families.py names for the eagle and eagle3 families --------------------------------------------------
 
 
-def eagle_from_settings(heads: EagleDrafter, target, settings: dict) -> EagleTreeDrafter:
+def eagle_from_settings(heads: EagleHeads, target, settings: dict) -> EagleTreeDrafter:
     return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
 
 
-def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_) -> EagleDrafter:
+def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_) -> EagleHeads:
     """Untrained EAGLE heads for ``model`` (dry runs: their drafts are rarely accepted)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        heads = EagleDrafter(EagleConfig.from_target(model, variant=variant), model)
+        heads = EagleHeads(EagleConfig.from_target(model, variant=variant), model)
     param = next(model.parameters())
     return heads.to(device=param.device, dtype=param.dtype).eval()
 
 
-def random_eagle3_heads(model: torch.nn.Module, seed: int = 0, **options) -> EagleDrafter:
+def random_eagle3_heads(model: torch.nn.Module, seed: int = 0, **options) -> EagleHeads:
     """Untrained EAGLE-3 heads for ``model`` (dry runs)."""
     return random_eagle_heads(model, seed, **{**options, "variant": "eagle3"})

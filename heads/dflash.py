@@ -172,7 +172,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashHeads(nn.Module):
     """The block drafter. Parameter names are those of DFlash checkpoints (``fc``, ``hidden_norm``, ``layers.{i}``,
     ``norm``, ``lm_head``; ``mask_embedding`` is vLLM's ``mask_embedding.pt``), so the export renames nothing."""
 
@@ -422,16 +422,16 @@ def dflash_block_loss(logits: torch.Tensor, teacher: torch.Tensor, weights: torc
 # --- save / load ---------------------------------------------------------------------------------------------------------
 
 
-def build_dflash_drafter(head_config: dict, target_model: nn.Module | None) -> DFlashDrafter:
+def build_dflash_heads(head_config: dict, target_model: nn.Module | None) -> DFlashHeads:
     """heads.io builder for head type ``dflash``: rebuild the module from its saved config."""
     if target_model is None:
         raise ValueError("DFlash heads read the target's embeddings: load them with the target, "
                          "heads.load(path, target=...).")
-    return DFlashDrafter(DFlashConfig(**head_config), target_model)
+    return DFlashHeads(DFlashConfig(**head_config), target_model)
 
 
 __all__ = [
-    "DFlashConfig", "DFlashDrafter", "block_mask", "block_targets", "build_dflash_drafter", "chain_on_path",
+    "DFlashConfig", "DFlashHeads", "block_mask", "block_targets", "build_dflash_heads", "chain_on_path",
     "default_target_layer_ids", "dflash_block_loss", "earlier_all", "on_greedy_path", "position_weights",
     "retrieval_hits", "sample_anchors",
 ]

@@ -1,6 +1,6 @@
 """EAGLE-style drafters: one decoder layer that works in the target's feature space.
 
-Two variants share one module, :class:`EagleDrafter`:
+Two variants share one module, :class:`EagleHeads`:
 
 ``eagle`` (EAGLE-1)
     The feature ``f_t`` is the target's last hidden state at position t *after* its final norm (what the target's LM
@@ -163,7 +163,7 @@ def _widen_qkv(layer: nn.Module, hidden: int) -> None:
 # --- the draft module ------------------------------------------------------------------------------------------------
 
 
-class EagleDrafter(nn.Module):
+class EagleHeads(nn.Module):
     """One draft decoder layer over (feature, next-token embedding); see the module docstring.
 
     ``target``: the frozen Hugging Face CausalLM it drafts for (its embedding, rotary embedding and, for ``eagle``,
@@ -391,11 +391,11 @@ class EagleDrafter(nn.Module):
 # --- save / load ------------------------------------------------------------------------------------------------------
 
 
-def build_eagle_drafter(head_config: dict, target_model: nn.Module | None) -> EagleDrafter:
+def build_eagle_heads(head_config: dict, target_model: nn.Module | None) -> EagleHeads:
     """heads.io builder for head types ``eagle`` and ``eagle3``: rebuild the module from its saved config."""
     if target_model is None:
         raise ValueError(
             "EAGLE heads are rebuilt from the target's own layer class and config: load them with the target, "
             "heads.load(path, target=...)."
         )
-    return EagleDrafter(EagleConfig(**head_config), target_model)  # heads saved before ``layout`` existed are fc
+    return EagleHeads(EagleConfig(**head_config), target_model)  # heads saved before ``layout`` existed are fc

@@ -1,4 +1,4 @@
-"""The EAGLE drafters' training losses (heads/eagle.py's :class:`EagleDrafter`), pure functions over the frozen
+"""The EAGLE drafters' training losses (heads/eagle.py's :class:`EagleHeads`), pure functions over the frozen
 target's outputs: feature regression (EAGLE-1), KL to the target's distribution or cross-entropy on tokens, over
 unrolled test-time steps in which the draft reads its own previous output feature."""
 
@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from core.layers import shift_left
-from heads.eagle import EagleDrafter
+from heads.eagle import EagleHeads
 from core.errors import SettingError
 from core.runtime import rows_through
 
@@ -185,7 +185,7 @@ def _check_loss_inputs(weights: EagleLossWeights, target_features, teacher_logit
 
 
 def drafter_loss(
-    drafter: EagleDrafter,
+    drafter: EagleHeads,
     hidden_states,
     target_logits: TeacherLogits | None,
     input_ids: torch.Tensor,

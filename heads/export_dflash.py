@@ -30,7 +30,7 @@ MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
 
 def dflash_to_vllm(drafter: nn.Module) -> tuple[dict, dict[str, torch.Tensor], dict[str, object]]:
-    """(config.json, weights, other files by name) of a :class:`heads.dflash.DFlashDrafter` for vLLM."""
+    """(config.json, weights, other files by name) of a :class:`heads.dflash.DFlashHeads` for vLLM."""
     cfg = drafter.config
     layer = cfg.layer_config().to_dict()
     vd = cfg.effective_draft_vocab_size

@@ -84,7 +84,7 @@ def test_two_micro_batches_give_the_loss_and_gradients_of_one_batch(tmp_path, fa
     target, datasets = tiny_target(), tiny_datasets()
     cfg, method = _method(family, tmp_path)
     method.prepare_data(datasets, target, None, None)  # the draft vocabulary, where the config asks for one
-    drafter = method.build_drafter(target)
+    drafter = method.build_module(target)
     drafter.train()
     examples = [datasets["train"][i] for i in range(4)]
 

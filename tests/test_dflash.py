@@ -17,7 +17,7 @@ from decode.hybrid import HybridDrafter
 from decode.suffix import SuffixArray
 from test_suffix import suffix_drafter
 from heads.dflash import (
-    DFlashConfig, DFlashDrafter, block_mask, block_targets, dflash_block_loss, position_weights, sample_anchors,
+    DFlashConfig, DFlashHeads, block_mask, block_targets, dflash_block_loss, position_weights, sample_anchors,
 )
 from test_eagle import MAX_NEW, OffAndOn, decode_prompts, hf_greedy
 
@@ -36,7 +36,7 @@ def continuations(model, rows=32, new=40, prompt=None, do_sample=False, seed=0) 
     return model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=do_sample, pad_token_id=0)
 
 
-def block_loss(drafter: DFlashDrafter, features, seqs, teacher_ids, labels, anchors, weights) -> torch.Tensor:
+def block_loss(drafter: DFlashHeads, features, seqs, teacher_ids, labels, anchors, weights) -> torch.Tensor:
     """The drafter's weighted CE over every block at ``anchors`` [B, A] of ``seqs`` [B, T] against the target's
     argmax tokens ``teacher_ids`` [B, T] (row j: its choice of token j + 1)."""
     bsz, t = labels.shape
@@ -53,7 +53,7 @@ def block_loss(drafter: DFlashDrafter, features, seqs, teacher_ids, labels, anch
     return dflash_block_loss(drafter.logits(hidden[b, a, k]), teacher, weights[k], "ce", num_items)
 
 
-def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> DFlashDrafter:
+def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> DFlashHeads:
     """A one-layer DFlash drafter trained on ``seqs`` [B, 4 + n] (the target's own continuations of 4-token prompts)
     against the target's argmax at each block position. A few hundred steps on so little data memorise it: the
     tests decode prompts the data continues, where its chains are accepted, and others, where they are rejected."""
@@ -61,7 +61,7 @@ def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> 
         out = model(seqs, output_hidden_states=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        drafter = DFlashDrafter(DFlashConfig.from_target(model, block_size=block_size, num_layers=1), model)
+        drafter = DFlashHeads(DFlashConfig.from_target(model, block_size=block_size, num_layers=1), model)
     features = drafter.target_features(out.hidden_states)  # [B, T, n * H]
     teacher_ids = out.logits.argmax(-1)  # [B, T] the target's choice of the next token
     labels = seqs.clone()
@@ -254,9 +254,9 @@ def test_the_decode_form_follows_the_modules_weights(trained):
     assert sum(before) > 0 and sum(after) < sum(before)
 
 
-def copy_drafter(heads: DFlashDrafter, model) -> DFlashDrafter:
+def copy_drafter(heads: DFlashHeads, model) -> DFlashHeads:
     """A drafter with ``heads``' weights, to change without touching the module-scoped one."""
-    other = DFlashDrafter(DFlashConfig(**heads.config.to_dict()), model)
+    other = DFlashHeads(DFlashConfig(**heads.config.to_dict()), model)
     other.load_state_dict(heads.state_dict())
     return other.eval()
 
@@ -267,7 +267,7 @@ def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
     from core.errors import SettingError
 
     model, _ = tiny_llama
-    heads = DFlashDrafter(DFlashConfig.from_target(model, block_size=3), model)
+    heads = DFlashHeads(DFlashConfig.from_target(model, block_size=3), model)
     for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(dd, "native_bf16", lambda device, native=native: native)
         assert dd.draft_dtype("auto", heads) == expected and dd.draft_dtype(None, heads) == expected
@@ -344,7 +344,7 @@ def test_the_heads_folder_round_trip_decodes_identically(trained, tmp_path):
     model, heads, prompts = trained
     save_heads(tmp_path / "heads", heads, "dflash", heads.config.to_dict(), model)
     loaded = load_heads(tmp_path / "heads", target=model).module
-    assert isinstance(loaded, DFlashDrafter) and loaded.config == heads.config
+    assert isinstance(loaded, DFlashHeads) and loaded.config == heads.config
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), heads.state_dict().values()))
     for top_k in (1, 3):
         runs = [SpeculativeDecoder(model, DFlashBlockDrafter(h, top_k=top_k)) for h in (heads, loaded)]
@@ -381,7 +381,7 @@ def test_bad_settings_fail_clearly(tiny_llama):
     from core.errors import SettingError
 
     model, _ = tiny_llama
-    heads = DFlashDrafter(DFlashConfig.from_target(model, block_size=3), model)
+    heads = DFlashHeads(DFlashConfig.from_target(model, block_size=3), model)
     with pytest.raises(SettingError, match="top_k=0"):
         DFlashBlockDrafter(heads, top_k=0)
     with pytest.raises(TypeError, match="DFlash heads"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_medusa_train import heads_weights
 
-from heads.dflash import DFlashDrafter, block_mask
+from heads.dflash import DFlashHeads, block_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -108,7 +108,7 @@ def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
     ce = "heads.loss.token_loss=ce"  # the target's greedy tokens as the teacher: no method state beyond the settings
     plain = DFlashMethod(dflash_cfg(tmp_path / "a", ce, "heads.loss.retrieved_weight=1"))
     weighted = DFlashMethod(dflash_cfg(tmp_path / "b", ce, "heads.loss.retrieved_weight=0.25"))
-    module = plain.build_drafter(t)
+    module = plain.build_module(t)
     torch.manual_seed(0)
     n_plain = plain.count_items(batch)
     anchors = batch["anchors"]
@@ -196,7 +196,7 @@ def test_off_path_weight_scales_exactly_the_positions_after_the_text_leaves_the_
     methods = {w: DFlashMethod(dflash_cfg(tmp_path / str(w), ce, "heads.loss.retrieved_weight=1",
                                           f"heads.loss.off_path_weight={w}", "heads.draft_vocab_size=null"))
                for w in (1, 0.5, 0)}
-    module = methods[1].build_drafter(t)
+    module = methods[1].build_module(t)
     torch.manual_seed(0)
     n = methods[1].count_items(batch)
     anchors = batch["anchors"]
@@ -242,7 +242,7 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
     batch = off_path_batch(t)  # row 0 on the greedy path everywhere, row 1 leaving it in places
     ids = batch["input_ids"]
     method = DFlashMethod(dflash_cfg(tmp_path, "heads.draft_vocab_size=null", "heads.anchors_per_sequence=16"))
-    module = method.build_drafter(t)
+    module = method.build_module(t)
     vocab = t.model.config.vocab_size
     pattern = torch.Generator().manual_seed(3)
     seen = {}
@@ -319,7 +319,7 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     assert recipe.feature_store == eagle3.feature_store
     # the hour recipe keeps the target's LM head rows (measured there); the family's default trains them
     assert recipe.heads.freeze_lm_head is True and default.heads.freeze_lm_head is False
-    module = DFlashMethod(dflash_cfg(tmp_path)).build_drafter(tiny_target())
+    module = DFlashMethod(dflash_cfg(tmp_path)).build_module(tiny_target())
     assert all(p.requires_grad for p in module.parameters())
     assert module.drafter.config.mask_token_id == 319 and module.drafter.config.target_layer_ids == [0, 1, 2]
     bad = {"token_loss": ["heads.loss.token_loss=mse"], "anchors": ["heads.anchors_per_sequence=0"],
@@ -340,10 +340,10 @@ def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, a
     model, tokenizer = build_tiny(arch)
     t = Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fresh = DFlashMethod(dflash_cfg(tmp_path / "r")).build_drafter(t).drafter  # random start
+    fresh = DFlashMethod(dflash_cfg(tmp_path / "r")).build_module(t).drafter  # random start
     for layer in (-1, 0):
         drafter = DFlashMethod(dflash_cfg(tmp_path / f"l{layer}", "heads.num_layers=2",
-                                          f"heads.init_from_layer={layer}")).build_drafter(t).drafter
+                                          f"heads.init_from_layer={layer}")).build_module(t).drafter
         source = dict(decoder_of(model).layers[layer].named_parameters())
         for mine in drafter.layers:
             for name, p in mine.named_parameters():
@@ -356,7 +356,7 @@ def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, a
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     for bad, match in (("heads.init_from_layer=7", "layers 0..3"), ("heads.init_from_layer=last", "init_from_layer")):
         with pytest.raises(ValueError, match=match):
-            DFlashMethod(dflash_cfg(tmp_path / "bad", bad)).build_drafter(t)
+            DFlashMethod(dflash_cfg(tmp_path / "bad", bad)).build_module(t)
 
 
 # --- training -----------------------------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_training_lowers_the_loss_raises_acceptance_and_leaves_the_target(tmp_pa
     after = t.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the target is bit-identical
     loaded = heads.load(tmp_path / "s80" / "heads", t)
-    assert loaded.config["head_type"] == "dflash" and isinstance(loaded.module, DFlashDrafter)
+    assert loaded.config["head_type"] == "dflash" and isinstance(loaded.module, DFlashHeads)
     assert loaded.module.config.block_size == 4 and loaded.module.config.mask_token_id == 319
     assert loaded.config["eval"]["eval/accept_length_chain"] == pytest.approx(last["eval/accept_length_chain"])
     trained = heads_weights(tmp_path / "s80")

@@ -147,13 +147,13 @@ def test_draft_tree_mask_matches_plain_forward_per_branch(tiny_llama, variant):
     """Every node's draft feature under the tree mask equals the draft run plainly over that node's own branch."""
     from transformers import DynamicCache
 
-    from heads.eagle import EagleConfig, EagleDrafter
+    from heads.eagle import EagleConfig, EagleHeads
     from core.kv import crop_cache
 
     model, _ = tiny_llama
     device = model.device
     config = EagleConfig.from_target(model, variant=variant, draft_vocab_size=200)
-    drafter = EagleDrafter(config, model).to(device).eval()
+    drafter = EagleHeads(config, model).to(device).eval()
     prompt = torch.tensor([[7, 40, 41, 42, 99, 100]], device=device)
     next_tokens = torch.tensor([[40, 41, 42, 99, 100, 13]], device=device)  # token t+1 for t = 0..5; 13: the root
     past = prompt.shape[1]

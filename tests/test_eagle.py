@@ -20,7 +20,7 @@ from decode.engine import SpeculativeDecoder
 from decode.types import ROOT
 from decode.verify import Sampling, target_probs
 from core.layers import causal_mask, shift_left
-from heads.eagle import EagleConfig, EagleDrafter, default_layer_ids
+from heads.eagle import EagleConfig, EagleHeads, default_layer_ids
 from heads.eagle_loss import (
     EagleLossWeights,
     add_uniform_noise,
@@ -44,7 +44,7 @@ def make(model, variant, **kw):
     """``variant``: one of VARIANTS."""
     if variant == "eagle3-mid":
         variant, kw = "eagle3", {"layout": "midlayer", **kw}
-    return EagleDrafter(EagleConfig.from_target(model, variant=variant, **kw), model).to(model.device)
+    return EagleHeads(EagleConfig.from_target(model, variant=variant, **kw), model).to(model.device)
 
 
 def heads_overrides(option):
@@ -136,13 +136,13 @@ def test_init_layer_from_copies_target_layer(tiny_llama):
 
 def test_heads_saved_without_a_layout_load_as_fc(tiny_llama):
     """Heads saved before ``layout`` existed (all fc layout) rebuild as fc; the layout is saved and rebuilt."""
-    from heads.eagle import build_eagle_drafter
+    from heads.eagle import build_eagle_heads
 
     model, _ = tiny_llama
     saved = make(model, "eagle3").config.to_dict()
     del saved["layout"]
-    assert build_eagle_drafter(saved, model).config.layout == "fc"
-    assert build_eagle_drafter(make(model, "eagle3-mid").config.to_dict(), model).config.layout == "midlayer"
+    assert build_eagle_heads(saved, model).config.layout == "fc"
+    assert build_eagle_heads(make(model, "eagle3-mid").config.to_dict(), model).config.layout == "midlayer"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -384,7 +384,7 @@ def test_drafter_vocabulary_maps(tiny_llama):
     counts[torch.arange(100, 300, 2)] = torch.arange(100).float() + 1  # 100 candidate tokens, distinct counts
     d2t, t2d = (m.to(device) for m in build_draft_vocab(counts, 64))
     cfg = EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=64)
-    drafter = EagleDrafter(cfg, model, d2t=d2t).to(device)
+    drafter = EagleHeads(cfg, model, d2t=d2t).to(device)
     assert torch.equal(drafter.t2d, t2d)
     draft_ids = torch.arange(64, device=device)
     target_ids = drafter.draft_to_target(draft_ids)
@@ -399,7 +399,7 @@ def test_drafter_vocabulary_maps(tiny_llama):
     assert torch.equal(restricted, logits[:, target_ids])
     assert torch.equal(in_vocab, t2d[logits.argmax(-1)])
     with pytest.raises(ValueError, match="expected \\(64,\\)"):
-        EagleDrafter(cfg, model, d2t=torch.zeros(10, dtype=torch.long))
+        EagleHeads(cfg, model, d2t=torch.zeros(10, dtype=torch.long))
 
 
 # --- decoding with dynamic trees -------------------------------------------------------------------------------------
@@ -668,7 +668,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     cfg = eagle_cfg(tmp_path / "run", *heads_overrides(heads_option), "heads.draft_vocab_size=64", "trainer.max_steps=12",
                     "heads.unroll_steps=2")
     method = EagleMethod(cfg)
-    initial = {k: v.clone().cpu() for k, v in method.build_drafter(target).drafter.state_dict().items()}
+    initial = {k: v.clone().cpu() for k, v in method.build_module(target).drafter.state_dict().items()}
     result = train(cfg, method, target=target, datasets=tiny_datasets())
 
     losses = [h["loss"] for h in result.history]
@@ -680,7 +680,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     assert ("fuse.weight" if heads_option == "eagle3-mid" else "fc.weight") in moved
     assert any(k.startswith("layer.self_attn") for k in moved)
     loaded = heads.load(result.run_dir / "heads", target)
-    assert loaded.config["head_type"] == heads_option.split("-")[0] and isinstance(loaded.module, EagleDrafter)
+    assert loaded.config["head_type"] == heads_option.split("-")[0] and isinstance(loaded.module, EagleHeads)
     assert loaded.module.config.layout == ("midlayer" if heads_option == "eagle3-mid" else "fc")
     assert loaded.config["eval"]["eval/accept_length_chain"] >= 0 and loaded.config["tree"]["top_k"] >= 1
     if heads_option != "eagle":
@@ -770,7 +770,7 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     assert compose("eagle", ["heads=eagle3"]).run_name == "eagle3-smollm2"
     for option in ("eagle", "eagle3"):
         cfg = compose("eagle", [f"heads={option}", "experiment=debug", f"run_dir={tmp_path}"])
-        module = EagleMethod(cfg).build_drafter(tiny_target())
+        module = EagleMethod(cfg).build_module(tiny_target())
         assert module.drafter.variant == option and all(p.requires_grad for p in module.parameters())
     from conftest import CONF
 
@@ -841,7 +841,7 @@ def test_eagle3_draft_vocabulary_size_is_chosen_by_coverage(tmp_path):
     method.prepare_data(data, target, None, None)
     counts = draft_vocab_counts(data["train"], 320)
     size = size_for_coverage(counts, 0.8)
-    drafter = method.build_drafter(target).drafter
+    drafter = method.build_module(target).drafter
     assert drafter.d2t.numel() == size < 256 and method.draft_vocab_coverage >= 0.8
     with pytest.raises(ValueError, match="draft_vocab_coverage"):
         EagleMethod(eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_coverage=null"))

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
-from heads.eagle import EagleConfig, EagleDrafter
+from heads.eagle import EagleConfig, EagleHeads
 from heads.export import ExportError, export_heads, push_to_hub, resolve_format
 from heads.io import save_heads
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -153,7 +153,7 @@ def eagle3_reference(config, w, prefix, hidden3, ids, positions):
 
 
 def midlayer_drafter(model, layer_ids=None):
-    drafter = EagleDrafter(EagleConfig.from_target(model, variant="eagle3", layout="midlayer", draft_vocab_size=100,
+    drafter = EagleHeads(EagleConfig.from_target(model, variant="eagle3", layout="midlayer", draft_vocab_size=100,
                                                    layer_ids=layer_ids), model).to(model.device)
     ids = torch.randint(3, 320, (4, 30), generator=torch.Generator().manual_seed(1))
     drafter.set_draft_vocab(build_draft_vocab(count_tokens(ids, 320), 100)[0], init_lm_head_from=model.lm_head)
@@ -227,7 +227,7 @@ def test_eagle3_export_refuses_a_layer_fused_twice(tmp_path, tiny_llama):
 
 def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
     model, _ = tiny_llama
-    fc = EagleDrafter(EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=50), model)
+    fc = EagleHeads(EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=50), model)
     save_heads(tmp_path / "fc", fc, "eagle3", fc.config.to_dict(), model)
     with pytest.raises(ExportError, match="heads.layout=midlayer"):
         export_heads(tmp_path / "fc", tmp_path / "out", model)
@@ -242,7 +242,7 @@ def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
         resolve_format("onnx", "medusa", {})
     # a Qwen2 target has q/k/v biases: no Llama-layer EAGLE-3 format fits
     qwen, _ = tiny_qwen2
-    mid = EagleDrafter(EagleConfig.from_target(qwen, variant="eagle3", layout="midlayer", draft_vocab_size=50), qwen)
+    mid = EagleHeads(EagleConfig.from_target(qwen, variant="eagle3", layout="midlayer", draft_vocab_size=50), qwen)
     save_heads(tmp_path / "qwen", mid, "eagle3", mid.config.to_dict(), qwen)
     with pytest.raises(ExportError, match="Llama"):
         export_heads(tmp_path / "qwen", tmp_path / "q", qwen)
@@ -392,14 +392,14 @@ def vllm_dflash_logits(folder, embed, features, ctx_pos, block_ids, block_pos):
 
 
 def test_dflash_export_computes_the_drafter(tmp_path, tiny_llama):
-    from heads.dflash import DFlashConfig, DFlashDrafter
+    from heads.dflash import DFlashConfig, DFlashHeads
 
     model, _ = tiny_llama
     torch.manual_seed(0)
     counts = count_tokens(torch.randint(0, model.config.vocab_size, (400,)), model.config.vocab_size)
     d2t, _ = build_draft_vocab(counts, 96)
     cfg = DFlashConfig.from_target(model, block_size=4, num_layers=2, mask_token_id=7, draft_vocab_size=96)
-    drafter = DFlashDrafter(cfg, model, d2t=d2t)
+    drafter = DFlashHeads(cfg, model, d2t=d2t)
     with torch.no_grad():  # a trained-looking drafter: norms and the mask vector away from their init
         for name, p in drafter.named_parameters():
             p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "mask" in name else 0.02))

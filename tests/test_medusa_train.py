@@ -560,7 +560,7 @@ def test_every_heads_option_builds_a_drafter(tmp_path, heads_option):
     cfg = compose("medusa", [f"heads={heads_option}", "experiment=debug", f"run_dir={tmp_path}"])
     method = medusa_method(cfg)
     target = tiny_target()
-    drafter = method.build_drafter(target)
+    drafter = method.build_module(target)
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
     assert trainable and all(("lora_" in n) or ("heads." in n) or n.startswith("blocks.") for n in trainable)
     groups = method.param_groups(drafter, 1e-3)
@@ -607,7 +607,7 @@ def test_settings_defaults_are_written_once_in_conf():
     # heads.shared_lm_head of conf/heads/medusa.yaml is what the trained heads get (MedusaConfig's own default,
     # for heads built by hand, is not used).
     shared = OmegaConf.load(CONF / "heads" / "medusa.yaml").shared_lm_head
-    heads = medusa_method(compose("medusa", ["experiment=debug"])).build_drafter(tiny_target())
+    heads = medusa_method(compose("medusa", ["experiment=debug"])).build_module(tiny_target())
     assert heads.config.shared_lm_head is shared and (heads.lm_heads is None) is shared
 
 

@@ -151,7 +151,7 @@ def test_packed_eagle_loss_equals_the_padded_loss(tmp_path, variant):
                     "heads.feature_noise=0")
     method = EagleMethod(cfg)
     torch.manual_seed(0)
-    module = method.build_drafter(target)
+    module = method.build_module(target)
     _compare(method, target, module, examples([14, 9, 20, 6, 11], seed=3), capacity=32)
 
 
@@ -165,7 +165,7 @@ def test_packed_medusa_loss_equals_the_padded_loss(tmp_path, heads_option):
     cfg = medusa_cfg(tmp_path, f"heads={heads_option}")
     method = medusa_method(cfg)
     torch.manual_seed(0)
-    module = method.build_drafter(target)
+    module = method.build_module(target)
     if heads_option == "medusa2":  # LoRA's B starts at zero: move it so the adapter changes the target's forward
         with torch.no_grad():
             for name, p in module.named_parameters():

@@ -26,7 +26,7 @@ class NextToken(TrainMethod):
 
     name = "next-token"
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         model = target.model
         return nn.Linear(model.config.hidden_size, model.config.vocab_size).to(model.device)
 
@@ -128,7 +128,7 @@ def test_the_loop_refuses_a_count_that_is_not_a_tensor(tmp_path):
         train(cfg, CountsNothing(), target=tiny_target(), datasets=tiny_datasets())
 
 
-SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and what save_drafter adds
+SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and what save_run_heads adds
     "format_version", "head_type", "base_model", "target_fingerprint", "hidden_size", "vocab_size", "num_heads",
     "num_layers", "head_config", "adapter", "weights_sha256", "run_name", "method", "steps", "tokens_seen", "data",
     "trainer", "eval", "features"}
@@ -139,7 +139,7 @@ SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and
     ("eagle", "train.eagle_method", "heads", "tree"), ("eagle3", "train.eagle_method", "heads", "tree"),
     ("dflash", "train.dflash_method", "heads", None), ("layerskip", "train.layerskip_method", "exit", "decode")])
 def test_every_family_saves_through_save_drafter(tmp_path, monkeypatch, family, module, settings_key, decode_key):
-    """Each family's save hands its heads to train.method.save_drafter (one call, two for layer-skip's two exits),
+    """Each family's save hands its heads to train.method.save_run_heads (one call, two for layer-skip's two exits),
     and the heads folder's config.json carries the common keys, the settings and the decode settings under the key
     decoding reads them from; it loads back with the target."""
     import importlib
@@ -153,9 +153,9 @@ def test_every_family_saves_through_save_drafter(tmp_path, monkeypatch, family, 
 
     def spy(path, *args, **kwargs):
         calls.append(Path(path))
-        return method_module.save_drafter(path, *args, **kwargs)
+        return method_module.save_run_heads(path, *args, **kwargs)
 
-    monkeypatch.setattr(importlib.import_module(module), "save_drafter", spy)
+    monkeypatch.setattr(importlib.import_module(module), "save_run_heads", spy)
     cfg, method = _method(family, tmp_path / "run")
     cfg.trainer.max_steps = 1
     if family == "layerskip":

@@ -57,7 +57,7 @@ from torch.nn import functional as F
 
 from heads.dflash import (
     DFlashConfig,
-    DFlashDrafter,
+    DFlashHeads,
     block_mask,
     block_targets,
     chain_on_path,
@@ -74,7 +74,7 @@ from core.runtime import rows_through
 from train.config import settings_from_cfg
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
-from train.method import TrainMethod, save_drafter, state_under, unwrap
+from train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 TOKEN_LOSSES = ("kl", "ce")
 LOSS_KEYS = ("token_loss", "gamma", "retrieved_weight", "retrieval_min_match", "off_path_weight")
@@ -155,7 +155,7 @@ def choose_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
     return max(unused) if unused else vocab_size - 1
 
 
-def init_layers_from_target(drafter: DFlashDrafter, model: nn.Module, layer: int) -> None:
+def init_layers_from_target(drafter: DFlashHeads, model: nn.Module, layer: int) -> None:
     """Start every drafter layer from the target's decoder layer ``layer`` (-1: the last): its attention
     projections, MLP and the two norms, copied (the target is only read). The drafter's q/k norms keep their start
     (ones), and a target's projection biases (Qwen2) are not copied: the drafter's layers have none."""
@@ -180,7 +180,7 @@ def init_layers_from_target(drafter: DFlashDrafter, model: nn.Module, layer: int
 class DFlashTrainModule(nn.Module):
     """The drafter and its block forward in one module (the module the loop prepares, so DDP syncs it)."""
 
-    def __init__(self, drafter: DFlashDrafter):
+    def __init__(self, drafter: DFlashHeads):
         super().__init__()
         self.drafter = drafter
 
@@ -244,15 +244,15 @@ class DFlashMethod(TrainMethod):
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
                                         {"fields": hidden_states_fields(layers)})
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         """The DFlash drafter (fp32, on the target's device) inside its training module. Without a counted draft
         vocabulary (prepare_data not run) it starts with the first draft_vocab_size ids."""
         model = target.model
-        drafter = DFlashDrafter(self.settings.dflash_config(target), model, d2t=self.d2t)
+        drafter = DFlashHeads(self.settings.dflash_config(target), model, d2t=self.d2t)
         if self.settings.init_from_layer is not None:
             init_layers_from_target(drafter, model, self.settings.init_from_layer)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
-        if self.settings.freeze_lm_head:  # the target's rows of the draft vocabulary, copied by DFlashDrafter
+        if self.settings.freeze_lm_head:  # the target's rows of the draft vocabulary, copied by DFlashHeads
             drafter.lm_head.weight.requires_grad_(False)
         lm_head = model.get_output_embeddings()
         draft_ids = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
@@ -311,7 +311,7 @@ class DFlashMethod(TrainMethod):
 
     def _scored_blocks(self, batch: dict, target, drafter: nn.Module, anchors: torch.Tensor) -> ScoredBlocks:
         """The draft's logits and the teacher at every scored block position of ``batch`` drafted at ``anchors``."""
-        core: DFlashDrafter = unwrap(drafter).drafter
+        core: DFlashHeads = unwrap(drafter).drafter
         model = target.model
         states = target_hidden_states(model, batch, core.feature_layers)
         features = core.target_features(states)  # [B, T, n*H] in the drafter's dtype (stored float16 features do not
@@ -326,7 +326,7 @@ class DFlashMethod(TrainMethod):
             teacher = core.target_to_draft(target_greedy(model, rows))
         return ScoredBlocks(logits=logits, teacher=teacher, target_rows=rows, scored=scored)
 
-    def _on_path(self, core: DFlashDrafter, batch: dict, anchors: torch.Tensor, blocks: ScoredBlocks,
+    def _on_path(self, core: DFlashHeads, batch: dict, anchors: torch.Tensor, blocks: ScoredBlocks,
                  greedy: torch.Tensor, draft_ids: bool) -> torch.Tensor:
         """bool [N]: whether each scored position's block follows the target's greedy path before it in the text
         (:func:`heads.dflash.on_greedy_path`). ``greedy`` [N]: the target's greedy token at each scored position, as
@@ -366,7 +366,7 @@ class DFlashMethod(TrainMethod):
         what decoding measures (0.66-0.70 against a decoded chain of 0.48-0.52 on the hour recipe, docs/journal/).
         Sums are reduced over ranks (padding duplicates included)."""
         bs = self.settings.block_size
-        core: DFlashDrafter = unwrap(drafter).drafter
+        core: DFlashHeads = unwrap(drafter).drafter
         generator = torch.Generator().manual_seed(EVAL_SEED)
         # per position k: hits, counts, unretrieved hits, unretrieved counts, on-path hits and counts; then the loss
         # and its weight
@@ -407,7 +407,7 @@ class DFlashMethod(TrainMethod):
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
         """The block drafter as head type ``dflash``."""
         core = drafter.drafter if isinstance(drafter, DFlashTrainModule) else drafter
-        return save_drafter(path, core, "dflash", target, meta, settings=self.settings, features=self.features.kind,
+        return save_run_heads(path, core, "dflash", target, meta, settings=self.settings, features=self.features.kind,
                             draft_vocab_coverage=self.draft_vocab_coverage,
                             state_dict=state_under(state_dict, "drafter."))
 

@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from heads.eagle import EagleConfig, EagleDrafter
+from heads.eagle import EagleConfig, EagleHeads
 from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
 from core.runtime import rows_through
 from train.data import count_draft_vocab, draft_vocab_problems
 from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, save_drafter, state_under, unwrap
+from train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -104,7 +104,7 @@ class EagleSettings:
 class EagleTrainModule(nn.Module):
     """The drafter and its training loss in one forward (the module the loop prepares, so DDP syncs it)."""
 
-    def __init__(self, drafter: EagleDrafter, weights: EagleLossWeights, unroll_steps: int, feature_noise: float):
+    def __init__(self, drafter: EagleHeads, weights: EagleLossWeights, unroll_steps: int, feature_noise: float):
         super().__init__()
         self.drafter = drafter
         self.weights, self.unroll_steps, self.feature_noise = weights, unroll_steps, feature_noise
@@ -155,11 +155,11 @@ class EagleMethod(TrainMethod):
         """The target layers eagle3 fuses (None for eagle)."""
         return self.settings.eagle_config(model).layer_ids if self.settings.type == "eagle3" else None
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         """The EAGLE drafter (fp32, on the target's device) inside its training module. eagle3 without a counted
         draft vocabulary (prepare_data not run) starts with the first draft_vocab_size ids."""
         model = target.model
-        drafter = EagleDrafter(self.settings.eagle_config(model), model, d2t=self.d2t)
+        drafter = EagleHeads(self.settings.eagle_config(model), model, d2t=self.d2t)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
         self._draft_vocab_of = drafter.target_to_draft  # the labels count_items reads, in the drafter's vocabulary
         return EagleTrainModule(drafter, self.weights, self.settings.unroll_steps, self.settings.feature_noise)
@@ -230,7 +230,7 @@ class EagleMethod(TrainMethod):
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
         """The drafter as head type ``eagle`` / ``eagle3``, with its tree settings as decoding's defaults."""
         core = drafter.drafter if isinstance(drafter, EagleTrainModule) else drafter
-        return save_drafter(path, core, core.variant, target, meta, settings=self.settings,
+        return save_run_heads(path, core, core.variant, target, meta, settings=self.settings,
                             features=self.features.kind, draft_vocab_coverage=self.draft_vocab_coverage,
                             decode=self.settings.tree,
                             state_dict=state_under(state_dict, "drafter."))

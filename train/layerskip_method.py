@@ -48,7 +48,7 @@ from core.runtime import rows_through
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from train.config import settings_from_cfg
-from train.method import TrainMethod, save_drafter, state_under, unwrap
+from train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 
 @dataclass
@@ -203,7 +203,7 @@ class LayerSkipMethod(TrainMethod):
         return ExitConfig.from_target(model, exit_layer=layer, form=self.settings.form, draft_vocab_size=size,
                                       tune_lm_head=self.settings.tune_lm_head)
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         model = target.model
         exits = {e: LayerSkipExit(self.exit_config(model, e), model, token_map=self.token_map)
                  for e in self._layers_of(model)}
@@ -328,7 +328,7 @@ class LayerSkipMethod(TrainMethod):
                    state_dict: dict | None) -> Path:
         """The exit of ``row`` as head type ``layerskip``, with the ranking of every exit and its chosen threshold."""
         e = row["exit_layer"]
-        return save_drafter(path, core[e], "layerskip", target, meta, settings=self.settings, settings_key="exit",
+        return save_run_heads(path, core[e], "layerskip", target, meta, settings=self.settings, settings_key="exit",
                             features=self.features.kind, draft_vocab_coverage=self.vocab_coverage,
                             extra={"exit_layers": rows},
                             decode={"threshold": row["threshold"], "max_depth": self.settings.max_depth},

@@ -123,7 +123,7 @@ class _Run:
     accelerator: Any
     run_dir: Path
     target: Any
-    drafter: nn.Module
+    module: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     train_loader: DataLoader
@@ -163,7 +163,7 @@ class _Progress:
 
 
 def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: float | None = None) -> _Run:
-    """The trainer settings, accelerator and run folder; the target and data; the drafter, optimizer, schedule and
+    """The trainer settings, accelerator and run folder; the target and data; the module, optimizer, schedule and
     loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``.
     ``started``: the run's start on :func:`train.budget.now`'s clock, where ``trainer.max_minutes`` counts from."""
     from accelerate.utils import set_seed
@@ -188,28 +188,28 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: f
     # Held from here on, not while a feature store is built: the store's target passes allocate blocks of ever new
     # sizes, and a heap that keeps them all grew a DFlash run to 16.4 GiB against 6.9 GiB from a built store.
     held = hold_freed_memory() if tc.hold_freed_memory else False
-    drafter, optimizer, scheduler = _optimization(tc, method, target)
-    drafter, optimizer, train_batches, scheduler = accelerator.prepare(
-        drafter, optimizer, train_loader(train_ds, tc, packed_collate or collate_fn), scheduler)
+    module, optimizer, scheduler = _optimization(tc, method, target)
+    module, optimizer, train_batches, scheduler = accelerator.prepare(
+        module, optimizer, train_loader(train_ds, tc, packed_collate or collate_fn), scheduler)
     eval_batches = None if eval_ds is None else accelerator.prepare(eval_loader(eval_ds, tc, collate_fn))
     check_accumulation(accelerator, tc)
     register_trainable_state_hooks(accelerator)
     logger = make_logger(cfg.logger, run_dir, to_dict(cfg)) if accelerator.is_main_process else None
     return _Run(cfg=cfg, tc=tc, method=method, accelerator=accelerator, run_dir=run_dir, target=target,
-                drafter=drafter, optimizer=optimizer, scheduler=scheduler, train_loader=train_batches,
+                module=module, optimizer=optimizer, scheduler=scheduler, train_loader=train_batches,
                 eval_loader=eval_batches, logger=logger, held_memory=held, budget=budget)
 
 
 def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
-    """(drafter, AdamW over the method's parameter groups (by default every trainable parameter), the warmup + decay
+    """(module, AdamW over the method's parameter groups (by default every trainable parameter), the warmup + decay
     schedule)."""
-    drafter = method.build_drafter(target)
-    if not any(p.requires_grad for p in drafter.parameters()):
-        raise ValueError(f"The {method.name} drafter has no trainable parameter.")
-    groups = method.param_groups(drafter, tc.learning_rate)
+    module = method.build_module(target)
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(f"The {method.name} method built a module with no trainable parameter.")
+    groups = method.param_groups(module, tc.learning_rate)
     optimizer = torch.optim.AdamW(groups, lr=tc.learning_rate, betas=tc.adam_betas, eps=tc.adam_eps,
                                   weight_decay=tc.weight_decay, fused=_fused_adamw(groups))
-    return drafter, optimizer, _lr_schedule(tc, optimizer)
+    return module, optimizer, _lr_schedule(tc, optimizer)
 
 
 def _lr_schedule(tc: TrainerConfig, optimizer: torch.optim.Optimizer):
@@ -320,7 +320,7 @@ def _train_steps(run: _Run, progress: _Progress) -> None:
     window = LogWindow.empty(run.accelerator.device)
     bar = tqdm(total=tc.max_steps, initial=progress.step, desc=f"train {run.method.name}", unit="step",
                disable=not run.is_main, dynamic_ncols=True)
-    run.drafter.train()
+    run.module.train()
     stopped = False  # trainer.max_minutes spent before trainer.max_steps
     try:
         while progress.step < tc.max_steps and not stopped:
@@ -410,8 +410,8 @@ def _optimizer_step(run: _Run, micro: list[dict], window: LogWindow, step: int) 
     num_items = _step_items(run, micro)
     losses = []
     for i, batch in enumerate(micro):
-        with accelerator.accumulate(run.drafter), accelerator.autocast():
-            loss, metrics = run.method.compute_loss(batch, run.target, run.drafter, num_items=num_items)
+        with accelerator.accumulate(run.module), accelerator.autocast():
+            loss, metrics = run.method.compute_loss(batch, run.target, run.module, num_items=num_items)
             losses.append(loss.detach())
             if i == accum - 1:
                 _stop_if_not_finite(accelerator, torch.stack(losses), "loss", step, run.ckpt_dir)
@@ -436,7 +436,7 @@ def _update(run: _Run, step: int) -> None:
     accelerator, tc = run.accelerator, run.tc
     grad_norm = None
     if tc.max_grad_norm:
-        grad_norm = accelerator.clip_grad_norm_(run.drafter.parameters(), tc.max_grad_norm)
+        grad_norm = accelerator.clip_grad_norm_(run.module.parameters(), tc.max_grad_norm)
     if grad_norm is not None and accelerator.mixed_precision != "fp16":
         _stop_if_not_finite(accelerator, torch.as_tensor(grad_norm).detach().float(), "gradient norm", step,
                             run.ckpt_dir)
@@ -463,7 +463,7 @@ def _log_window(run: _Run, progress: _Progress, window: LogWindow, bar) -> None:
 
 
 def _evaluate_and_log(run: _Run, progress: _Progress) -> None:
-    progress.eval_metrics = _evaluate(run.method, run.eval_loader, run.target, run.drafter, run.accelerator)
+    progress.eval_metrics = _evaluate(run.method, run.eval_loader, run.target, run.module, run.accelerator)
     if run.held_memory:  # evaluation's batches leave blocks of other sizes
         release_held_memory()
     if run.is_main:
@@ -473,13 +473,13 @@ def _evaluate_and_log(run: _Run, progress: _Progress) -> None:
 def _evaluate_at_end(run: _Run, progress: _Progress) -> None:
     if run.eval_loader is not None:
         _evaluate_and_log(run, progress)
-    run.drafter.eval()
+    run.module.eval()
 
 
 def _save(run: _Run, progress: _Progress) -> Path:
-    """Write the drafter with ``method.save`` into ``<run_dir>/heads`` (main process), with what the run was."""
+    """Write the module with ``method.save`` into ``<run_dir>/heads`` (main process), with what the run was."""
     heads_dir = run.run_dir / "heads"
-    full_state = run.accelerator.get_state_dict(run.drafter)  # gathers shards (ZeRO-3/FSDP); every rank must call it
+    full_state = run.accelerator.get_state_dict(run.module)  # gathers shards (ZeRO-3/FSDP); every rank must call it
     if run.is_main:
         meta = {
             "run_name": cfg_get(run.cfg, "run_name"),
@@ -490,7 +490,7 @@ def _save(run: _Run, progress: _Progress) -> Path:
             "trainer": asdict(run.tc),
             "eval": progress.eval_metrics,
         }
-        run.method.save(heads_dir, run.accelerator.unwrap_model(run.drafter), run.target, meta, state_dict=full_state)
+        run.method.save(heads_dir, run.accelerator.unwrap_model(run.module), run.target, meta, state_dict=full_state)
     run.accelerator.wait_for_everyone()
     return heads_dir
 
@@ -528,14 +528,14 @@ def _stop_if_not_finite(accelerator, value: torch.Tensor, what: str, step: int, 
         )
 
 
-def _evaluate(method, loader, target, drafter, accelerator) -> dict[str, float]:
-    was_training = drafter.training
-    drafter.eval()
+def _evaluate(method, loader, target, module, accelerator) -> dict[str, float]:
+    was_training = module.training
+    module.eval()
     try:
         with torch.no_grad(), accelerator.autocast():
-            return method.evaluate(loader, target, drafter, accelerator)
+            return method.evaluate(loader, target, module, accelerator)
     finally:
-        drafter.train(was_training)
+        module.train(was_training)
 
 
 def _schedule_at(scheduler, step: int) -> float:

@@ -48,7 +48,7 @@ from train.config import settings_from_cfg
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from train.feature_store import FeatureSource
 from train.medusa_eval import eval_summary, medusa_eval_metrics
-from train.method import TrainMethod, save_drafter, state_under, unwrap
+from train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
@@ -278,7 +278,7 @@ class MedusaMethod(TrainMethod):
     def _save_heads(self, path: Path, heads: MedusaHeads, target, meta: dict, heads_state: dict | None,
                     adapter: nn.Module | None = None, adapter_state: dict | None = None) -> Path:
         """Medusa-1 and Medusa-2 heads (with Medusa-2's adapter) as head type ``medusa``."""
-        return save_drafter(path, heads, "medusa", target, meta, settings=self.settings, features=self.features.kind,
+        return save_run_heads(path, heads, "medusa", target, meta, settings=self.settings, features=self.features.kind,
                             draft_vocab_coverage=self.draft_vocab_coverage,
                             eval_metrics=eval_summary(meta.get("eval", {}), self.settings.num_heads),
                             state_dict=heads_state, adapter=adapter, adapter_state_dict=adapter_state)
@@ -287,7 +287,7 @@ class MedusaMethod(TrainMethod):
 class Medusa1Method(MedusaMethod):
     """Medusa-1: the heads alone, on the frozen target's last hidden state (online, or from a feature store)."""
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         return self.build_heads(target)
 
     def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
@@ -358,7 +358,7 @@ class Medusa2Method(MedusaMethod):
             raise ValueError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step and "
                              "cannot come from a feature store: use features=online.")
 
-    def build_drafter(self, target) -> nn.Module:
+    def build_module(self, target) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         heads = self.build_heads(target)

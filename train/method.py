@@ -1,6 +1,6 @@
 """What a drafter family supplies to the shared training loop (:func:`train.loop.train`): one :class:`TrainMethod`.
 
-The whole contract is this class. Five methods are required (``build_drafter``, ``count_items``, ``compute_loss``,
+The whole contract is this class. Five methods are required (``build_module``, ``count_items``, ``compute_loss``,
 ``evaluate``, ``save``; a subclass that lacks one cannot be instantiated) plus a ``name``; every optional capability
 is declared here with its default, so a family overrides only what it offers and the loop calls each member directly:
 
@@ -10,7 +10,7 @@ capability             default
 ``trains_target``      False: the target is frozen, and may run in bfloat16 where that is native
 ``supports_packing``   False: ``trainer.packing=true`` is refused
 ``prepare_data``       the splits and the collate function unchanged
-``param_groups``       one group: every trainable parameter of the drafter
+``param_groups``       one group: every trainable parameter of the module ``build_module`` built
 =====================  ==================================================================================
 
 One normalisation rule: a loss is a sum over the items a micro-batch trains on divided by ``num_items``, their count
@@ -18,7 +18,7 @@ over the whole optimizer step (``count_items`` summed over the step's micro-batc
 split into micro-batches and processes does not change its gradient. Every family's loss function takes ``num_items``
 as a required argument; none falls back to a micro-batch's own count.
 
-One save path: a family's ``save`` hands its module and what it chose to :func:`save_drafter`, which builds the
+One save path: a family's ``save`` hands its module and what it chose to :func:`save_run_heads`, which builds the
 metadata every heads folder carries and calls heads.io.save_heads.
 """
 
@@ -55,7 +55,7 @@ class TrainMethod(ABC):
     # --- required -------------------------------------------------------------------------------------------------
 
     @abstractmethod
-    def build_drafter(self, target: Any) -> nn.Module:
+    def build_module(self, target: Any) -> nn.Module:
         """The module whose trainable parameters are optimised (it may hold the target, e.g. with LoRA); its forward
         is what ``compute_loss`` calls, so that DDP syncs its gradients. Called after ``prepare_data``."""
 
@@ -69,21 +69,21 @@ class TrainMethod(ABC):
         micro-batch of a step before its ``compute_loss``."""
 
     @abstractmethod
-    def compute_loss(self, batch: dict, target: Any, drafter: nn.Module, num_items: torch.Tensor
+    def compute_loss(self, batch: dict, target: Any, module: nn.Module, num_items: torch.Tensor
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, metrics) of one micro-batch on the device; metrics map a name to a scalar tensor, logged averaged
         over the step. ``num_items``: the step's global count (see ``count_items``); the loss is this micro-batch's
         ``loss_sum / num_items``."""
 
     @abstractmethod
-    def evaluate(self, loader: Any, target: Any, drafter: nn.Module, accelerator: Any) -> dict[str, float]:
+    def evaluate(self, loader: Any, target: Any, module: nn.Module, accelerator: Any) -> dict[str, float]:
         """Metrics over the whole (sharded) eval loader, reduced over ranks; the keys are logged as they are. Runs
-        under ``torch.no_grad`` and the accelerator's autocast, with the drafter in eval mode."""
+        under ``torch.no_grad`` and the accelerator's autocast, with ``module`` (``build_module``'s) in eval mode."""
 
     @abstractmethod
-    def save(self, path: Path, drafter: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
-        """Write the trained drafter to ``path`` (main process only) through :func:`save_drafter` and return the
-        folder. ``drafter`` is unwrapped, ``state_dict`` its full state gathered from every rank, ``meta`` what the
+    def save(self, path: Path, module: nn.Module, target: Any, meta: dict, state_dict: dict | None = None) -> Path:
+        """Write the trained heads to ``path`` (main process only) through :func:`save_run_heads` and return the
+        folder. ``module`` (``build_module``'s) is unwrapped, ``state_dict`` its full state gathered from every rank, ``meta`` what the
         run was (run name, steps, data, trainer, eval metrics)."""
 
     # --- optional, with their defaults ----------------------------------------------------------------------------
@@ -95,10 +95,10 @@ class TrainMethod(ABC):
         in. By default the splits and ``collate_fn`` unchanged."""
         return datasets["train"], datasets.get("eval"), collate_fn
 
-    def param_groups(self, drafter: nn.Module, lr: float) -> list[dict]:
+    def param_groups(self, module: nn.Module, lr: float) -> list[dict]:
         """The optimizer's parameter groups (e.g. a learning-rate multiplier for some of them); ``lr`` is
         ``trainer.learning_rate``. By default one group of every trainable parameter."""
-        return [{"params": [p for p in drafter.parameters() if p.requires_grad]}]
+        return [{"params": [p for p in module.parameters() if p.requires_grad]}]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -116,7 +116,7 @@ def state_under(state_dict: dict | None, prefix: str) -> dict | None:
     return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
-def save_drafter(path: Path, module: nn.Module, head_type: str, target: Any, meta: dict, *, settings: Any,
+def save_run_heads(path: Path, module: nn.Module, head_type: str, target: Any, meta: dict, *, settings: Any,
                  features: str, draft_vocab_coverage: float | None, settings_key: str = "heads",
                  eval_metrics: dict | None = None, extra: dict | None = None, decode: dict | None = None,
                  state_dict: dict | None = None, adapter: nn.Module | None = None,
@@ -151,4 +151,4 @@ def save_drafter(path: Path, module: nn.Module, head_type: str, target: Any, met
                       state_dict=state_dict, adapter_state_dict=adapter_state_dict)
 
 
-__all__ = ["TrainMethod", "save_drafter", "state_under", "unwrap"]
+__all__ = ["TrainMethod", "save_run_heads", "state_under", "unwrap"]

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from core.config import CONF_DIR
 from core.families import FAMILIES, Family
 from decode.types import DecodeSetupError, Drafter
 
-DEFAULTS_FILE = Path(__file__).resolve().parents[1] / "conf" / "decode" / "drafters.yaml"
+DEFAULTS_FILE = CONF_DIR / "decode" / "drafters.yaml"
 
 
 @functools.cache

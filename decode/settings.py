@@ -9,17 +9,16 @@ that names it (:func:`required`), never a default written here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
-from core.config import MISSING, cfg_get, to_dict, to_plain
+from core.config import CONF_DIR, MISSING, cfg_get, to_dict, to_plain
 from core.target import SMOLLM2_ID
 from decode.linear_kernels import KERNELS
 from decode.types import DecodeSetupError
 from decode.verify import Sampling
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "conf" / "model"
-DECODE_CONFIGS = MODEL_CONFIGS.parent / "decode"
+MODEL_CONFIGS = CONF_DIR / "model"
+DECODE_CONFIGS = CONF_DIR / "decode"
 
 
 def required(cfg: Any, keys: Sequence[str]) -> dict:

@@ -22,10 +22,11 @@ from typing import Sequence
 
 import torch
 
+from core.config import CONF_DIR
 from core.errors import SelfspecError
 from core.kv import additive_mask
 
-TREES_DIR = Path(__file__).resolve().parents[1] / "conf" / "trees"
+TREES_DIR = CONF_DIR / "trees"
 
 
 class TreeError(SelfspecError, ValueError):

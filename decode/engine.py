@@ -92,19 +92,11 @@ _CHECKED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.We
 
 
 def context_limit(model: torch.nn.Module) -> int:
-    """Longest sequence (prompt + new tokens) the engine decodes for this target.
-
-    The engine keeps a full-attention cache and builds its own masks, so a sliding-window model is decoded only
-    within its window (where full and sliding attention agree).
-    """
+    """Longest sequence (prompt + new tokens) the engine decodes for this target: its ``max_position_embeddings``.
+    Sliding-window layers need no limit of their own: the engine keeps every layer's full cache and cuts each
+    sliding layer's mask to its window (core/archs.py)."""
     config = model.config.get_text_config(decoder=True)
-    limit = int(getattr(config, "max_position_embeddings", None) or 1 << 30)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    sliding = window and (layer_types is None or "sliding_attention" in layer_types)
-    if sliding and getattr(config, "use_sliding_window", True) is not False:
-        limit = min(limit, int(window))
-    return limit
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
 
 
 def check_tree_attention(model: torch.nn.Module) -> None:

@@ -31,11 +31,12 @@ def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft,
     verification's LM head (decode/greedy_head.py): the model computes no logits (``logits_to_keep`` selects none),
     and the returned ones come from ``head`` on its last hidden state, exact in their argmax only."""
     dtype = next(model.parameters()).dtype
-    mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32)
+    mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32,
+                               model.config)
     keep = {} if head is None else {"logits_to_keep": torch.empty(0, dtype=torch.long, device=draft.tokens.device)}
     out = model(
         input_ids=draft.tokens[None],  # [1, N]
-        attention_mask=mask,  # [1, 1, N, length + N]
+        attention_mask=mask,  # [1, 1, N, length + N], or a dict of them by layer kind
         position_ids=tree_position_ids(draft.tree, state.length),  # [1, N]
         use_cache=True,
         **{cache_kwarg(model): state.cache},

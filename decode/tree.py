@@ -24,6 +24,7 @@ import torch
 
 from core.config import CONF_DIR
 from core.errors import SelfspecError
+from core.archs import attention_mask_for
 from core.kv import additive_mask
 
 TREES_DIR = CONF_DIR / "trees"
@@ -235,15 +236,21 @@ def load_tree(spec: "str | Path | Tree | Sequence[Sequence[int]]", num_heads: in
 # --- forward inputs -------------------------------------------------------------------------------------------------
 
 
-def tree_attention_mask(tree: Tree, past_length: int, dtype: torch.dtype) -> torch.Tensor:
+def tree_attention_mask(tree: Tree, past_length: int, dtype: torch.dtype, config=None
+                        ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive mask [1, 1, N, past_length + N]: 0 where a node may attend (the whole cache, its ancestors and
     itself), the dtype's minimum elsewhere. A float mask, not a boolean one: eager attention reads a boolean 4D mask
-    wrongly, while an additive mask gives the same logits under eager and sdpa.
+    wrongly, while an additive one gives the same logits under eager and sdpa. With the target's ``config``, sliding
+    layers also drop keys outside their window, measured between positions (a node at depth d sits at
+    past_length + d), and a target with mixed layers gets a dict of masks by layer kind (core/archs.py).
     """
     n = tree.num_nodes
     allowed = torch.ones(n, past_length + n, dtype=torch.bool, device=tree.device)  # [N, past + N]
     allowed[:, past_length:] = tree.ancestor_mask
-    return additive_mask(allowed, dtype)[None, None]
+    if config is None:
+        return additive_mask(allowed, dtype)[None, None]
+    keys = torch.cat([torch.arange(past_length, device=tree.device), tree.depth + past_length])
+    return attention_mask_for(config, allowed, tree.depth + past_length, keys, dtype)
 
 
 def tree_position_ids(tree: Tree, past_length: int) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Target architectures: the one place that knows how they differ.
+
+Two things differ between the decoder-only architectures selfspec drafts for, as far as drafting and verifying go:
+
+- **Which layers slide.** Mistral slides every layer over a window; Gemma 3 and gpt-oss alternate sliding and full
+  layers (``config.layer_types``); Llama, Qwen3, Phi-3 (by default) and DeepSeek-V3 attend to everything. The engine
+  keeps a full cache for every layer and builds its own masks, so :func:`attention_mask_for` gives each kind of layer
+  its own mask, cut to its window, in the form the model's ``forward`` takes (one tensor when every layer is alike, a
+  dict by layer type otherwise: transformers' own ``causal_mask_mapping``).
+- **How a tiny random copy is built** for tests and dry runs (:data:`TINY_ARCHS`): each row is the architecture's
+  real transformers config class with the few settings that make its peculiarity show in a 4-layer, 64-wide model
+  (a window of 8 positions, 4 experts, MLA's low-rank keys, logit soft-capping, attention sinks).
+
+Everything else (q/k norms, q/k/v biases, fused projections, MoE routing, MLA, sinks, soft-capping, scaled
+embeddings) lives inside the model's own ``forward`` and needs nothing from us. Adding an architecture is a row in
+:data:`TINY_ARCHS` and a row in the tests' matrix (tests/test_archs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from core.kv import additive_mask
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """A tiny random model of one architecture: its transformers config class and what differs from the shared
+    shape (hidden 64, 4 layers, 4 query heads on 2 key/value heads, vocabulary 320)."""
+
+    config_class: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    attn_implementation: str | None = None  # one the architecture needs (gpt-oss has no sdpa attention)
+
+
+WINDOW = 8  # the tiny sliding windows: prompts of 4-30 tokens and 20 new ones cross it
+ALTERNATING = [SLIDING, FULL] * 2
+
+TINY_ARCHS: dict[str, TinyArch] = {
+    "llama": TinyArch("LlamaConfig"),
+    "qwen2": TinyArch("Qwen2Config"),  # q/k/v biases
+    "qwen3": TinyArch("Qwen3Config", {"head_dim": 16}),  # q/k norms
+    "qwen3_moe": TinyArch("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32}),
+    "mistral": TinyArch("MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}),  # every layer slides
+    "gemma3": TinyArch("Gemma3TextConfig", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}),
+    "gpt_oss": TinyArch("GptOssConfig", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+        "layer_types": ALTERNATING,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
+        attn_implementation="eager"),  # attention sinks: transformers has eager (and kernels) attention for them
+    "phi3": TinyArch("Phi3Config"),  # fused qkv and gate/up projections
+    "deepseek_v3": TinyArch("DeepseekV3Config", {  # MLA attention, shared + routed experts after a dense layer
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1}),
+}
+
+
+def text_config(config):
+    """The decoder's config (a multimodal config's text part)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def layer_kinds(config) -> list[str]:
+    """Each decoder layer's attention kind, :data:`FULL` or :data:`SLIDING`, as the model's own forward picks its
+    mask: ``config.layer_types`` where the config has them, else every layer slides when ``sliding_window`` is set
+    (Mistral, Phi-3, Qwen3-MoE with ``use_sliding_window``)."""
+    config = text_config(config)
+    n = int(config.num_hidden_layers)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return [SLIDING if k == SLIDING else FULL for k in kinds[:n]]
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
+    return [SLIDING if sliding else FULL] * n
+
+
+def sliding_window(config) -> int | None:
+    """The window of the sliding layers (None when no layer slides): a query at position p sees keys at positions
+    p - window + 1 .. p, as transformers' ``sliding_window_overlay`` has it."""
+    return int(text_config(config).sliding_window) if SLIDING in layer_kinds(config) else None
+
+
+def attention_mask_for(config, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive mask(s) a model's forward takes for queries at ``query_positions`` [q] over keys at
+    ``key_positions`` [k], ``allowed`` [q, k] (bool: a tree's ancestry over the cache) where every layer attends
+    fully. Sliding layers also drop keys outside their window. One [1, 1, q, k] tensor when all layers are of one
+    kind; else a dict by kind, which the models with mixed layers take as their mask mapping."""
+    kinds = set(layer_kinds(config))
+    masks = {}
+    for kind in kinds:
+        ok = allowed
+        if kind == SLIDING:
+            ok = ok & (query_positions[:, None] - key_positions[None, :] < sliding_window(config))
+        masks[kind] = additive_mask(ok, dtype)[None, None]
+    return masks.popitem()[1] if len(masks) == 1 else masks
+
+
+def mask_of_layer(masks: torch.Tensor | dict[str, torch.Tensor], config, layer: int) -> torch.Tensor:
+    """The mask that layer ``layer`` reads from :func:`attention_mask_for`'s result (a caller running layers one
+    by one)."""
+    return masks if isinstance(masks, torch.Tensor) else masks[layer_kinds(config)[layer]]

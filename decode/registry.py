@@ -15,10 +15,10 @@ Each entry (:class:`DrafterEntry`) reads its family's row:
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs.
 
-The settings a family takes and their defaults are its row's ``draft:`` in its conf file (:attr:`DrafterEntry.defaults`),
-the only place they are written; ``adaptive: true`` lets the engine choose each step how deep the draft goes
-(decode/adaptive.py:AdaptiveDepth). conf/decode/decode.yaml lists none of them: its ``draft`` is open, and
-:meth:`DrafterEntry.settings` refuses a key the chosen family does not take, naming those it does.
+The settings a family takes and their defaults are its row's ``draft:`` in its conf file
+(:attr:`DrafterEntry.defaults`), the only place they are written; ``adaptive: true`` lets the engine choose each step
+how deep the draft goes (decode/adaptive.py:AdaptiveDepth). conf/decode/decode.yaml lists none of them: its ``draft``
+is open, and :meth:`DrafterEntry.settings` refuses a key the chosen family does not take, naming those it does.
 
 A new family is a row in its conf file (see docs/architecture.md): the registry reads the table as it is.
 """

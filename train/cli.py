@@ -8,9 +8,9 @@
     selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
 
 A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
-``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's ``method``) and the end-of-run
-speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is :func:`main` with its family named,
-and its docstring lists the commands.
+``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's
+``method``) and the end-of-run speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is
+:func:`main` with its family named, and its docstring lists the commands.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 
 from conftest import MT_BENCH, REPO, compose
 from train.data import DataError, chat_ids, load_conversations, read_records
-from train.regenerate import iter_prompts, regenerate, run
+from train.regenerate import Answering, HFEngine, iter_prompts, regenerate, run
 
 PROMPTS = [
     {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "old answer"}]},
@@ -45,8 +45,8 @@ def prompts_file(tmp_path):
 
 def regen(model, tok, prompts_file, out, n, batch_size=4):
     skipped = {}
-    report = regenerate(model, tok, iter_prompts(read_records(prompts_file), skipped), out, n=n,
-                        batch_size=batch_size, max_new_tokens=MAX_NEW, progress=False)
+    report = regenerate(HFEngine(model, tok, batch_size), tok, iter_prompts(read_records(prompts_file), skipped), out,
+                        n=n, answering=Answering(max_new_tokens=MAX_NEW), progress=False)
     return report, skipped
 
 
@@ -113,15 +113,14 @@ def test_prompts_are_answered_shortest_first_and_answers_end_at_max_length(tiny_
     openings = [chat_ids(tok, ([{"role": "system", "content": p.system}] if p.system else [])
                          + [{"role": "user", "content": p.turns[0]}], add_generation_prompt=True) for p in prompts]
     max_length = max(len(ids) for ids in openings) + 3  # every prompt fits; the longest has room for 3 tokens
-    regenerate(model, tok, iter(prompts), out, n=5, batch_size=batch_size, max_new_tokens=MAX_NEW,
-               max_length=max_length, progress=False)
+    regenerate(HFEngine(model, tok, batch_size), tok, iter(prompts), out, n=5,
+               answering=Answering(max_new_tokens=MAX_NEW, max_length=max_length), progress=False)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [len(chat_ids(tok, r["messages"][:-1], add_generation_prompt=True)) for r in records]
     assert lengths == sorted(lengths) and len(set(lengths)) > 1  # written shortest first
-    for k, record in enumerate(records):
-        batch = lengths[k - k % batch_size: k - k % batch_size + batch_size]
-        room = min(MAX_NEW, max_length - min(batch))  # a batch stops when its shortest conversation is full
-        assert room == (3 if batch_size == 1 and k == len(records) - 1 else MAX_NEW)
+    rooms = [min(MAX_NEW, max_length - length) for length in lengths]  # each answer ends where its conversation is full
+    assert rooms[-1] == 3 and rooms[0] == MAX_NEW
+    for record, room in zip(records, rooms):
         ids = torch.tensor([chat_ids(tok, record["messages"][:-1], add_generation_prompt=True)])
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=room, do_sample=False,
                                   pad_token_id=0)[0, ids.shape[1]:].tolist()
@@ -136,8 +135,8 @@ def test_max_length_stops_a_conversation_before_it_overflows(tiny_llama, tmp_pat
     path.write_text(json.dumps({"question_id": 1, "turns": ["short", "y" * 200]}) + "\n"
                     + json.dumps({"question_id": 2, "turns": ["z" * 200]}) + "\n")
     out = tmp_path / "out.jsonl"
-    report = regenerate(model, tok, iter_prompts(read_records(path), {}), out, max_new_tokens=MAX_NEW,
-                        max_length=100, progress=False)
+    report = regenerate(HFEngine(model, tok), tok, iter_prompts(read_records(path), {}), out,
+                        answering=Answering(max_new_tokens=MAX_NEW, max_length=100), progress=False)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [len(r["messages"]) for r in records] == [2]  # the second turn would not fit; q2 never fits
     assert report.skipped == {"first prompt longer than max_length": 1}

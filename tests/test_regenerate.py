@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import MT_BENCH, REPO, compose
 from train.data import DataError, chat_ids, load_conversations, read_records
-from train.regenerate import Answering, HFEngine, iter_prompts, regenerate, run
+from core.errors import SettingError
+from train.regenerate import EMPTY_ANSWER, AnswerEngine, Answering, HFEngine, iter_prompts, regenerate, run
 
 PROMPTS = [
     {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "old answer"}]},
@@ -171,3 +173,150 @@ def test_max_turns_keeps_only_the_first_user_turns():
         {"from": "human", "value": "two"}, {"from": "gpt", "value": "y"}]}]
     assert [p.turns for p in iter_prompts(records, {})] == [["one", "two"]]
     assert [p.turns for p in iter_prompts(records, {}, max_turns=1)] == [["one"]]
+
+
+# --- what every engine shares: thinking, writing conversations as they complete, the vLLM settings ------------------
+
+
+def test_thinking_is_cut_out_wherever_its_markers_put_it():
+    from train.regenerate import drop_thinking
+
+    assert drop_thinking("<think>\nsteps\n</think>\n\nAnswer", "<think>", "</think>") == "Answer"
+    assert drop_thinking("opened by the template</think>Answer", "<think>", "</think>") == "Answer"
+    assert drop_thinking("A<think>x</think>B<think>ran out of tokens", "<think>", "</think>") == "AB"
+    assert drop_thinking("<r>x</r> kept </think>", "<r>", "</r>") == "kept </think>"
+    assert drop_thinking("no thinking at all", "<think>", "</think>") == "no thinking at all"
+    with pytest.raises(SettingError, match="thinking='hide': keep or drop"):
+        Answering(thinking="hide")
+    with pytest.raises(SettingError, match="give two non-empty strings"):
+        Answering(thinking_markers=("<think>",))
+
+
+class ScriptedEngine(AnswerEngine):
+    """Answers each prompt with the reply its last user turn names (a test's script); stops (as a kill would) at
+    call ``kill_at``. Records every prompt it was asked, as text."""
+
+    def __init__(self, tokenizer, replies: dict[str, str], batch_size: int, kill_at: int | None = None):
+        self.tok, self.replies, self.batch_size, self.kill_at = tokenizer, replies, batch_size, kill_at
+        self.asked: list[str] = []
+        self.calls = 0
+
+    def answer(self, prompts, budgets, seeds, answering):
+        self.calls += 1
+        if self.calls == self.kill_at:
+            raise KeyboardInterrupt
+        texts = [self.tok.decode(p) for p in prompts]
+        self.asked += texts
+        last_user = [t.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0] for t in texts]
+        return [self.tok.encode(self.replies[u], add_special_tokens=False) for u in last_user]
+
+
+SCRIPT = {"q1": "<think>let me see</think>\n\nA1", "q2": "A2", "only": "<think>hmm</think>B",
+          "cut": "<think>ran out of tokens"}
+SCRIPTED = [{"id": "x", "turns": ["q1", "q2"]}, {"id": "y", "turns": ["only"]}, {"id": "z", "turns": ["cut"]}]
+
+
+@pytest.mark.parametrize("thinking", ["keep", "drop"])
+def test_thinking_is_kept_or_dropped_and_later_turns_see_what_was_kept(tiny_llama, tmp_path, thinking):
+    _, tok = tiny_llama
+    engine = ScriptedEngine(tok, SCRIPT, batch_size=3)
+    out = tmp_path / "out.jsonl"
+    report = regenerate(engine, tok, iter_prompts(SCRIPTED, {}), out, answering=Answering(thinking=thinking),
+                        progress=False)
+    records = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
+    second_prompt = next(t for t in engine.asked if "q2" in t)
+    if thinking == "keep":
+        assert records["x"][1]["content"] == SCRIPT["q1"] and "let me see" in second_prompt
+        assert records["z"][1]["content"] == SCRIPT["cut"] and report.written == 3
+    else:
+        assert [m["content"] for m in records["x"]] == ["q1", "A1", "q2", "A2"] and records["y"][1]["content"] == "B"
+        assert "let me see" not in second_prompt and "A1" in second_prompt
+        assert "z" not in records and report.skipped == {EMPTY_ANSWER: 1}  # its answer was all thinking
+
+
+def test_conversations_are_written_as_they_complete_and_a_kill_loses_only_those_in_flight(tiny_llama, tmp_path):
+    _, tok = tiny_llama
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt):  # killed while the group's second turn is asked
+        regenerate(ScriptedEngine(tok, SCRIPT, batch_size=3, kill_at=2), tok, iter_prompts(SCRIPTED, {}), out,
+                   progress=False)
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["y", "z"]  # one turn each
+    again = ScriptedEngine(tok, SCRIPT, batch_size=3)
+    report = regenerate(again, tok, iter_prompts(SCRIPTED, {}), out, progress=False)
+    assert report.already_done == 2 and report.written == 1 and again.calls == 2  # x alone, both its turns
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["x", "y", "z"]
+
+
+def test_vllm_settings_compose_into_the_llm_keywords_and_one_engine_per_data_parallel_replica():
+    from train.regenerate import VllmSettings, llm_kwargs, replica_env
+
+    cfg = compose("regenerate", ["engine=vllm", "vllm.tensor_parallel_size=2", "vllm.data_parallel_size=2",
+                                 "vllm.max_num_seqs=64", "+vllm.engine_args.enable_expert_parallel=true"])
+    settings = VllmSettings.from_config(cfg.vllm)
+    assert llm_kwargs(settings, "/models/m", "bfloat16", 2048, 5) == {
+        "model": "/models/m", "dtype": "bfloat16", "seed": 5, "max_model_len": 2048, "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1, "max_num_seqs": 64, "enable_expert_parallel": True}  # unset ones: vLLM's own
+    assert replica_env(settings, ["0", "1", "2", "3"]) == [{"CUDA_VISIBLE_DEVICES": "0,1"},
+                                                           {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert replica_env(settings, ["4", "5", "6", "7", "8"]) == [{"CUDA_VISIBLE_DEVICES": "4,5"},
+                                                                {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    with pytest.raises(SettingError, match="= 4 GPUs, but 3 are visible"):
+        replica_env(settings, ["0", "1", "2"])
+    with pytest.raises(SettingError, match="none is visible here"):
+        replica_env(settings, [])
+    default = VllmSettings.from_config(compose("regenerate", ["engine=vllm"]).vllm)
+    assert replica_env(default, []) == [{}]  # one engine keeps the devices as they are (CPU, or Ray's nodes)
+    assert llm_kwargs(default, "m", "float32", None, 0) == {"model": "m", "dtype": "float32", "seed": 0,
+                                                            "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    default.engine_args = {"data_parallel_size": 2}
+    with pytest.raises(SettingError, match="engine_args sets data_parallel_size"):
+        llm_kwargs(default, "m", "float32", None, 0)
+
+
+def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, prompts_file, monkeypatch):
+    """run() as scripts/regenerate.py engine=vllm calls it, with vLLM's session replaced by one that records what it
+    was started with and answers every request with three fixed tokens."""
+    import core.vllm_env
+
+    started = []
+
+    class RecordingSession:
+        def __init__(self, engine, venv, replica_env, log_path=None, timeout=None):
+            started.append({"engine": engine, "replicas": replica_env, "timeout": timeout})
+            self.requests = []
+
+        def generate(self, requests):
+            started[-1].setdefault("requests", []).extend(requests)
+            return [[70, 71, 72, 2, 73] for _ in requests]
+
+        def close(self):
+            started[-1]["closed"] = True
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    monkeypatch.setattr(core.vllm_env, "VllmSession", RecordingSession)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    out = tmp_path / "out.jsonl"
+    cfg = compose("regenerate", ["model=tiny", "model.dtype=float32", "data=file", f"data.path={prompts_file}",
+                                 "data.max_length=300", "n=3", "max_new_tokens=5", "temperature=0.7", "seed=3",
+                                 f"out={out}", "engine=vllm", f"vllm.venv={venv}", "vllm.data_parallel_size=2",
+                                 "vllm.timeout=50"])
+    report = run(cfg)
+    (call,) = started
+    assert call["engine"]["dtype"] == "float32" and call["engine"]["max_model_len"] == 300 and call["closed"]
+    assert call["engine"]["seed"] == 3 and "data_parallel_size" not in call["engine"] and call["timeout"] == 50
+    assert (Path(call["engine"]["model"]) / "config.json").exists()  # the tiny target, saved for vLLM
+    assert call["replicas"] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    requests = call["requests"]
+    assert {r["stop_token_ids"] == [2] and r["temperature"] == 0.7 for r in requests} == {True}
+    assert len({r["seed"] for r in requests}) == len(requests)  # every answer its own seed
+    assert report.written == 3
+    assert {m["content"] for r in map(json.loads, out.read_text().splitlines()) for m in r["messages"]
+            if m["role"] == "assistant"} == {tok_text(70, 71, 72)}  # cut at the stop id
+
+
+def tok_text(*ids: int) -> str:
+    from core.target import build_tiny_tokenizer
+
+    return build_tiny_tokenizer().decode(list(ids))

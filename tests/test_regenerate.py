@@ -320,3 +320,14 @@ def tok_text(*ids: int) -> str:
     from core.target import build_tiny_tokenizer
 
     return build_tiny_tokenizer().decode(list(ids))
+
+
+def test_an_unknown_engine_and_a_missing_vllm_venv_are_refused_before_a_model_loads(tmp_path, prompts_file):
+    from core.vllm_env import ServingError
+
+    common = ["model=tiny", "data=file", f"data.path={prompts_file}", f"out={tmp_path / 'out.jsonl'}"]
+    with pytest.raises(SettingError, match="engine='tgi': hf .* or vllm"):
+        run(compose("regenerate", common + ["engine=tgi"]))
+    with pytest.raises(ServingError, match="No vLLM virtualenv at .*nowhere: make one with `bash scripts/make_vllm"):
+        run(compose("regenerate", common + ["engine=vllm", f"vllm.venv={tmp_path / 'nowhere'}"]))
+    assert not list(tmp_path.glob("out*"))  # nothing written: not the output, not its config

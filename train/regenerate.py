@@ -25,9 +25,9 @@ MT-bench prompts), appended and flushed as each conversation is complete. A reru
 the ids it holds (a partial last line left by a killed run is cut off and that record written again) and never
 writes an id twice. The file is valid input for ``data=file data.path=OUT``.
 
-Prompts come from the ``data`` config (ShareGPT / messages records; only their user and system turns are used), or
-from ``prompts=PATH``: a JSONL of MT-bench questions ``{"question_id", "category", "turns": [str, ...]}`` or of any
-record form above.
+Prompts come from the ``data`` config (any record form core.records.parse_turns reads: ShareGPT, OpenAI messages,
+UltraChat, instruction records; only their user and system turns are used), or from ``prompts=PATH``: a JSONL of
+MT-bench questions ``{"question_id", "category", "turns": [str, ...]}`` or of any record form above.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RegenerateReport:
 
 
 def to_prompt(record: Any, index: int) -> tuple[Prompt | None, str | None]:
-    """A Prompt from an MT-bench, ShareGPT or OpenAI-messages record (id from the record, else its index)."""
+    """A Prompt from an MT-bench question or any record parse_turns reads (id from the record, else its index)."""
     if not isinstance(record, Mapping):
         return None, NOT_AN_OBJECT
     if isinstance(record.get("turns"), list):  # MT-bench question
@@ -516,9 +516,14 @@ def run(cfg) -> RegenerateReport:
     if cfg.engine not in ENGINES:
         raise SettingError(f"engine={cfg.engine!r}: hf (transformers generate) or vllm (vLLM's offline LLM, in its "
                            "own venv).")
+    answering = answering_of(cfg, None)  # the settings are checked before a model loads
+    if cfg.engine == "vllm":
+        from core.vllm_env import vllm_python
+
+        settings = VllmSettings.from_config(cfg.vllm)
+        vllm_python(settings.venv)  # say at once when vLLM's venv is missing
     out_path = Path(cfg.out)
     records = read_records(cfg.prompts) if cfg.get("prompts") else open_records(cfg.data)
-    answering = answering_of(cfg, None)  # checks the settings before a model loads
     torch.manual_seed(answering.seed)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     config_path = out_path.with_name(out_path.stem + ".config.yaml")
@@ -526,10 +531,8 @@ def run(cfg) -> RegenerateReport:
     if cfg.engine == "vllm":
         from transformers import AutoConfig
 
-        from core.vllm_env import served_model, vllm_python
+        from core.vllm_env import served_model
 
-        settings = VllmSettings.from_config(cfg.vllm)
-        vllm_python(settings.venv)  # before a model loads: say at once when vLLM's venv is missing
         path, tokenizer = served_model(cfg.model)
         max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)

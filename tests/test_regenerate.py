@@ -331,3 +331,56 @@ def test_an_unknown_engine_and_a_missing_vllm_venv_are_refused_before_a_model_lo
     with pytest.raises(ServingError, match="No vLLM virtualenv at .*nowhere: make one with `bash scripts/make_vllm"):
         run(compose("regenerate", common + ["engine=vllm", f"vllm.venv={tmp_path / 'nowhere'}"]))
     assert not list(tmp_path.glob("out*"))  # nothing written: not the output, not its config
+
+
+FAKE_VLLM = '''
+import json, os
+__version__ = "fake"
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class LLM:
+    def __init__(self, **kw):
+        with open(os.environ["FAKE_KWARGS"], "w") as f:
+            json.dump(kw, f)
+    def generate(self, prompts, params, use_tqdm=False):
+        out = []
+        for p, s in zip(prompts, params):
+            if not p["prompt_token_ids"]:
+                raise ValueError("an empty prompt")
+            ids = [int(os.environ["FAKE_REPLICA"])] + p["prompt_token_ids"][::-1] + [s.kw["max_tokens"]]
+            out.append(type("Out", (), {"outputs": [type("Completion", (), {"token_ids": ids})()]})())
+        return out
+'''
+
+
+def test_vllm_session_shares_each_call_among_its_replicas_and_answers_in_order(tmp_path):
+    """core.vllm_env.VllmSession with core/vllm_worker.py over a stand-in vllm package (this Python as the venv's):
+    one worker per replica, each started once with the engine's keywords (and the CPU defaults it left out), every
+    call shared among them and put back in request order; a failing call and a worker without vLLM are errors that
+    say what failed."""
+    import sys
+
+    from core.vllm_env import ServingError, VllmSession
+
+    (tmp_path / "fake" / "vllm" / "platforms").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (tmp_path / "fake" / "vllm" / "platforms" / "__init__.py").write_text(
+        "current_platform = type('Platform', (), {'is_cpu': lambda self: True})()\n")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    replicas = [{"PYTHONPATH": str(tmp_path / "fake"), "FAKE_REPLICA": r, "FAKE_KWARGS": str(tmp_path / f"kw{r}")}
+                for r in range(2)]
+    requests = [{"prompt_token_ids": [10 + i, 20 + i], "max_tokens": 5 + i, "temperature": 0.0, "top_p": 1.0,
+                 "seed": None, "stop_token_ids": [2]} for i in range(5)]
+    with VllmSession({"model": "m", "enforce_eager": False}, tmp_path / "venv", replicas,
+                     log_path=tmp_path / "vllm.log", timeout=120) as session:
+        for _ in range(2):  # the engines stay up between calls
+            assert session.generate(requests) == [[i % 2, 20 + i, 10 + i, 5 + i] for i in range(5)]
+        with pytest.raises(ServingError, match="worker 0 failed: ValueError: an empty prompt"):
+            session.generate([{**requests[0], "prompt_token_ids": []}])
+    for r in range(2):  # the CPU default the engine set itself stays its own
+        assert json.loads((tmp_path / f"kw{r}").read_text()) == {"model": "m", "enforce_eager": False,
+                                                                 "gpu_memory_utilization": 0.3}
+    with pytest.raises(ServingError, match="failed: ModuleNotFoundError: No module named 'vllm'"):
+        VllmSession({"model": "m"}, tmp_path / "venv", timeout=120)

@@ -117,8 +117,8 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
     source = cfg_get(cfg, "source", "hub")
     config_only = bool(cfg_get(cfg, "config_only", False))
     if config_only and source != "hub":
-        raise TargetLoadError(f"model.config_only=true reads a hub id's or folder's config.json; model.source={source!r} "
-                              "has none (use source=hub with model.name_or_path=ID_OR_FOLDER).")
+        raise TargetLoadError(f"model.config_only=true reads a hub id's or folder's config.json; model.source="
+                              f"{source!r} has none (use source=hub with model.name_or_path=ID_OR_FOLDER).")
     if config_only and not allow_config_only:
         raise TargetLoadError(
             f"model.config_only=true builds {cfg_get(cfg, 'name_or_path')!r} without weights (on the meta device): it "

@@ -149,7 +149,8 @@ for conversation, completion in json.load(sys.stdin):
             messages.append(Message.from_role_and_content(Role.USER, m["content"]))
             continue
         if "reasoning_content" in m and k == len(conversation) - 1:  # earlier answers' reasoning: dropped
-            messages.append(Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"]).with_channel("analysis"))
+            analysis = Message.from_role_and_content(Role.ASSISTANT, m["reasoning_content"])
+            messages.append(analysis.with_channel("analysis"))
         messages.append(Message.from_role_and_content(Role.ASSISTANT, m["content"]).with_channel("final"))
     c = Conversation.from_messages(messages)
     ids = (enc.render_conversation_for_completion(c, Role.ASSISTANT) if completion else

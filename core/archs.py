@@ -63,6 +63,10 @@ TINY_ARCHS: dict[str, TinyArch] = {
                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
         attn_implementation="eager", alternating=True),  # attention sinks: transformers has eager (and kernels) attention for them
     "phi3": TinyArch("Phi3Config"),  # fused qkv and gate/up projections
+    "deepseek_v2": TinyArch("DeepseekV2Config", {  # MLA without a query low rank (V2-Lite), softmax routing
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1}),
     "deepseek_v3": TinyArch("DeepseekV3Config", {  # MLA attention, shared + routed experts after a dense layer
         "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,

@@ -143,7 +143,8 @@ class VllmSession:
     ``engine``: the ``LLM(...)`` keywords (keys vLLM's CPU build needs and the caller left out are
     :data:`ENGINE_DEFAULTS`). ``replica_env``: per replica, variables over :func:`worker_env`'s (its devices). vLLM's
     log goes to ``log_path`` (a temporary file when None); the lines naming a failure are quoted in the error.
-    A worker that stops answering is a :class:`ServingError` with the log's tail."""
+    A worker that stops answering is a :class:`ServingError` with the log's tail. A worker whose caller was killed
+    ends after its current call, when its input ends or its answer finds no reader."""
 
     def __init__(self, engine: dict, venv: str | Path | None = None, replica_env: list[dict] | None = None,
                  log_path: str | Path | None = None, timeout: float | None = None):

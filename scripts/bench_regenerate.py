@@ -100,8 +100,8 @@ def main() -> None:
     names = list(engines)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for name, engine in engines.items():  # warm-up, not reported: first calls allocate and pick kernels
-                one_pass(engine, target.tokenizer, prompts[:2], answering, Path(tmp) / "warmup.jsonl")
+            for name in (names[0], "vllm"):  # warm-up, not reported (the HF engines share one model)
+                one_pass(engines[name], target.tokenizer, prompts[:2], answering, Path(tmp) / "warmup.jsonl")
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts elsewhere
                     file = Path(tmp) / f"{name.replace(', ', '-').replace(' ', '')}.jsonl"

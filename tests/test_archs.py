@@ -1,5 +1,5 @@
 """The engine on every architecture of core/archs.py (tiny random targets built from each one's transformers config
-class, fp32): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 3, gpt-oss, Phi-3 and DeepSeek-V3.
+class, fp32): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma 3, gpt-oss, Phi-3, DeepSeek-V2 and DeepSeek-V3.
 
 - Every tree node gets the logits of its own branch under the architecture's own attention (sliding windows, sinks,
   MLA, MoE routing, soft-capping), after a prompt longer than the sliding window; for the sliding architectures a

@@ -375,6 +375,12 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
             module.features(out.hidden_states[e].to(stack.dtype), cache=adapter_caches[e])
     token = prompt[-1:]
     position = torch.tensor([cache_length], device=device)
+    # the one-token forward's mask and positions, as the engine passes them (a sliding layer's cut to its window:
+    # the engine's cache keeps every row, so the model's own masks would not fit it)
+    sees_all = torch.ones(1, cache_length + 1, dtype=torch.bool, device=device)
+    keys = torch.arange(cache_length + 1, device=device)
+    one = {"attention_mask": attention_mask_for(stack.config, sees_all, position, keys, stack.dtype),
+           "position_ids": position[None]}
     times: dict = {"forward": [], **{("layers", e): [] for e in exits}, **{("exit", e): [] for e in exits}}
 
     def clock() -> float:
@@ -383,7 +389,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
 
     for r in range(repeats + 1):
         t0 = clock()
-        model(input_ids=token[None], use_cache=True, **{cache_kwarg(model): cache})
+        model(input_ids=token[None], use_cache=True, **one, **{cache_kwarg(model): cache})
         t1 = clock()
         crop_cache(cache, cache_length)
         if r:
@@ -395,7 +401,8 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
             adapter_cache = adapter_caches.get(e)
             module.logits(module.features(hidden, position[None], cache=adapter_cache))
             t2 = clock()
-            crop_cache(cache, cache_length)
+            for layer, grown in zip(cache.layers, layer_lengths(cache)):  # layers 0..e-1 only grew
+                layer.crop(cache_length - grown)
             if adapter_cache is not None:
                 crop_cache(adapter_cache, cache_length)
             if r:

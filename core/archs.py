@@ -38,10 +38,15 @@ class TinyArch:
     config_class: str
     extra: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str | None = None  # one the architecture needs (gpt-oss has no sdpa attention)
+    alternating: bool = False  # sliding and full layers alternate, sliding first (Gemma 3, gpt-oss)
+
+    def config_kwargs(self, num_hidden_layers: int) -> dict[str, Any]:
+        """What this architecture's config takes beyond the shared shape, for a model of that many layers."""
+        layers = {"layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(num_hidden_layers)]}
+        return {**self.extra, **(layers if self.alternating else {})}
 
 
 WINDOW = 8  # the tiny sliding windows: prompts of 4-30 tokens and 20 new ones cross it
-ALTERNATING = [SLIDING, FULL] * 2
 
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("LlamaConfig"),
@@ -51,14 +56,13 @@ TINY_ARCHS: dict[str, TinyArch] = {
                                              "moe_intermediate_size": 32}),
     "mistral": TinyArch("MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}),  # every layer slides
     "gemma3": TinyArch("Gemma3TextConfig", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING,
-        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}),
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}, alternating=True),
     "gpt_oss": TinyArch("GptOssConfig", {
         "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
-        "layer_types": ALTERNATING,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
-        attn_implementation="eager"),  # attention sinks: transformers has eager (and kernels) attention for them
+        attn_implementation="eager", alternating=True),  # attention sinks: transformers has eager (and kernels) attention for them
     "phi3": TinyArch("Phi3Config"),  # fused qkv and gate/up projections
     "deepseek_v3": TinyArch("DeepseekV3Config", {  # MLA attention, shared + routed experts after a dense layer
         "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,

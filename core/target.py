@@ -279,7 +279,7 @@ def build_tiny(
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    config = getattr(transformers, spec.config_class)(**{**shape, **spec.extra})
+    config = getattr(transformers, spec.config_class)(**{**shape, **spec.config_kwargs(num_hidden_layers)})
     attn_implementation = spec.attn_implementation or attn_implementation
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):

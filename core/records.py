@@ -281,10 +281,16 @@ def _content(value: Any) -> str | None:
     return None
 
 
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an answer's reasoning, as records name it
+
+
 def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
     """All turns of a ShareGPT or OpenAI-messages record as ``[{"role", "content"}]``, or ``(None, skip reason)``.
 
-    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that).
+    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that). An
+    assistant turn's reasoning, where the record gives it apart from the content (``reasoning_content``: vLLM's
+    reasoning parsers, DeepSeek's API; ``reasoning``; ``thinking``: gpt-oss), is kept as ``reasoning_content``; the
+    chat template decides how to render it (train.data.chat).
     """
     if not isinstance(record, Mapping):
         return None, NOT_AN_OBJECT
@@ -309,7 +315,11 @@ def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
             return None, INVALID_TURN
         if not content.strip():
             return None, EMPTY_TURN
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        if role == "assistant" and reasoning is not None:
+            message["reasoning_content"] = reasoning
+        messages.append(message)
     if not messages:
         return None, EMPTY_CONVERSATION
     return messages, None

@@ -338,8 +338,8 @@ def data_cfg(path, **overrides):
 def test_build_dataset_splits_caches_and_rebuilds_on_config_change(tmp_path, tiny_tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [sharegpt(i, turns=4) for i in range(8)])
     calls = []
-    real = data.tokenize_conversation
-    monkeypatch.setattr(train.data.dataset, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = train.data.dataset.conversation_examples
+    monkeypatch.setattr(train.data.dataset, "conversation_examples", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "cache"
 
     ds = build_dataset(data_cfg(path), tiny_tokenizer, cache_dir=cache, verbose=False)

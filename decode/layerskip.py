@@ -1,8 +1,9 @@
 """Layer-skip self-speculation: draft with the target's own first E layers and an exit, verify with the rest.
 
 The target is unmodified: its decoder layers, rotary embedding, final norm and LM head are run from the model's own
-modules on the shared transformers ``DynamicCache`` (:class:`LayerStack`). Llama and Qwen2 decoder stacks are
-supported; any other architecture gets a clear error.
+modules on the shared transformers ``DynamicCache`` (:class:`LayerStack`), each layer with the mask and rotary
+embedding of its kind (core/archs.py), so every architecture there runs; a target whose layers, run one by one, do
+not give its forward's logits gets a clear error (:func:`check_layer_stack`).
 
 Each step (:class:`LayerSkipDrafter`), with the root r = ``state.next_token`` at position p = ``state.length``:
 

@@ -18,6 +18,7 @@ embeddings) lives inside the model's own ``forward`` and needs nothing from us. 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,3 +119,70 @@ def mask_of_layer(masks: torch.Tensor | dict[str, torch.Tensor], config, layer: 
     """The mask that layer ``layer`` reads from :func:`attention_mask_for`'s result (a caller running layers one
     by one)."""
     return masks if isinstance(masks, torch.Tensor) else masks[layer_kinds(config)[layer]]
+
+
+# --- running a target's pieces outside its own forward ----------------------------------------------------------------
+# What a drafter that runs the target's layers one by one (layer-skip), copies one of them (a layer-skip adapter),
+# builds layers like them (DFlash), puts LoRA on them (Medusa-2) or reads the target's distribution from its last
+# hidden state needs to know, read from the model itself where it can be (signatures, module names), so a new
+# architecture that follows the transformers conventions needs no row here.
+
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")  # a decoder layer's projections that write into the residual stream:
+# attention's output, and the MLP's (or every expert's, shared ones included, as 3D parameters) down projection
+
+
+def layer_position_embeddings(decoder, hidden: torch.Tensor, position_ids: torch.Tensor,
+                              layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rotary (cos, sin) that each decoder layer in ``layers`` reads at ``position_ids`` [B, q], as the model's
+    own forward computes them: one shared rotary embedding, or one per layer type (Gemma 3: full and sliding layers
+    rotate with different bases), where the rotary embedding's ``forward`` takes a ``layer_type``."""
+    rotary = decoder.rotary_emb
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        shared = rotary(hidden, position_ids=position_ids)
+        return [shared for _ in layers]
+    types = text_config(decoder.config).layer_types
+    by_type = {t: rotary(hidden, position_ids, layer_type=t) for t in {types[i] for i in layers}}
+    return [by_type[types[i]] for i in layers]
+
+
+def output_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its LM head's output, as its forward returns them: soft-capped
+    (``final_logit_softcapping``: Gemma 2 and 3) where the config says so, else unchanged."""
+    cap = getattr(text_config(config), "final_logit_softcapping", None)
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def residual_outputs(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters (weights and biases) of a decoder layer's :data:`RESIDUAL_OUTPUTS`: zeroed, the layer adds
+    nothing to the residual stream (a norm after them, as Gemma 3's post-norms, maps zero to zero). Empty when the
+    layer names them otherwise."""
+    return [(name, p) for name, p in layer.named_parameters()
+            if any(part.startswith(out) for out in RESIDUAL_OUTPUTS for part in name.split(".")[-2:])]
+
+
+def attention_linear_names(model: torch.nn.Module) -> list[str]:
+    """The names of the linear layers inside each decoder layer's attention (the child module whose name has
+    ``attn``): q/k/v/o for most, ``qkv_proj``/``o_proj`` for Phi-3's fused projection, MLA's low-rank
+    ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``/``o_proj`` for DeepSeek-V3. Empty when the layers
+    have no such child."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    names = set()
+    for layer in decoder.layers:
+        for child_name, child in layer.named_children():
+            if "attn" in child_name:
+                names |= {n.split(".")[-1] for n, m in child.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names)
+
+
+def rope_parameters(config) -> dict:
+    """The rotary parameters of the target's full-attention layers (a config whose layer types rotate differently,
+    as Gemma 3's, keeps one set per type), or of every layer."""
+    config = text_config(config)
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    if all(isinstance(v, dict) for v in params.values()):
+        return dict(params.get(FULL) or next(iter(params.values())))
+    return dict(params)

@@ -40,6 +40,19 @@ def rotary_of(target: nn.Module) -> nn.Module:
     return rotary
 
 
+def rms_norm_scale(norm: nn.Module, size: int) -> torch.Tensor | None:
+    """The per-channel scale an RMS norm multiplies by after normalising (Llama's ``weight``, Gemma's ``1 + weight``),
+    read off the module itself: a constant input of size ``size`` normalises to ones, so what comes out is the scale
+    (float32, on the norm's device). None when that is not a usable scale (a norm that centres its input, a
+    non-finite weight)."""
+    param = next(norm.parameters(), None)
+    if param is None:
+        return None
+    with torch.no_grad():
+        scale = norm(torch.full((1, size), 1e3, dtype=param.dtype, device=param.device))[0].float()
+    return scale if bool(torch.isfinite(scale).all()) and bool(scale.abs().max() > 0) else None
+
+
 def causal_mask(
     q_len: int,
     past_len: int,

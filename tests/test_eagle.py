@@ -1,6 +1,6 @@
 """EAGLE drafters.
 
-- Module: shapes, the target's own layer class, target parts used but not owned, cache and unrolled-step consistency.
+- Module: shapes, a Llama draft layer, target parts used but not owned, cache and unrolled-step consistency.
 - Losses (pure functions) and the draft vocabulary maps.
 - Decoding with EAGLE-2 dynamic trees (both variants, tiny Llama and tiny Qwen2, drafters briefly trained so drafts
   are often accepted): greedy output equals HF generate on 12 prompts (EOS inside accepted drafts, the
@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
@@ -72,7 +73,8 @@ def test_shapes_and_ownership(request, arch, variant):
     out = drafter(feats, ids, torch.arange(10, device=model.device)[None].expand(2, 10))
     assert out.shape == (2, 10, 64)
     assert drafter.logits(out).shape == (2, 10, 320 if variant == "eagle" else 100)
-    assert type(drafter.layer) is type(model.model.layers[0])  # the target's own layer class
+    assert type(drafter.layer) is LlamaDecoderLayer  # a Llama layer whatever the target, no biases
+    assert not any(k.endswith("bias") for k in drafter.layer.state_dict())
     # The target's embedding / LM head are used, not owned: not in state_dict, not trainable through the drafter.
     target_ids = {id(p) for p in model.parameters()}
     assert not any(id(p) in target_ids for p in drafter.parameters())
@@ -419,7 +421,7 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
     d2t, _ = build_draft_vocab(count_tokens(seqs.cpu(), model.config.vocab_size), draft_vocab_size)
     if variant == "eagle3-mid":
         steps *= 5  # the midlayer layout learns more slowly (heads.eagle)
-    drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=-1)
+    drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=None)
     if variant != "eagle":
         drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=1.0)

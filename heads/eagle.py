@@ -43,8 +43,9 @@ embedding and the feature into the layer (``EagleConfig.layout``):
     learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/journal/; the tests' tiny
     models likewise), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
-Used, not owned: the target's token embedding and (``eagle``) its LM head are reached through a reference kept out of
-``state_dict()`` and ``parameters()``.
+Used, not owned: the target's token embedding matrix (its rows as they are: an embedding module that scales its
+output, Gemma's, is read unscaled, as the engines' drafters read it) and (``eagle``) its LM head are reached through a
+reference kept out of ``state_dict()`` and ``parameters()``.
 
 The draft has its own KV cache (a transformers ``DynamicCache``, layer 0). Every call takes explicit position ids and
 an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`core.layers.causal_mask`
@@ -57,6 +58,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
@@ -371,7 +373,9 @@ class EagleHeads(nn.Module):
         the predicted features of positions t+1. ``attention_mask`` [B|1, 1, q, past + q] additive; None = causal
         over ``cache``. The new keys/values are appended to ``cache`` (a DynamicCache) when one is given."""
         dtype = self.dtype
-        emb = self.target.get_input_embeddings()(input_ids).to(dtype)
+        # the embedding matrix's rows, as the engines' drafters read them (Gemma's embedding scales its output by
+        # sqrt(H) inside the module; their drafters and ours read it unscaled)
+        emb = F.embedding(input_ids, self.target.get_input_embeddings().weight).to(dtype)
         features = features.to(dtype)
         if attention_mask is None:
             attention_mask = causal_mask(input_ids.shape[1], cache_length(cache), dtype, features.device)

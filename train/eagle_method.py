@@ -6,7 +6,8 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
   features, own LM head over a reduced draft vocabulary, token loss only).
 - ``layout``: ``fc`` (EAGLE-1's input projection before an unmodified target layer) or ``midlayer`` (eagle3 only:
   EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see heads.export); see heads.eagle;
-- ``fc_bias``, ``init_layer_from`` (copy a target layer into the draft layer), ``layer_ids`` (eagle3),
+- ``fc_bias``, ``input_norm`` (fc layout: the layer's own input norm; false with ``fc_bias: false`` is vLLM's
+  EAGLE-1), ``init_layer_from`` (copy a Llama-shaped target layer into the draft layer), ``layer_ids`` (eagle3),
   ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
 - ``unroll_steps``: test-time steps unrolled in training (the draft reads its own output features);
   ``feature_noise``: uniform noise on the step-0 input features (training only);
@@ -54,6 +55,7 @@ class EagleSettings:
 
     type: str  # eagle | eagle3
     fc_bias: bool
+    input_norm: bool
     init_layer_from: int | None
     layout: str
     layer_ids: list[int] | None
@@ -80,6 +82,8 @@ class EagleSettings:
             problems.append(f"heads.layout={out.layout!r}: use fc or midlayer (eagle3 only)")
         elif out.layout == "midlayer" and out.type != "eagle3":
             problems.append("heads.layout=midlayer (EAGLE-3's widened q/k/v) is for heads=eagle3; EAGLE-1 uses fc")
+        elif out.layout == "midlayer" and not out.input_norm:
+            problems.append("heads.input_norm=false is for heads.layout=fc (midlayer has no input norm already)")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if problems:
             raise ValueError("; ".join(problems) + ".")
@@ -95,7 +99,7 @@ class EagleSettings:
     def eagle_config(self, target_model: nn.Module) -> EagleConfig:
         return EagleConfig.from_target(
             target_model, variant=self.type, fc_bias=self.fc_bias, init_layer_from=self.init_layer_from,
-            layout=self.layout,
+            layout=self.layout, input_norm=self.input_norm,
             layer_ids=self.layer_ids,
             draft_vocab_size=None if self.draft_vocab_size == "auto" else self.draft_vocab_size,  # auto: until counted
         )

@@ -1,6 +1,6 @@
-"""Generic pieces of a Hugging Face decoder-only CausalLM that every drafter family uses: the target's base model and
-rotary embedding reached without owning them, a new module's linear initialisation, the plain additive causal mask,
-and a left shift of per-position tensors."""
+"""Generic pieces of a Hugging Face decoder-only CausalLM that every drafter family uses: the target's base model
+reached without owning it, a new module's linear initialisation, the scale of an RMS norm, the plain additive causal
+mask, and a left shift of per-position tensors."""
 
 from __future__ import annotations
 
@@ -28,16 +28,6 @@ def decoder_of(target: nn.Module) -> nn.Module:
             "decoder-only CausalLM (Llama, Qwen2, Mistral, ...)."
         )
     return base
-
-
-def rotary_of(target: nn.Module) -> nn.Module:
-    rotary = getattr(decoder_of(target), "rotary_emb", None)
-    if rotary is None:
-        raise TypeError(
-            f"{type(target).__name__} has no shared rotary embedding (`model.rotary_emb`); a draft layer takes "
-            "precomputed position embeddings, so this architecture is not supported."
-        )
-    return rotary
 
 
 def rms_norm_scale(norm: nn.Module, size: int) -> torch.Tensor | None:

@@ -35,6 +35,55 @@ ONLINE_STEPS = 4  # online: the store run's first steps again
 MAX_NEW = 20
 
 
+def test_the_llama_layer_for_a_target():
+    """core.archs.llama_layer_fields on the architectures' default (full-size) configs: a mixture of experts gets a
+    dense MLP as wide as the experts a token passes through, which for Qwen3-MoE and DeepSeek-V3 is their own dense
+    layers' width; DeepSeek-V3's latent attention gets SpecForge's drafter heads (hidden / v_head_dim of them on 8);
+    Gemma 3 the full-attention layers' rope; no partial rotation."""
+    import transformers
+
+    from core.archs import llama_layer_fields
+
+    for name in ("Qwen3MoeConfig", "DeepseekV3Config"):
+        config = getattr(transformers, name)()
+        assert llama_layer_fields(config)["intermediate_size"] == config.intermediate_size
+    gpt_oss = transformers.GptOssConfig()
+    assert llama_layer_fields(gpt_oss)["intermediate_size"] == gpt_oss.num_experts_per_tok * gpt_oss.intermediate_size
+    assert llama_layer_fields(gpt_oss)["rope_parameters"]["rope_type"] == "yarn"
+    deepseek = transformers.DeepseekV3Config()
+    fields = llama_layer_fields(deepseek)
+    assert fields["head_dim"] == deepseek.v_head_dim and fields["num_attention_heads"] * fields["head_dim"] == 7168
+    assert fields["num_key_value_heads"] == 8
+    gemma = transformers.Gemma3TextConfig()
+    assert llama_layer_fields(gemma)["rope_parameters"] == gemma.rope_parameters["full_attention"]
+    phi = transformers.Phi3Config(partial_rotary_factor=0.75)
+    assert "partial_rotary_factor" not in llama_layer_fields(phi)["rope_parameters"]
+    for arch in ARCHS:  # the tiny rows: the target's attention where it is the plain kind, no biases
+        config = build_tiny(arch)[0].config
+        fields = llama_layer_fields(config)
+        assert not fields["attention_bias"] and not fields["mlp_bias"] and fields["hidden_act"] == "silu"
+        if not getattr(config, "kv_lora_rank", None):
+            assert fields["num_attention_heads"] == config.num_attention_heads
+            assert fields["num_key_value_heads"] == config.num_key_value_heads
+
+
+def test_rms_norm_scale_reads_what_the_norm_multiplies_by():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from core.layers import rms_norm_scale
+
+    weight = torch.randn(16, generator=torch.Generator().manual_seed(0))
+    llama, gemma = LlamaRMSNorm(16), Gemma3RMSNorm(16)
+    with torch.no_grad():
+        llama.weight.copy_(weight)
+        gemma.weight.copy_(weight)  # Gemma's norm multiplies by 1 + weight
+    # a constant input of 1e3 normalises to 1 / sqrt(1 + eps / 1e6): float32 rounding is all that is left
+    torch.testing.assert_close(rms_norm_scale(llama, 16), weight, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rms_norm_scale(gemma, 16), 1 + weight, rtol=1e-6, atol=1e-6)
+    assert rms_norm_scale(torch.nn.LayerNorm(16), 16) is None  # a norm that centres its input has no such scale
+
+
 def own_continuations(model, n: int, seed: int, prompt: int = 6, answer: int = 34):
     """The target's greedy continuations of random byte prompts: the prompt unlabelled, the answer labelled."""
     import datasets

@@ -159,7 +159,7 @@ def saved_weights(run):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trains_online_and_from_the_feature_store(runs, arch, variant):
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
     import heads
 
@@ -176,6 +176,10 @@ def test_trains_online_and_from_the_feature_store(runs, arch, variant):
     loaded = heads.load(store.run_dir / "heads", target).module
     assert type(loaded.layer) is LlamaDecoderLayer and loaded.config.draft_layer["attention_bias"] is False
     assert not any(k.endswith(".bias") for k in loaded.layer.state_dict())  # a Llama layer whatever the target
+    # every parameter is a linear layer's (initialised by init_linears) or a norm's: none left as torch.empty memory,
+    # which a MoE draft layer's stacked expert matrices were (Qwen3-MoE's NaN losses before the layer was Llama's)
+    owners = {type(m) for m in loaded.modules() if any(True for _ in m.parameters(recurse=False))}
+    assert owners <= {torch.nn.Linear, LlamaRMSNorm}, owners
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -21,12 +21,12 @@ The draft layer is ONE transformers ``LlamaDecoderLayer`` whatever the target, a
 EAGLE drafters: the target's hidden size, attention heads and head dim, RMS-norm eps and rope, a dense SiLU MLP (for
 a mixture-of-experts target as wide as the experts a token passes through) and no biases; the fields are
 :func:`core.archs.llama_layer_fields` of the target, saved in ``EagleConfig.draft_layer``. It attends to everything
-the drafter's own masks allow (no sliding window) and has its own rotary embedding from those fields. Its norms and
-the eagle3 ``embed_norm``, ``feature_norm`` and ``norm`` are Llama RMS norms, the last three starting from the scale
-of the target's final norm (:func:`core.layers.rms_norm_scale`). Heads saved before the draft layer was a Llama layer
-had a layer of the target's own class: for a Llama target that is the same layer and they load unchanged
-(:func:`build_eagle_heads`), for any other they are refused with what to retrain. Two layouts put the token
-embedding and the feature into the layer (``EagleConfig.layout``):
+the drafter's own masks allow (no sliding window) and has its own rotary embedding from those fields (float32
+whatever the drafter's dtype). Its norms and the eagle3 ``embed_norm``, ``feature_norm`` and ``norm`` are Llama RMS
+norms, the last three starting from the scale of the target's final norm (:func:`core.layers.rms_norm_scale`). Heads
+saved before the draft layer was a Llama layer had a layer of the target's own class: for a Llama target that is the
+same layer and they load unchanged (:func:`build_eagle_heads`), for any other they are refused with what to retrain.
+Two layouts put the token embedding and the feature into the layer (``EagleConfig.layout``):
 
 ``fc`` (the default, both variants)
     ``fc`` over ``[embedding, feature]`` (2H -> H, the order EAGLE uses) feeds the unmodified layer (its own input
@@ -237,7 +237,9 @@ class EagleHeads(nn.Module):
             self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
 
         self.layer = LlamaDecoderLayer(layer_config, layer_idx=0)
-        self.rotary_emb = LlamaRotaryEmbedding(layer_config)  # buffers only: nothing in state_dict()
+        # Not a submodule: casting the drafter to bfloat16 would round its frequencies (positions off by whole turns
+        # far into a sequence); its float32 buffers only follow the drafter's device (forward).
+        self._rotary = [LlamaRotaryEmbedding(layer_config)]
         if config.layout == "midlayer":
             _widen_qkv(self.layer, hidden)
         elif not config.input_norm:
@@ -380,7 +382,7 @@ class EagleHeads(nn.Module):
         if attention_mask is None:
             attention_mask = causal_mask(input_ids.shape[1], cache_length(cache), dtype, features.device)
         attention_mask = attention_mask.to(dtype)
-        position_embeddings = tuple(p.to(dtype) for p in self.rotary_emb(features, position_ids))
+        position_embeddings = self.position_embeddings(features, position_ids)
         if self.config.layout == "midlayer":
             x = torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1)  # [B, q, 2H]
             attn = self.layer.self_attn(
@@ -401,6 +403,14 @@ class EagleHeads(nn.Module):
             position_embeddings=position_embeddings,
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer's rotary (cos, sin) [B, q, head_dim] at ``position_ids`` [B, q], in ``x``'s dtype, computed
+        from float32 frequencies."""
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != x.device:
+            rotary.to(x.device)
+        return rotary(x, position_ids)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle)."""

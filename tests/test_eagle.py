@@ -120,6 +120,22 @@ def test_feature_sources():
         EagleConfig(variant="eagle", layout="midlayer")
 
 
+def test_a_bfloat16_drafter_keeps_its_positions(tiny_llama):
+    """A drafter cast to bfloat16 (as heads.load casts it to a bfloat16 target) rotates by the angles it was trained
+    with, thousands of positions in: its rotary frequencies stay float32 (rounded to bfloat16, a relative error up to
+    2**-9, the angle at position 4000 would be off by radians), and only the cos/sin values are rounded."""
+    model, _ = tiny_llama
+    drafter = make(model, "eagle3")
+    positions = torch.tensor([[0, 1, 1000, 4000]], device=model.device)
+    x = torch.zeros(1, 4, 64, device=model.device)
+    full = drafter.position_embeddings(x, positions)
+    drafter.to(torch.bfloat16)
+    rounded = drafter.position_embeddings(x.to(torch.bfloat16), positions)
+    for a, b in zip(full, rounded, strict=True):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a, rtol=0, atol=2**-8)  # values in [-1, 1], 8 bits of mantissa
+
+
 def test_init_layer_from_copies_target_layer(tiny_llama):
     model, _ = tiny_llama
     drafter = make(model, "eagle", init_layer_from=-1)

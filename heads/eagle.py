@@ -62,7 +62,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from core.archs import llama_layer_fields, text_config
+from core.archs import llama_layer_fields, output_logits, text_config
 from core.errors import SelfspecError, SettingError
 from core.kv import additive_mask, cache_length
 from core.layers import causal_mask, decoder_of, init_linears, rms_norm_scale, shift_left
@@ -413,10 +413,11 @@ class EagleHeads(nn.Module):
         return rotary(x, position_ids)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle)."""
+        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle: the target's LM
+        head, soft-capped where the target's logits are, :func:`core.archs.output_logits`)."""
         if self.variant == "eagle":
             lm_head = self.target.get_output_embeddings()
-            return lm_head(features.to(lm_head.weight.dtype))
+            return output_logits(self.target.config, lm_head(features.to(lm_head.weight.dtype)))
         return self.lm_head(self.norm(features))
 
     def unrolled_forward(

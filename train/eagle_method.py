@@ -17,8 +17,9 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
 Hidden states come from the target as training runs (``features: online``: one forward with
 ``output_hidden_states`` under no_grad) or from an offline feature store (``features: store``, see
 train.feature_store), which keeps the last hidden state (after the final norm) and, for eagle3, the three fused layers'
-inputs. The teacher logits are the target's LM head on that last hidden state, so the store needs no top-k logits and
-trains the same drafter as online features (exactly, with ``feature_store.dtype=float32``).
+inputs. The teacher logits are the target's LM head on that last hidden state (soft-capped where the target's are),
+so the store needs no top-k logits and trains the same drafter as online features (exactly, with
+``feature_store.dtype=float32``).
 
 Each loss term of an unrolled step is a sum over the positions it trains at divided by their global count over the
 optimizer step (``count_items``: answer tokens inside the draft vocabulary), so a step's gradient does not depend on
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.archs import output_logits
 from heads.eagle import EagleConfig, EagleHeads
 from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
 from core.runtime import rows_through
@@ -173,7 +175,8 @@ class EagleMethod(TrainMethod):
     def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None):
         """(hidden states indexable by layer id and -1, the target's logits or None): the hidden states of an online
         forward of the decoder stack, or of the feature store; the logits a function (b, p) -> [N, V] (float32)
-        applying the LM head to the rows the loss trains on only (not a [B, T, V] tensor over every position)."""
+        applying the LM head (soft-capped as the target's logits are) to the rows the loss trains on only (not a
+        [B, T, V] tensor over every position)."""
         model = target.model
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         hidden_states = target_hidden_states(model, batch, layer_ids)  # the LM head runs below on trained rows alone
@@ -181,7 +184,8 @@ class EagleMethod(TrainMethod):
 
         def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
             with torch.no_grad():
-                return rows_through(lm_head, hidden[b, p].to(lm_head.weight.dtype)).float()
+                return rows_through(lambda r: output_logits(model.config, lm_head(r)),
+                                    hidden[b, p].to(lm_head.weight.dtype)).float()
 
         return hidden_states, logits if need_logits else None
 

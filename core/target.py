@@ -223,7 +223,7 @@ def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
     except OSError as err:
         raise TargetLoadError(
             f"Could not read the config of {name_or_path!r}: {err}\nmodel.config_only=true needs its config.json: a "
-            "hub id (with network) or a folder holding it (tests/data/configs/<entry>/ for the entries of "
+            "hub id (with network) or a folder holding it (tests/assets/configs/<entry>/ for the entries of "
             "conf/model/).") from err
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)

@@ -62,17 +62,20 @@ class ServedFormat:
 
 FORMATS = {
     "vllm": ServedFormat("vllm", "medusa"),
+    "eagle": ServedFormat("eagle", "eagle"),
     "eagle3": ServedFormat("eagle3", "eagle3"),
     "speculators": ServedFormat("speculators", None),
     "dflash": ServedFormat("dflash", "dflash"),
 }
 
 
-def formats_for(head_type: str, layout: str | None) -> list[str]:
-    """Every format these heads export to that vLLM serves."""
+def formats_for(head_type: str, head_config: dict) -> list[str]:
+    """Every format these heads (their type and saved ``head_config``) export to that vLLM serves."""
     if head_type == "medusa":
         return ["vllm"]
-    if head_type == "eagle3" and layout == "midlayer":
+    if head_type == "eagle" and not head_config.get("fc_bias", True) and not head_config.get("input_norm", True):
+        return ["eagle"]
+    if head_type == "eagle3" and head_config.get("layout") == "midlayer":
         return ["eagle3", "speculators"]
     if head_type == "dflash":
         return ["dflash"]
@@ -262,12 +265,13 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     (resolved: :func:`requested_depth`) against what the heads draft in vLLM (:func:`served_depth`)."""
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
-    available = formats_for(head_type, layout)
+    available = formats_for(head_type, meta.get("head_config") or {})
     formats = list(formats or available)
     if not formats:
         raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
-                           "to vLLM's medusa, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and "
-                           "speculators, DFlash heads to dflash.")
+                           "to vLLM's medusa, EAGLE-1 heads trained with heads.fc_bias=false heads.input_norm=false "
+                           "to eagle, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and speculators, "
+                           "DFlash heads to dflash.")
     for fmt in formats:
         if fmt not in FORMATS:
             raise ServingError(f"format {fmt!r}: vLLM serves {', '.join(FORMATS)}.")

@@ -3,7 +3,7 @@
 are checked against it. Prints one line per entry: its class, parameters, memory in bf16, attention layers and the
 layers the drafters read.
 
-    python scripts/check_targets.py                      # every hub entry, from its config.json in tests/data/configs/
+    python scripts/check_targets.py                      # every hub entry, from its config.json in tests/assets/configs/
     python scripts/check_targets.py qwen3_8b gemma3_12b  # some entries
     python scripts/check_targets.py qwen3_8b --hub       # the config.json from the Hub (network; weights not fetched)
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "tests" / "data" / "configs"  # each hub entry's config.json, as the Hub has it
+CONFIGS = REPO / "tests" / "assets" / "configs"  # each hub entry's config.json, as the Hub has it
 
 
 def hub_entries() -> list[str]:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("entries", nargs="*", help="names in conf/model/ (default: every hub entry)")
-    parser.add_argument("--hub", action="store_true", help="read config.json from the Hub, not tests/data/configs/")
+    parser.add_argument("--hub", action="store_true", help="read config.json from the Hub, not tests/assets/configs/")
     args = parser.parse_args(argv)
     with reported_errors():
         for entry in args.entries or hub_entries():
@@ -74,5 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

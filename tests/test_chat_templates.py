@@ -1,7 +1,7 @@
 """Loss masks under reasoning models' chat templates: Qwen3's (<think> blocks, dropped from earlier turns) and
 gpt-oss's harmony format (analysis and final channels, <|return|> on the last answer only).
 
-The real tokenizers and templates cannot be downloaded here: the templates are reproduced in tests/data/chat_templates/
+The real tokenizers and templates cannot be downloaded here: the templates are reproduced in tests/assets/chat_templates/
 (their reasoning logic as the hub's tokenizer configs have it, tool calling left out) on the tiny byte-level tokenizer
 with the models' added tokens (Qwen3's <think> and </think> are not special tokens, harmony's are). The harmony one is
 checked against OpenAI's own harmony renderer (openai_harmony, in vLLM's venv) where that venv is installed.
@@ -23,7 +23,7 @@ from train.data.chat import TemplateRewritesTurns, conversation_examples, tokeni
 
 from conftest import REPO
 
-TEMPLATES = REPO / "tests" / "data" / "chat_templates"
+TEMPLATES = REPO / "tests" / "assets" / "chat_templates"
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
 
 

@@ -1,6 +1,6 @@
 """The conf/model/ entries of real checkpoints, checked without their weights (there is no Hub here).
 
-Each hub entry's config.json is recorded in tests/data/configs/<entry>/ as the Hub has it; the target is built from it
+Each hub entry's config.json is recorded in tests/assets/configs/<entry>/ as the Hub has it; the target is built from it
 on the meta device through core.target.load_target (model.config_only=true), and must have the size its publisher
 gives: their figures are the same count rounded (or cut) to the digit shown, so the tolerance is one unit of that
 digit (0.1B on "8.2B", 0.01B on "20.91B"); a wrong layer count, hidden or expert size, expert count or vocabulary
@@ -22,7 +22,7 @@ from core.target import TargetLoadError, load_target
 from heads.dflash import DFlashConfig
 from heads.eagle import EagleConfig, engine_layer_ids
 
-CONFIGS = REPO / "tests" / "data" / "configs"
+CONFIGS = REPO / "tests" / "assets" / "configs"
 
 # entry: [(what is counted, published figure in billions, one unit of its last digit)], and where it is published
 PUBLISHED = {

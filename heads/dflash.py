@@ -33,6 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
+from core.archs import full_attention_rope
 from core.layers import init_linears
 from heads.eagle import default_layer_ids
 from core.errors import SettingError
@@ -97,8 +98,7 @@ class DFlashConfig:
             intermediate_size=t.intermediate_size,
             rms_norm_eps=t.rms_norm_eps,
             max_position_embeddings=t.max_position_embeddings,
-            rope_parameters=dict(getattr(t, "rope_parameters", None) or {"rope_type": "default",
-                                                                         "rope_theta": t.rope_theta}),
+            rope_parameters=full_attention_rope(t),
             attention_bias=False,
             hidden_act="silu",
         )

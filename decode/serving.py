@@ -3,7 +3,8 @@
 ``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
 it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too): this module writes a
 job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both engines decode the same
-prompt token ids greedily.
+prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one after another in one
+worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
 
 What :func:`serve_check` compares, per format and prompt:
 
@@ -454,12 +455,12 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
     (see :func:`format_report`)."""
     plan = plan_check(heads_path, prompts, formats, settings=settings)
     if progress:
-        print(f"[selfspec] vLLM: plain decoding and {', '.join(plan.formats)} on {len(plan.job['prompts'])} prompts",
-              file=sys.stderr)
-    vllm = run_vllm(plan.job, settings.venv, settings.timeout, log_path=plan.out_root / "vllm.log")
-    if progress:
-        print("[selfspec] selfspec's engine and HF generate on the same prompts", file=sys.stderr)
-    return finish_check(plan, vllm)
+        print(f"[selfspec] vLLM: plain decoding and {', '.join(plan.formats)} on {len(plan.job['prompts'])} prompts, "
+              "then selfspec's engine and HF generate on the same prompts", file=sys.stderr)
+    [report] = serve_checks([plan], settings.venv, settings.timeout, log_path=plan.out_root / "vllm.log")
+    if isinstance(report, ServingError):
+        raise report
+    return report
 
 
 def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout: float | None = None,

@@ -5,11 +5,12 @@ vLLM release starts running one this fails and the table in docs/serving.md gets
 
 The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
 heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
-recipe). Everything the selected cells need runs in one vLLM worker process (``decode.serving.serve_checks``): vLLM's
-imports, the slowest part here, are paid once.
+recipe). Every vLLM engine the selected cells need starts in one vLLM worker process
+(``decode.serving.serve_checks``), so vLLM's imports are paid once.
 
-By default the cells of :data:`DEFAULT_ARCHS` run (every refusal among them); ``pytest -m vllm_archs`` runs the rest
-of the matrix too (about a minute per architecture on a 2-core machine).
+By default the cells of :data:`DEFAULT_ARCHS` run (every refusal among them; ~80 s on 2 idle cores);
+``pytest -m vllm_archs tests/test_serving_archs.py`` runs the other six architectures (~50-90 s each, mostly training
+the three families' heads).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from test_serving import K, check_settings, own_continuations, prompts, vllm_or_
 
 HIDDEN = 128  # 4 heads of 32: the smallest head size vLLM's CPU attention runs
 LAYERS = 8
-MAX_NEW = 32
+MAX_NEW = 24
+PROMPTS = 3  # vLLM-CPU's steps are slow (~0.1 s on 2 cores): each of its engines decodes 3 prompts, no warm-up
 
 FAMILY_FORMATS = {"medusa": ["vllm"], "dflash": ["dflash"], "eagle3": ["eagle3", "speculators"]}
 FORMATS = [fmt for formats in FAMILY_FORMATS.values() for fmt in formats]
@@ -37,15 +39,24 @@ CANNOT_DECODE = {"deepseek_v3": "ValueError: Head dimension 32 is not supported 
 # Gemma 3 does not hand out (it lacks the SupportsEagle3 interface).
 NO_AUX = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 REFUSED = {("gemma3", "dflash"): NO_AUX, ("gemma3", "eagle3"): NO_AUX, ("gemma3", "speculators"): NO_AUX}
-# EAGLE-3 for targets other than Llama, on this branch: training breaks on Gemma 3 (heads/eagle.py calls the target's
-# rotary embedding without the layer type Gemma 3's wants) and heads/export.py refuses the rest. Their cells are
-# expected to fail so, until EAGLE-3 serves other targets (then they pass and strict xfail flags them to flip).
+# On a target whose every layer slides (Mistral), vLLM gives the target's window to every attention layer without one
+# of its own (CacheConfig.sliding_window, vllm/engine/arg_utils.py), the drafter's too: its DFlash layers see only the
+# last 8 positions of the context, selfspec's all of it. Still lossless; the drafts differ once the context is longer.
+WINDOWED_DRAFTS = {("mistral", "dflash")}
+# EAGLE-3 for targets other than Llama, on this branch: heads/eagle.py's midlayer drafter cannot be built or run on
+# some (Gemma 3's rotary embedding wants a layer type, gpt-oss's MoE block returns a tuple, Phi-3's layer is refused)
+# and heads/export.py refuses the rest. Their cells are expected to fail so until EAGLE-3 serves other targets; then
+# they pass and strict xfail says to drop them from here.
 EAGLE3_NOT_YET = {
     "gemma3": (TypeError, "Gemma3RotaryEmbedding.forward() missing 1 required positional argument: 'layer_type'"),
+    "gpt_oss": (TypeError, "unsupported operand type(s) for +: 'Tensor' and 'tuple'"),
+    "phi3": (TypeError, "Phi3DecoderLayer is not a pre-norm decoder layer with self_attn.q_proj/k_proj/v_proj, mlp "
+                        "and post_attention_layernorm; EAGLE-3's midlayer layout cannot be built from it: use "
+                        "heads.layout=fc."),
     **{arch: (ExportError, f"The target is a {arch} model; SGLang's and vLLM's EAGLE-3 drafters are built as Llama "
                            "layers (no q/k/v bias), so only heads for Llama-architecture targets export to them. Use "
                            "format=selfspec.")
-       for arch in TINY_ARCHS if arch not in ("llama", "gemma3")},
+       for arch in ("qwen2", "qwen3", "qwen3_moe", "mistral")},
 }
 
 # The default suite: a target vLLM cannot decode, one whose intermediate layers it cannot read (so DFlash and EAGLE-3
@@ -133,12 +144,12 @@ def served(request, tmp_path_factory) -> dict:
         heads = train_heads(arch, root / arch, ("medusa",) if arch in CANNOT_DECODE else tuple(FAMILY_FORMATS))
         for family, path in heads.items():
             # DFlash's k left to auto: its block less one, the K its heads were trained for
-            settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
+            settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW, warmup=False,
                                       out=str(root / arch / "exports" / family), timeout=1800)
             try:
                 if isinstance(path, Exception):
                     raise path
-                plans.append(plan_check(path, prompts(4), settings=settings))
+                plans.append(plan_check(path, prompts(PROMPTS), settings=settings))
                 cells.append((arch, family))
             except Exception as err:  # noqa: BLE001 - that family's cells report it
                 outcomes[arch, family] = err
@@ -162,6 +173,8 @@ def test_vllm_decodes_each_target_as_hf_does_or_says_why_not(served, arch):
 def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(served, arch, fmt):
     outcome = served[arch, FAMILY[fmt]]
     if isinstance(outcome, Exception):
+        if FAMILY[fmt] == "eagle3" and arch in EAGLE3_NOT_YET:
+            assert str(outcome) == EAGLE3_NOT_YET[arch][1]
         raise outcome
     entry = outcome["formats"][fmt]
     if (arch, fmt) in REFUSED:
@@ -172,7 +185,10 @@ def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(s
     assert not outcome["mismatches"], outcome["mismatches"]
     # drafts were accepted (the heads were trained for this target), and at each position as often in both engines
     assert entry["selfspec"]["accepted"] > 0, entry["selfspec"]
-    assert entry["vllm"]["drafts"] == entry["selfspec"]["drafts"]
+    same = all(p["vllm"]["drafts"] == p["selfspec"]["drafts"]
+               and p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"] for p in entry["prompts"])
+    if not same and (arch, fmt) in WINDOWED_DRAFTS:
+        pytest.xfail("vLLM's drafter attends within the target's sliding window, selfspec's to the whole context")
     for p in entry["prompts"]:
+        assert p["vllm"]["drafts"] == p["selfspec"]["drafts"]
         assert p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"]
-

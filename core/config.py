@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 MISSING = "???"  # Hydra's mark for a value with no default
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the configs, beside the packages (an editable install)
@@ -37,6 +37,34 @@ def to_dict(cfg: Any) -> dict:
     return {} if cfg is None else dict(to_plain(cfg))
 
 
+OPEN_DICT = "open_dict"  # the name of :func:`store_open_dict`'s node, for a config's defaults list
+
+
+def store_open_dict() -> None:
+    """Store ``open_dict`` in Hydra's ConfigStore: an empty mapping that stays open when Hydra closes the composed
+    config (struct mode), so that ``NODE.KEY=value`` adds a key the config does not list. conf/decode/decode.yaml puts
+    it at ``draft`` (``- open_dict@draft``): each family declares its draft.* settings in its own conf file, and the
+    family chosen checks them (decode/registry.py); every other key stays closed. :func:`hydra_app` and
+    :func:`compose` store it before composing."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({})
+    OmegaConf.set_struct(node, False)  # its own flag: Hydra sets struct on the root only, which the node then overrides
+    ConfigStore.instance().store(name=OPEN_DICT, node=node)
+
+
+def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = CONF_DIR) -> Any:
+    """``config_dir/<config_name>.yaml`` composed with ``overrides``, as :func:`hydra_app` composes it from the command
+    line: for code that composes an entry config itself (the benchmark, scripts, tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    store_open_dict()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
 def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, config_dir: Path = CONF_DIR) -> None:
     """Run ``task(cfg)`` as a Hydra app over the command line: ``config_dir/<config_name>.yaml`` found from the package
     (whether a script, an installed command or ``python -m`` runs it), the job named ``job_name``, as Hydra names an
@@ -46,5 +74,6 @@ def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, conf
     def app(cfg: Any) -> None:
         task(cfg)
 
+    store_open_dict()
     app.__module__ = job_name  # Hydra names the job after the task function's module
     hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(app)()

@@ -1,6 +1,6 @@
-"""Generic pieces of a Hugging Face decoder-only CausalLM that every drafter family uses: the target's base model and
-rotary embedding reached without owning them, a new module's linear initialisation, the plain additive causal mask,
-and a left shift of per-position tensors."""
+"""Generic pieces of a Hugging Face decoder-only CausalLM that every drafter family uses: the target's base model
+reached without owning it, a new module's linear initialisation, the scale of an RMS norm, the plain additive causal
+mask, and a left shift of per-position tensors."""
 
 from __future__ import annotations
 
@@ -30,14 +30,17 @@ def decoder_of(target: nn.Module) -> nn.Module:
     return base
 
 
-def rotary_of(target: nn.Module) -> nn.Module:
-    rotary = getattr(decoder_of(target), "rotary_emb", None)
-    if rotary is None:
-        raise TypeError(
-            f"{type(target).__name__} has no shared rotary embedding (`model.rotary_emb`); a draft layer takes "
-            "precomputed position embeddings, so this architecture is not supported."
-        )
-    return rotary
+def rms_norm_scale(norm: nn.Module, size: int) -> torch.Tensor | None:
+    """The per-channel scale an RMS norm multiplies by after normalising (Llama's ``weight``, Gemma's ``1 + weight``),
+    read off the module itself: a constant input of size ``size`` normalises to ones, so what comes out is the scale
+    (float32, on the norm's device). None when that is not a usable scale (a norm that centres its input, a
+    non-finite weight)."""
+    param = next(norm.parameters(), None)
+    if param is None:
+        return None
+    with torch.no_grad():
+        scale = norm(torch.full((1, size), 1e3, dtype=param.dtype, device=param.device))[0].float()
+    return scale if bool(torch.isfinite(scale).all()) and bool(scale.abs().max() > 0) else None
 
 
 def causal_mask(

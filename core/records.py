@@ -263,7 +263,7 @@ ROLE_NAMES = {
 
 # Skip reasons (the keys of ReadReport.skipped).
 NOT_AN_OBJECT = "not a JSON object"
-NO_TURNS = "no conversations/messages list"
+NO_TURNS = "no turns (conversations, messages, data, or instruction and response)"
 EMPTY_CONVERSATION = "empty conversation"
 UNKNOWN_ROLE = "unknown role"
 INVALID_TURN = "invalid turn"
@@ -281,10 +281,24 @@ def _content(value: Any) -> str | None:
     return None
 
 
-def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
-    """All turns of a ShareGPT or OpenAI-messages record as ``[{"role", "content"}]``, or ``(None, skip reason)``.
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # an answer's reasoning, as records name it
 
-    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that).
+
+def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """All turns of a record as ``[{"role", "content"}]``, or ``(None, skip reason)``. The forms, first match first:
+
+    - ShareGPT, ``{"conversations": [{"from": "human", "value": ...}, ...]}`` (Magpie's datasets too, whose rows also
+      carry ``instruction`` and ``response``);
+    - OpenAI messages, ``{"messages": [{"role": "user", "content": ...}, ...]}`` (UltraChat 200k, most chat sets);
+    - UltraChat's original rows, ``{"data": [question, answer, question, ...]}``: user and assistant in turn;
+    - one instruction and its answer: ``{"instruction", "response"}`` (Magpie) or ``{"instruction", "input",
+      "output"}`` (Alpaca; a non-empty ``input`` follows the instruction after a blank line), with a ``system``
+      string if the record has one.
+
+    Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that). An
+    assistant turn's reasoning, where the record gives it apart from the content (``reasoning_content``: vLLM's
+    reasoning parsers, DeepSeek's API; ``reasoning``; ``thinking``: gpt-oss), is kept as ``reasoning_content``; the
+    chat template decides how to render it (train.data.chat).
     """
     if not isinstance(record, Mapping):
         return None, NOT_AN_OBJECT
@@ -292,6 +306,11 @@ def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
         turns, role_key, text_key = record["conversations"], "from", "value"
     elif isinstance(record.get("messages"), list):
         turns, role_key, text_key = record["messages"], "role", "content"
+    elif isinstance(record.get("data"), list):  # UltraChat: the turns alone, the user's first
+        turns, role_key, text_key = [{"role": ("user", "assistant")[k % 2], "content": text}
+                                     for k, text in enumerate(record["data"])], "role", "content"
+    elif "instruction" in record and ("response" in record or "output" in record):
+        turns, role_key, text_key = _instruction_turns(record), "role", "content"
     else:
         return None, NO_TURNS
     messages = []
@@ -309,7 +328,23 @@ def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
             return None, INVALID_TURN
         if not content.strip():
             return None, EMPTY_TURN
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        reasoning = next((turn[k] for k in REASONING_KEYS if isinstance(turn.get(k), str) and turn[k].strip()), None)
+        if role == "assistant" and reasoning is not None:
+            message["reasoning_content"] = reasoning
+        messages.append(message)
     if not messages:
         return None, EMPTY_CONVERSATION
     return messages, None
+
+
+def _instruction_turns(record: Mapping) -> list[dict[str, Any]]:
+    """An instruction record's turns: its ``system`` (if a string), the instruction (with Alpaca's ``input``), the
+    answer (``response``, else ``output``). A field of the wrong type stays as it is, for parse_turns to refuse."""
+    question, extra = record["instruction"], record.get("input")
+    if isinstance(question, str) and isinstance(extra, str) and extra.strip():
+        question = f"{question}\n\n{extra}"
+    answer = record["response"] if "response" in record else record["output"]
+    system = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) \
+        and record["system"].strip() else []
+    return system + [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]

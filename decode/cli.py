@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from core.config import CONF_DIR, hydra_app
+from core.config import CONF_DIR, compose, hydra_app
 from core.errors import reported_errors
 
 DECODE_CONF = CONF_DIR / "decode"
@@ -30,13 +30,10 @@ DECODE_CONF = CONF_DIR / "decode"
 def bench(argv: list[str] | None = None) -> dict:
     """Run the benchmark (conf/decode/bench.yaml with the overrides ``argv``); SystemExit(1) after writing the outputs
     if a method is not lossless."""
-    from hydra import compose, initialize_config_dir
-
     from decode.bench import format_report, run_bench
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    with initialize_config_dir(config_dir=str(DECODE_CONF), version_base="1.3"):
-        cfg = compose(config_name="bench", overrides=argv)
+    cfg = compose("bench", argv, config_dir=DECODE_CONF)
     report = run_bench(cfg, command=shlex.join(["python", "scripts/bench.py", *argv]))
     print(format_report(report))
     print("outputs: " + ", ".join(report["outputs"]))

@@ -188,7 +188,8 @@ class BlockForward(nn.Module):
         """Draft-vocabulary logits [rows, Vd] of block positions 1 .. rows, the block ``[token, mask ...]`` at
         positions ``length ..``."""
         start = self.length
-        x = torch.cat([self._used[1].weight[token][None].to(self.dtype), self.mask.expand(self.block_size - 1, -1)])
+        embedded = self._used[1](torch.tensor([token], device=self.mask.device))  # the module: some scale (Gemma 3)
+        x = torch.cat([embedded.to(self.dtype), self.mask.expand(self.block_size - 1, -1)])
         rope = self._used[0](x, torch.arange(start, start + self.block_size, device=self.mask.device)[None])
         for layer, cache in zip(self.layers, self._context):
             x = layer(x, rope, cache)

@@ -1,8 +1,9 @@
 """Layer-skip self-speculation: draft with the target's own first E layers and an exit, verify with the rest.
 
 The target is unmodified: its decoder layers, rotary embedding, final norm and LM head are run from the model's own
-modules on the shared transformers ``DynamicCache`` (:class:`LayerStack`). Llama and Qwen2 decoder stacks are
-supported; any other architecture gets a clear error.
+modules on the shared transformers ``DynamicCache`` (:class:`LayerStack`), each layer with the mask and rotary
+embedding of its kind (core/archs.py), so every architecture there runs; a target whose layers, run one by one, do
+not give its forward's logits gets a clear error (:func:`check_layer_stack`).
 
 Each step (:class:`LayerSkipDrafter`), with the root r = ``state.next_token`` at position p = ``state.length``:
 
@@ -31,6 +32,7 @@ batch, so a drafter whose drafting adaptive depth has switched off costs next to
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -41,54 +43,113 @@ from decode.step import synchronize, tree_forward
 from decode.tree import chain_tree, tree_position_ids
 from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from decode.verify import Verdict
-from core.kv import additive_mask, cache_length, crop_cache
+from core.archs import (attention_mask_for, layer_position_embeddings, mask_of_layer, output_logits, sliding_window,
+                        text_config)
+from core.kv import cache_length, crop_cache
 
-SUPPORTED = ("llama", "qwen2")
+DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the stack runs of the target's decoder
 
 
 class LayerStack:
-    """The target's decoder stack, run a range of layers at a time on the shared cache."""
+    """The target's decoder stack, run a range of layers at a time on the shared cache: its embedding, each layer
+    with the mask and rotary embedding of its kind (core/archs.py: sliding layers' masks cut to their window, a
+    rotary embedding per layer type where the model has them), its final norm and its LM head (with the model's
+    soft-capping). Checked once per model against the model's own forward (:func:`check_layer_stack`)."""
 
     def __init__(self, model: nn.Module):
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in SUPPORTED:
-            raise DecodeSetupError(
-                f"Layer-skip drafting runs the decoder layers of {', '.join(SUPPORTED)} models; this target is "
-                f"{model_type!r}. Use another drafter (medusa, eagle3, suffix) for it."
-            )
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        missing = [part for part in DECODER_PARTS if getattr(decoder, part, None) is None]
+        if missing:
+            raise LayerStackError(
+                f"Layer-skip drafting runs the target's decoder a layer at a time; this target "
+                f"({type(model).__name__}) has no decoder with {', '.join(missing)}. Use another drafter "
+                "(medusa, dflash, suffix) for it.")
         self.model = model
-        self.decoder = model.get_decoder()
+        self.config = model.config
+        self.decoder = decoder
         self.layers = self.decoder.layers
         self.num_layers = len(self.layers)
         self.lm_head = model.get_output_embeddings()
         self.dtype = next(model.parameters()).dtype
+        check_layer_stack(self)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [q] -> input embeddings [1, q, H]."""
         return self.decoder.embed_tokens(tokens[None])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits [..., V] of the hidden state leaving its last layer [..., H] (or an exit's read of an
+        earlier one): final norm, LM head and the model's own soft-capping."""
+        return output_logits(self.config, self.lm_head(self.decoder.norm(hidden)))
 
     def run(self, hidden: torch.Tensor, start: int, stop: int, positions: torch.Tensor, cache,
             ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Layers start..stop-1 on ``hidden`` [1, q, H] at ``positions`` [q], after each layer's cached rows (which
         it extends): the hidden state entering layer ``stop``. ``ancestors`` [q, k] (bool, k >= q): which of each
         layer's last k positions, these q rows included, each row may attend (tree nodes whose first k - q are
-        cached); every earlier row is seen by all. None: a causal chain after the cache."""
+        cached); every earlier row is seen by all (a sliding layer's within its window). None: a causal chain after
+        the cache. A layer's cached rows sit at positions 0 .. past - 1: the committed ones, then the chain rows
+        this step drafted, one position each."""
         q = hidden.shape[1]
         if ancestors is None:
             ancestors = torch.ones(q, q, dtype=torch.bool, device=hidden.device).tril()
         position_ids = positions[None]
-        rotary = self.decoder.rotary_emb(hidden, position_ids=position_ids)
+        rotary = layer_position_embeddings(self.decoder, hidden, position_ids, range(start, stop))
         lengths = layer_lengths(cache)
-        masks: dict[int, torch.Tensor] = {}  # by cached length: one per group of layers that hold the same rows
+        masks: dict[int, torch.Tensor | dict] = {}  # by cached length: one per group of layers that hold the same rows
         for i in range(start, stop):
             past = lengths[i] if i < len(lengths) else 0
             if past not in masks:
                 allowed = torch.ones(q, past + q, dtype=torch.bool, device=hidden.device)
                 allowed[:, past + q - ancestors.shape[1]:] = ancestors
-                masks[past] = additive_mask(allowed, hidden.dtype)[None, None]
-            hidden = self.layers[i](hidden, attention_mask=masks[past], position_ids=position_ids, cache=cache,
-                                    use_cache=True, position_embeddings=rotary)
+                keys = torch.cat([torch.arange(past, device=hidden.device), positions])
+                masks[past] = attention_mask_for(self.config, allowed, positions, keys, hidden.dtype)
+            out = self.layers[i](hidden, attention_mask=mask_of_layer(masks[past], self.config, i),
+                                 position_ids=position_ids, cache=cache, use_cache=True,
+                                 position_embeddings=rotary[i - start])
+            hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+class LayerStackError(DecodeSetupError):
+    """The target's decoder cannot be run a layer at a time as its own forward runs it."""
+
+
+_CHECKED_STACKS: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def check_layer_stack(stack: LayerStack) -> None:
+    """Raise :class:`LayerStackError` unless the stack, run over a probe longer than any sliding window, gives the
+    logits of the model's own forward: an architecture whose forward does more than embed, run each layer with its
+    mask and rotary embedding, norm and project (and soft-cap) would be verified wrongly. Once per model."""
+    model = stack.model
+    if model in _CHECKED_STACKS:
+        return
+    device = stack.lm_head.weight.device
+    vocab = int(stack.lm_head.weight.shape[0])
+    limit = getattr(text_config(stack.config), "max_position_embeddings", None) or 1 << 30
+    length = min(2 * (sliding_window(stack.config) or 4) + 3, int(limit))
+    tokens = (vocab // 3 + torch.arange(length, device=device) * 7) % vocab  # ordinary tokens
+    try:
+        cache = new_cache()
+        mine = stack.logits(stack.run(stack.embed(tokens), 0, stack.num_layers,
+                                      torch.arange(length, device=device), cache))[0]
+        theirs = model(input_ids=tokens[None]).logits[0]
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as err:
+        raise LayerStackError(
+            f"Layer-skip drafting runs the target's decoder layers one by one, and this target "
+            f"({type(model).__name__}) failed so: {err}. Use another drafter (medusa, dflash, suffix) for it.") from err
+    # Compared with the spread of the logits, so the check holds in any dtype: a missed step (a scaling, a norm, a
+    # cap, a mask) moves them by about that much.
+    err, spread = float((mine.float() - theirs.float()).abs().max()), float(theirs.float().std())
+    if not err <= 0.05 * spread:
+        raise LayerStackError(
+            f"Layer-skip drafting runs the target's decoder layers one by one, but for this target "
+            f"({type(model).__name__}) that does not give its forward's logits (they differ by {err:.3g}, against a "
+            f"spread of {spread:.3g}): its forward does more than embed, run each layer, norm and project. Use "
+            "another drafter (medusa, dflash, suffix) for it.")
+    _CHECKED_STACKS[model] = True
 
 
 class LayerSkipDrafter(DrafterBase):
@@ -165,7 +226,7 @@ class LayerSkipDrafter(DrafterBase):
     def _exit(self, hidden: torch.Tensor, position: int) -> tuple[int, float]:
         """Layer-E hidden [1, 1, H] at ``position`` -> (the exit's top token as a target id, its probability)."""
         if self.exit is None:
-            logits = self.stack.lm_head(self.stack.decoder.norm(hidden))[0, -1].float()
+            logits = self.stack.logits(hidden)[0, -1].float()
         else:
             position_ids = torch.tensor([[position]], device=hidden.device)
             logits = self.exit.logits(self.exit.features(hidden, position_ids, cache=self._adapter_cache))[0, -1]
@@ -216,7 +277,8 @@ class LayerSkipDrafter(DrafterBase):
         self._chain = chain[0]
         hidden = self.stack.run(chain, self.exit_layer, self.stack.num_layers, positions, state.cache, ancestors)
         final = self.stack.decoder.norm(hidden)[0]  # [N, H]
-        return ForwardOutput(logits=self.stack.lm_head(final), hidden_states=(final,))
+        logits = output_logits(self.stack.config, self.stack.lm_head(final))
+        return ForwardOutput(logits=logits, hidden_states=(final,))
 
     @torch.no_grad()
     def on_commit(self, state: DecodeState, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
@@ -264,7 +326,8 @@ def exit_agreement(model: nn.Module, examples, thresholds: Sequence[float] = (0.
         final = out.logits[0].argmax(-1)[labelled]
         total += int(labelled.sum())
         for e in range(1, layers):
-            probs = torch.softmax(lm_head(norm(out.hidden_states[e][0][labelled])).float(), dim=-1)
+            logits = output_logits(stack.config, lm_head(norm(out.hidden_states[e][0][labelled])))
+            probs = torch.softmax(logits.float(), dim=-1)
             p, top = probs.max(dim=-1)
             agree[e] += float((top == final).sum())
             for t in thresholds:
@@ -313,6 +376,12 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
             module.features(out.hidden_states[e].to(stack.dtype), cache=adapter_caches[e])
     token = prompt[-1:]
     position = torch.tensor([cache_length], device=device)
+    # the one-token forward's mask and positions, as the engine passes them (a sliding layer's cut to its window:
+    # the engine's cache keeps every row, so the model's own masks would not fit it)
+    sees_all = torch.ones(1, cache_length + 1, dtype=torch.bool, device=device)
+    keys = torch.arange(cache_length + 1, device=device)
+    one = {"attention_mask": attention_mask_for(stack.config, sees_all, position, keys, stack.dtype),
+           "position_ids": position[None]}
     times: dict = {"forward": [], **{("layers", e): [] for e in exits}, **{("exit", e): [] for e in exits}}
 
     def clock() -> float:
@@ -321,7 +390,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
 
     for r in range(repeats + 1):
         t0 = clock()
-        model(input_ids=token[None], use_cache=True, **{cache_kwarg(model): cache})
+        model(input_ids=token[None], use_cache=True, **one, **{cache_kwarg(model): cache})
         t1 = clock()
         crop_cache(cache, cache_length)
         if r:
@@ -333,7 +402,8 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
             adapter_cache = adapter_caches.get(e)
             module.logits(module.features(hidden, position[None], cache=adapter_cache))
             t2 = clock()
-            crop_cache(cache, cache_length)
+            for layer, grown in zip(cache.layers, layer_lengths(cache)):  # layers 0..e-1 only grew
+                layer.crop(cache_length - grown)
             if adapter_cache is not None:
                 crop_cache(adapter_cache, cache_length)
             if r:

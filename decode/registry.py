@@ -10,21 +10,23 @@ Each entry (:class:`DrafterEntry`) reads its family's row:
 - ``needs_heads``: it drafts with trained heads (a heads folder, or ``heads=random``); ``optional_heads``: it runs
   without heads or with a folder of its type;
 - ``hybrid``: it also takes the ``hybrid`` settings (merge the suffix drafter's proposals into its drafts:
-  decode/hybrid.py);
+  decode/hybrid.py), whose defaults are conf/decode/hybrid.yaml;
 - ``saved_key``: where a heads folder's config.json keeps the settings training chose for it (e.g. EAGLE's ``tree``),
   which win over the defaults; ``draft.*`` on the command line wins over both, the same way for every family;
 - ``random_heads(model, seed, **options)``: untrained heads for ``heads=random`` dry runs.
 
-The settings a family takes and their defaults are its block of conf/decode/drafters.yaml (:attr:`DrafterEntry.defaults`),
-the only place they are written; ``adaptive: true`` lets the engine choose each step how deep the draft goes
-(decode/adaptive.py:AdaptiveDepth).
+The settings a family takes and their defaults are its row's ``draft:`` in its conf file
+(:attr:`DrafterEntry.defaults`), the only place they are written; ``adaptive: true`` lets the engine choose each step
+how deep the draft goes (decode/adaptive.py:AdaptiveDepth). conf/decode/decode.yaml lists none of them: its ``draft``
+is open, and :meth:`DrafterEntry.settings` refuses a key the chosen family does not take, naming those it does.
 
-A new family is a row of core/families.py and its block of conf/decode/drafters.yaml (see docs/architecture.md).
+A new family is a row in its conf file (see docs/architecture.md): the registry reads the table as it is.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,23 +36,21 @@ from core.config import CONF_DIR
 from core.families import FAMILIES, Family
 from decode.types import DecodeSetupError, Drafter
 
-DEFAULTS_FILE = CONF_DIR / "decode" / "drafters.yaml"
+HYBRID_FILE = CONF_DIR / "decode" / "hybrid.yaml"
 
 
 @functools.cache
-def _defaults_file() -> dict[str, dict[str, Any]]:
+def _hybrid_defaults() -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(DEFAULTS_FILE))
+    return OmegaConf.to_container(OmegaConf.load(HYBRID_FILE))
 
 
 def defaults_of(block: str) -> dict[str, Any]:
-    """A block of conf/decode/drafters.yaml: a family's settings and their defaults, or ``hybrid``'s."""
-    table = _defaults_file()
-    if block not in table:
-        raise DecodeSetupError(f"{DEFAULTS_FILE} has no {block!r} block: add the settings it takes, with their "
-                               "defaults ({} for none).")
-    return dict(table[block] or {})
+    """A family's settings and their defaults (its row's ``draft:``), or ``hybrid``'s (conf/decode/hybrid.yaml)."""
+    if block == "hybrid":
+        return dict(_hybrid_defaults())
+    return dict(entry(block).family.draft)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class DrafterEntry:
 
     @property
     def defaults(self) -> dict[str, Any]:
-        """The decode settings this family takes and their defaults (conf/decode/drafters.yaml)."""
+        """The decode settings this family takes and their defaults (its row's ``draft:``, and the hybrid's)."""
         return {**defaults_of(self.name), **(defaults_of("hybrid") if self.hybrid else {})}
 
     @property
@@ -111,15 +111,29 @@ class DrafterEntry:
         unknown = sorted(set(given) - set(settings))
         if unknown:
             takes = ", ".join(f"draft.{k}" for k in defaults) or "no draft.* settings"
-            raise DecodeSetupError(
-                f"draft.{unknown[0]} is not a setting of the {self.name} drafter (it takes {takes}); remove it or "
-                f"pick the drafter it belongs to."
-            )
+            if any(unknown[0] in e.defaults for e in REGISTRY.values()):
+                raise DecodeSetupError(f"draft.{unknown[0]} is not a setting of the {self.name} drafter (it takes "
+                                       f"{takes}); remove it or pick the drafter it belongs to.")
+            raise DecodeSetupError(f"draft.{unknown[0]} is no drafter's setting: the {self.name} drafter takes "
+                                   f"{takes}.")
         settings.update(given)
         return settings
 
 
-REGISTRY: dict[str, DrafterEntry] = {name: DrafterEntry(family) for name, family in FAMILIES.items()}
+class _Registry(Mapping[str, DrafterEntry]):
+    """The family table's rows as entries, read as the table is now (a row added to it is an entry)."""
+
+    def __getitem__(self, name: str) -> DrafterEntry:
+        return DrafterEntry(FAMILIES[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+
+REGISTRY: Mapping[str, DrafterEntry] = _Registry()
 
 
 def entry(name: str) -> DrafterEntry:

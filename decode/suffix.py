@@ -285,7 +285,7 @@ class SuffixDrafter(DrafterBase):
     """Proposes continuations of the longest earlier match (see the module docstring).
 
     ``budget``, ``max_nodes``, ``max_depth``, ``max_match``, ``remember``: the suffix family's settings
-    (conf/decode/drafters.yaml describes them and writes their defaults). ``budget``: ``auto`` (adaptive, up to
+    (conf/suffix.yaml describes them and writes their defaults). ``budget``: ``auto`` (adaptive, up to
     ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
     ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
     ``chain``: draft one branch (the best child at each level) instead of a tree, for engines that verify chains

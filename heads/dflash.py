@@ -33,7 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from core.archs import full_attention_rope
+from core.archs import rope_parameters, text_config
 from core.layers import init_linears
 from heads.eagle import default_layer_ids
 from core.errors import SettingError
@@ -87,8 +87,9 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target: nn.Module, **kwargs) -> "DFlashConfig":
-        """A config for ``target``: its sizes, rope and norm eps; ``target_layer_ids`` defaulted from its depth."""
-        t = target.config
+        """A config for ``target``: its sizes, rope (its full-attention layers', core.archs.rope_parameters) and norm
+        eps; ``target_layer_ids`` defaulted from its depth."""
+        t = text_config(target.config)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         heads = t.num_attention_heads
         layer = dict(
@@ -98,7 +99,7 @@ class DFlashConfig:
             intermediate_size=t.intermediate_size,
             rms_norm_eps=t.rms_norm_eps,
             max_position_embeddings=t.max_position_embeddings,
-            rope_parameters=full_attention_rope(t),
+            rope_parameters=rope_parameters(t),
             attention_bias=False,
             hidden_act="silu",
         )
@@ -197,7 +198,9 @@ class DFlashHeads(nn.Module):
         self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         embed = target.get_input_embeddings()
-        self.mask_embedding = nn.Parameter(embed.weight[config.mask_token_id].detach().clone().float())
+        mask_id = torch.tensor([config.mask_token_id], device=embed.weight.device)
+        self.mask_embedding = nn.Parameter(embed(mask_id)[0].detach().clone().float())  # as the block's tokens
+        # enter (an embedding module may scale its rows: Gemma 3)
         init_linears(self, getattr(t, "initializer_range", 0.02))
         self.set_draft_vocab(d2t if d2t is not None else torch.zeros(vd, dtype=torch.long),
                              init_lm_head_from=target.get_output_embeddings())

@@ -17,15 +17,22 @@ Two variants share one module, :class:`EagleHeads`:
     :func:`heads.vocab.build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
     the draft reads its own previous output feature.
 
-The draft layer is ONE decoder layer of the target's own class, built from the target's config
-(``type(target.model.layers[0])(config, layer_idx=0)``), so any Hugging Face decoder that takes a 4D additive mask,
-position ids and precomputed rotary embeddings works without copied modeling code. Two layouts put the token
-embedding and the feature into it (``EagleConfig.layout``):
+The draft layer is ONE transformers ``LlamaDecoderLayer`` whatever the target, as SGLang, vLLM and SpecForge build
+EAGLE drafters: the target's hidden size, attention heads and head dim, RMS-norm eps and rope, a dense SiLU MLP (for
+a mixture-of-experts target as wide as the experts a token passes through) and no biases; the fields are
+:func:`core.archs.llama_layer_fields` of the target, saved in ``EagleConfig.draft_layer``. It attends to everything
+the drafter's own masks allow (no sliding window) and has its own rotary embedding from those fields (float32
+whatever the drafter's dtype). Its norms and the eagle3 ``embed_norm``, ``feature_norm`` and ``norm`` are Llama RMS
+norms, the last three starting from the scale of the target's final norm (:func:`core.layers.rms_norm_scale`). Heads
+saved before the draft layer was a Llama layer had a layer of the target's own class: for a Llama target that is the
+same layer and they load unchanged (:func:`build_eagle_heads`), for any other they are refused with what to retrain.
+Two layouts put the token embedding and the feature into the layer (``EagleConfig.layout``):
 
 ``fc`` (the default, both variants)
     ``fc`` over ``[embedding, feature]`` (2H -> H, the order EAGLE uses) feeds the unmodified layer (its own input
     norm, attention, residual over the projected input). eagle3 first normalises embedding and feature separately
-    (``embed_norm``, ``feature_norm``).
+    (``embed_norm``, ``feature_norm``). EAGLE-1 with ``input_norm=False`` drops the layer's input norm (EAGLE-1 as
+    published, and vLLM's ``EagleLlamaForCausalLM`` with ``fc_bias=False``: :mod:`heads.export`).
 
 ``midlayer`` (eagle3 only: EAGLE-3 as published, SGLang's ``LlamaForCausalLMEagle3``, vLLM speculators'
 ``Eagle3Speculator``)
@@ -36,8 +43,9 @@ embedding and the feature into it (``EagleConfig.layout``):
     learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/journal/; the tests' tiny
     models likewise), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
-Used, not owned: the target's token embedding, its rotary embedding and (``eagle``) its LM head are reached through
-a reference kept out of ``state_dict()`` and ``parameters()``.
+Used, not owned: the target's token embedding matrix (its rows as they are: an embedding module that scales its
+output, Gemma's, is read unscaled, as the engines' drafters read it) and (``eagle``) its LM head are reached through a
+reference kept out of ``state_dict()`` and ``parameters()``.
 
 The draft has its own KV cache (a transformers ``DynamicCache``, layer 0). Every call takes explicit position ids and
 an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`core.layers.causal_mask`
@@ -46,15 +54,18 @@ builds the plain one. The losses are pure functions in :mod:`heads.eagle_loss`.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from core.errors import SettingError
+from core.archs import llama_layer_fields, output_logits, text_config
+from core.errors import SelfspecError, SettingError
 from core.kv import additive_mask, cache_length
-from core.layers import causal_mask, decoder_of, init_linears, rotary_of, shift_left
+from core.layers import causal_mask, decoder_of, init_linears, rms_norm_scale, shift_left
 from core.target import cache_kwarg
 from heads.vocab import install_draft_vocab
 
@@ -72,6 +83,8 @@ class EagleConfig:
     fc_bias: bool = True  # bias of the 2H -> H input projection (EAGLE-1 has one)
     init_layer_from: int | None = None  # copy the weights of this target layer into the draft layer (None = random)
     layout: str = "fc"  # "fc" | "midlayer" (eagle3 only): how embedding and feature enter the layer
+    input_norm: bool = True  # fc layout: the layer's own input norm over the projected input (False: none, EAGLE-1's)
+    draft_layer: dict | None = None  # the draft layer's LlamaConfig fields (core.archs.llama_layer_fields of the target)
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -82,6 +95,9 @@ class EagleConfig:
             raise SettingError(f"Unknown EAGLE layout {self.layout!r}; use one of {LAYOUTS}.")
         if self.layout == "midlayer" and self.variant != "eagle3":
             raise SettingError("layout='midlayer' (EAGLE-3's widened q/k/v) is for variant='eagle3'; EAGLE-1 uses 'fc'.")
+        if self.layout == "midlayer" and not self.input_norm:
+            raise SettingError("input_norm=False is for layout='fc'; midlayer's embed_norm and feature_norm replace the "
+                               "layer's input norm already.")
         if self.variant == "eagle3" and self.layer_ids is not None and len(self.layer_ids) != 3:
             raise SettingError(f"eagle3 fuses exactly 3 target layers (low, mid, high); got layer_ids={self.layer_ids}.")
 
@@ -102,7 +118,16 @@ class EagleConfig:
         cfg = cls(hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size, **kwargs)
         if cfg.variant == "eagle3" and cfg.layer_ids is None:
             cfg.layer_ids = default_layer_ids(tcfg.num_hidden_layers)
+        if cfg.draft_layer is None:
+            cfg.draft_layer = llama_layer_fields(tcfg)
         return cfg
+
+    def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
+        """The draft layer's config: one Llama layer of :attr:`draft_layer`'s fields."""
+        config = LlamaConfig(hidden_size=self.hidden_size, vocab_size=self.vocab_size, num_hidden_layers=1,
+                             **self.draft_layer)
+        config._attn_implementation = attn_implementation
+        return config
 
 
 def engine_layer_ids(num_layers: int) -> list[int]:
@@ -144,20 +169,29 @@ def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype,
     return additive_mask(allowed[:, None], dtype)
 
 
-def _widen_qkv(layer: nn.Module, hidden: int) -> None:
+def _widen_qkv(layer: LlamaDecoderLayer, hidden: int) -> None:
     """``midlayer``: q/k/v projections that read 2H (embedding and feature side by side); the input norm goes."""
-    attn = getattr(layer, "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) or not all(
-        hasattr(layer, n) for n in ("mlp", "post_attention_layernorm", "input_layernorm")
-    ):
-        raise TypeError(
-            f"{type(layer).__name__} is not a pre-norm decoder layer with self_attn.q_proj/k_proj/v_proj, mlp and "
-            "post_attention_layernorm; EAGLE-3's midlayer layout cannot be built from it: use heads.layout=fc."
-        )
+    attn = layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         old = getattr(attn, name)
         setattr(attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
     del layer.input_layernorm
+
+
+def draft_attn_implementation(target_config) -> str:
+    """The draft layer's attention: the target's where a Llama layer takes an additive 4D mask with it (eager,
+    sdpa), else sdpa (the drafter's tree masks are arbitrary, which flash kernels cannot take)."""
+    impl = getattr(target_config, "_attn_implementation", None)
+    return impl if impl in ("eager", "sdpa") else "sdpa"
+
+
+def _norm(hidden: int, eps: float, scale: torch.Tensor | None) -> LlamaRMSNorm:
+    """A Llama RMS norm whose scale starts at ``scale`` (None: ones)."""
+    norm = LlamaRMSNorm(hidden, eps=eps)
+    if scale is not None:
+        with torch.no_grad():
+            norm.weight.copy_(scale)
+    return norm
 
 
 # --- the draft module ------------------------------------------------------------------------------------------------
@@ -183,6 +217,11 @@ class EagleHeads(nn.Module):
         self.config = config
         base = decoder_of(target)
         hidden = config.hidden_size
+        if config.draft_layer is None:
+            config.draft_layer = llama_layer_fields(tcfg)
+        layer_config = config.llama_config(draft_attn_implementation(tcfg))
+        eps = layer_config.rms_norm_eps
+        final_scale = rms_norm_scale(base.norm, hidden)  # the draft's norms start as the target's final norm
         if config.variant == "eagle3":
             if config.layer_ids is None:
                 config.layer_ids = default_layer_ids(tcfg.num_hidden_layers)
@@ -192,22 +231,25 @@ class EagleHeads(nn.Module):
                     f"layer_ids {config.layer_ids} name layers outside the target's 0..{tcfg.num_hidden_layers - 1}."
                 )
             self.fuse = nn.Linear(3 * hidden, hidden, bias=False)
-            self.embed_norm = copy.deepcopy(base.norm)
-            self.feature_norm = copy.deepcopy(base.norm)
+            self.embed_norm = _norm(hidden, eps, final_scale)
+            self.feature_norm = _norm(hidden, eps, final_scale)
         if config.layout == "fc":
             self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
 
-        layer_config = copy.deepcopy(tcfg)
-        layer_config._attn_implementation = tcfg._attn_implementation
-        self.layer = type(base.layers[0])(layer_config, layer_idx=0)
+        self.layer = LlamaDecoderLayer(layer_config, layer_idx=0)
+        # Not a submodule: casting the drafter to bfloat16 would round its frequencies (positions off by whole turns
+        # far into a sequence); its float32 buffers only follow the drafter's device (forward).
+        self._rotary = [LlamaRotaryEmbedding(layer_config)]
         if config.layout == "midlayer":
             _widen_qkv(self.layer, hidden)
+        elif not config.input_norm:
+            self.layer.input_layernorm = nn.Identity()
         init_linears(self, getattr(tcfg, "initializer_range", 0.02))
         if config.init_layer_from is not None:
-            self._init_layer_from(base.layers[config.init_layer_from])
+            self._init_layer_from(base.layers, config.init_layer_from)
 
         if config.variant == "eagle3":
-            self.norm = copy.deepcopy(base.norm)
+            self.norm = _norm(hidden, eps, final_scale)
             vd = config.effective_draft_vocab_size
             if d2t is None:
                 d2t = torch.zeros(vd, dtype=torch.long)  # identity map over the first vd ids until a vocab is set
@@ -223,12 +265,29 @@ class EagleHeads(nn.Module):
         # Used, never owned: kept out of state_dict() and parameters().
         self._target = [target]
 
-    def _init_layer_from(self, source: nn.Module) -> None:
-        """Copy a target layer's weights into the draft layer; ``midlayer``: its q/k/v weights go to the feature half
-        of the widened projections (the embedding half keeps its random init), its input norm is not used."""
-        mine = self.layer.state_dict()
+    def _init_layer_from(self, layers: nn.ModuleList, index: int) -> None:
+        """Copy target layer ``index``'s weights into the draft layer. The target's layer must have a Llama layer's
+        parameters of the draft's shape (a Llama or Mistral target's; a Qwen2 target's projection biases are left
+        out, the draft layer has none); ``midlayer``: its q/k/v weights go to the feature half of the widened
+        projections (the embedding half keeps its random init), its input norm is not used."""
+        if not -len(layers) <= index < len(layers):
+            raise SettingError(f"init_layer_from={index}: the target has layers 0..{len(layers) - 1} (-1: the last).")
+        source = layers[index]
+        mine, theirs = self.layer.state_dict(), source.state_dict()
+        skipped = {"input_layernorm.weight"} - set(mine)  # midlayer's and input_norm=False's dropped input norm
+        skipped |= {k for k in theirs if k.endswith(".bias")}
+        widened = {f"self_attn.{p}_proj.weight" for p in "qkv"} if self.config.layout == "midlayer" else set()
+        differ = sorted((set(mine) ^ set(theirs)) - skipped) or [
+            k for k, v in theirs.items() if k in mine and mine[k].shape != v.shape
+            and not (k in widened and mine[k].shape == (v.shape[0], 2 * v.shape[1]))]
+        if differ:
+            raise SettingError(
+                f"init_layer_from={index}: the target's layer ({type(source).__name__}) is not a Llama layer of the "
+                f"draft layer's shape (these parameters differ: {', '.join(differ)}), so its weights have no place "
+                "in the draft's Llama layer. Start the draft layer at random: heads.init_layer_from=null."
+            )
         with torch.no_grad():
-            for name, value in source.state_dict().items():
+            for name, value in theirs.items():
                 if name not in mine:
                     continue
                 if mine[name].shape == value.shape:
@@ -316,12 +375,14 @@ class EagleHeads(nn.Module):
         the predicted features of positions t+1. ``attention_mask`` [B|1, 1, q, past + q] additive; None = causal
         over ``cache``. The new keys/values are appended to ``cache`` (a DynamicCache) when one is given."""
         dtype = self.dtype
-        emb = self.target.get_input_embeddings()(input_ids).to(dtype)
+        # the embedding matrix's rows, as the engines' drafters read them (Gemma's embedding scales its output by
+        # sqrt(H) inside the module; their drafters and ours read it unscaled)
+        emb = F.embedding(input_ids, self.target.get_input_embeddings().weight).to(dtype)
         features = features.to(dtype)
         if attention_mask is None:
             attention_mask = causal_mask(input_ids.shape[1], cache_length(cache), dtype, features.device)
         attention_mask = attention_mask.to(dtype)
-        position_embeddings = tuple(p.to(dtype) for p in rotary_of(self.target)(features, position_ids))
+        position_embeddings = self.position_embeddings(features, position_ids)
         if self.config.layout == "midlayer":
             x = torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1)  # [B, q, 2H]
             attn = self.layer.self_attn(
@@ -343,11 +404,20 @@ class EagleHeads(nn.Module):
         )
         return out[0] if isinstance(out, tuple) else out
 
+    def position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer's rotary (cos, sin) [B, q, head_dim] at ``position_ids`` [B, q], in ``x``'s dtype, computed
+        from float32 frequencies."""
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != x.device:
+            rotary.to(x.device)
+        return rotary(x, position_ids)
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle)."""
+        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle: the target's LM
+        head, soft-capped where the target's logits are, :func:`core.archs.output_logits`)."""
         if self.variant == "eagle":
             lm_head = self.target.get_output_embeddings()
-            return lm_head(features.to(lm_head.weight.dtype))
+            return output_logits(self.target.config, lm_head(features.to(lm_head.weight.dtype)))
         return self.lm_head(self.norm(features))
 
     def unrolled_forward(
@@ -392,10 +462,37 @@ class EagleHeads(nn.Module):
 
 
 def build_eagle_heads(head_config: dict, target_model: nn.Module | None) -> EagleHeads:
-    """heads.io builder for head types ``eagle`` and ``eagle3``: rebuild the module from its saved config."""
+    """heads.io builder for head types ``eagle`` and ``eagle3``: rebuild the module from its saved config. Heads saved
+    without ``layout`` are fc; heads saved without ``draft_layer`` had a layer of the target's own class
+    (:func:`saved_draft_layer`)."""
     if target_model is None:
         raise ValueError(
-            "EAGLE heads are rebuilt from the target's own layer class and config: load them with the target, "
+            "EAGLE heads use the target's embeddings (and EAGLE-1 its LM head): load them with the target, "
             "heads.load(path, target=...)."
         )
-    return EagleHeads(EagleConfig(**head_config), target_model)  # heads saved before ``layout`` existed are fc
+    head_config = dict(head_config)
+    if head_config.get("draft_layer") is None:
+        head_config["draft_layer"] = saved_draft_layer(head_config, target_model)
+    return EagleHeads(EagleConfig(**head_config), target_model)
+
+
+class OldDraftLayerError(SelfspecError, ValueError):
+    """EAGLE heads saved with a draft layer of the target's own class, which is not a Llama layer."""
+
+
+def saved_draft_layer(head_config: dict, target_model: nn.Module) -> dict:
+    """The draft layer of heads saved before it was a Llama layer whatever the target: it was a layer of the target's
+    own class built from the target's config. For a Llama target that is the Llama layer of the target's own fields,
+    which these heads load into unchanged; any other class is refused (its weights do not fit a Llama layer)."""
+    layer = decoder_of(target_model).layers[0]
+    if type(layer) is not LlamaDecoderLayer:
+        raise OldDraftLayerError(
+            f"These {head_config.get('variant', 'eagle')} heads were saved by an earlier selfspec, whose EAGLE draft "
+            f"layer was the target's own layer class ({type(layer).__name__}); the draft layer is now a Llama layer "
+            "for every target (what SGLang and vLLM serve), which their weights do not fit. Retrain them with the same "
+            "settings (python train/eagle.py heads=... model=...). Heads for Llama targets load unchanged."
+        )
+    tcfg = text_config(target_model.config)
+    names = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+             "rms_norm_eps", "max_position_embeddings", "rope_parameters", "attention_bias", "mlp_bias")
+    return {name: getattr(tcfg, name) for name in names}

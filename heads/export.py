@@ -4,15 +4,24 @@
 format          loads in                                         heads
 ==============  ===============================================  ==============================================
 ``vllm``        vLLM's Medusa (``MedusaModel``)                   Medusa-1 (Medusa-2: see below)
-``eagle3``      SGLang and vLLM (``LlamaForCausalLMEagle3``,      eagle3 with ``layout=midlayer`` on a Llama target
+``eagle``       vLLM's EAGLE-1 (``EagleLlamaForCausalLM``)        eagle with ``fc_bias=false``, ``input_norm=false``
+``eagle3``      SGLang and vLLM (``LlamaForCausalLMEagle3``,      eagle3 with ``layout=midlayer``
                 EAGLE-3's own checkpoint form)
-``speculators`` vLLM speculators (``Eagle3Speculator``)           eagle3 with ``layout=midlayer`` on a Llama target
+``speculators`` vLLM speculators (``Eagle3Speculator``)           eagle3 with ``layout=midlayer``
 ``dflash``      vLLM's DFlash (``DFlashQwen3ForCausalLM``)         dflash, on any target vLLM captures layers of
 ``selfspec``    selfspec (``heads.load``); a copy of the folder   all
 ==============  ===============================================  ==============================================
 
-``auto`` picks ``vllm`` for Medusa heads, ``eagle3`` for midlayer EAGLE-3 heads, ``dflash`` for DFlash heads and
-refuses the rest, naming the format that fits (the DFlash mapping and its facts: heads/export_dflash.py). Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
+``auto`` picks ``vllm`` for Medusa heads, ``eagle`` and ``eagle3`` for EAGLE heads of those shapes, ``dflash`` for
+DFlash heads and refuses the rest, naming the format that fits (the DFlash mapping and its facts:
+heads/export_dflash.py). Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
+
+The EAGLE formats are for heads of any target: the draft layer is a Llama layer whatever the target
+(:mod:`heads.eagle`), and its config is written from the fields saved with the heads (``draft_layer``: heads, head
+dim, MLP width, norm eps, rope), beside the target's vocabulary and token ids. Whether an engine serves the target is
+that engine's matter: vLLM 0.32 captures EAGLE-3 features only from targets that implement its ``SupportsEagle3``
+(Llama and the models built on its code such as Mistral and Phi-3, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3, gpt-oss and
+more; Gemma 3 not), and EAGLE-1 features from those implementing ``SupportsEagle``.
 
 Facts the mappings rely on (from those projects' sources):
 
@@ -23,6 +32,11 @@ Facts the mappings rely on (from those projects' sources):
   vLLM builds its LM heads with ``truncated_vocab_size`` rows (slicing fuller ones by the map) and scatters their
   logits into a full vocabulary of -inf at the map's ids. vLLM's
   config reader renames any key holding "num" and "heads" to ``num_heads``, so no other such key is written.
+- EAGLE-1 (vLLM ``EagleLlamaForCausalLM``, ``llama_eagle.py``): a Llama config with ``num_hidden_layers: 1``;
+  weights ``fc.weight`` [H, 2H] (no bias: vLLM builds ``fc`` without one) over ``[embedding, feature]``,
+  ``layers.0.{self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}`` (layer 0's input norm is an identity),
+  no final norm and no LM head (the target's is shared, as our EAGLE-1 logits are); the feature is the target's
+  last hidden state after its final norm, what vLLM's Llama returns.
 - EAGLE-3 (SGLang ``LlamaForCausalLMEagle3``): a Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size``,
   ``tie_word_embeddings: false``; weights ``fc.weight`` [H, 3H], ``midlayer.{input_layernorm (embedding side),
   hidden_norm (feature side), self_attn.{q,k,v}_proj [., 2H], self_attn.o_proj, post_attention_layernorm, mlp.*}``,
@@ -68,7 +82,7 @@ from torch import nn
 from core.errors import SelfspecError
 from heads.export_dflash import dflash_to_vllm
 
-FORMATS = ("auto", "vllm", "eagle3", "speculators", "dflash", "selfspec")
+FORMATS = ("auto", "vllm", "eagle", "eagle3", "speculators", "dflash", "selfspec")
 
 
 class ExportError(SelfspecError, ValueError):
@@ -80,12 +94,16 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt!r}: use one of {', '.join(FORMATS)}.")
     midlayer = head_type == "eagle3" and head_config.get("layout", "fc") == "midlayer"
+    vllm_eagle = head_type == "eagle" and not head_config.get("fc_bias", True) \
+        and not head_config.get("input_norm", True)
     if fmt == "auto":
         if head_type in ("medusa", "dflash"):
             return "vllm" if head_type == "medusa" else "dflash"
         if midlayer:
             return "eagle3"
-        fmt = "eagle3"  # fall through to the explanation below
+        if vllm_eagle:
+            return "eagle"
+        fmt = "eagle" if head_type == "eagle" else "eagle3"  # fall through to the explanation below
     if fmt == "selfspec":
         return fmt
     if (fmt == "dflash") != (head_type == "dflash"):
@@ -96,9 +114,23 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
     if fmt == "vllm" and head_type != "medusa":
         raise ExportError(f"format=vllm is vLLM's Medusa format; these are {head_type} heads (format=eagle3 or "
                           "speculators for EAGLE-3 heads trained with heads.layout=midlayer).")
+    if fmt == "eagle" and not vllm_eagle:
+        if head_type != "eagle":
+            raise ExportError(f"format=eagle is vLLM's EAGLE-1 format; these are {head_type} heads"
+                              + (": use format=eagle3 or speculators." if head_type == "eagle3" else "."))
+        raise ExportError(
+            f"These EAGLE-1 heads (fc_bias={head_config.get('fc_bias', True)}, input_norm="
+            f"{head_config.get('input_norm', True)}) have no serving-engine format: vLLM's EAGLE-1 "
+            "(EagleLlamaForCausalLM) reads an fc without bias into a layer without input norm. Retrain with "
+            "`python train/eagle.py heads=eagle heads.fc_bias=false heads.input_norm=false`, or export "
+            "format=selfspec (a copy of the folder, for selfspec's own decoder)."
+        )
     if fmt in ("eagle3", "speculators") and not midlayer:
         if head_type == "medusa":
             raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are Medusa heads: use format=vllm.")
+        if head_type == "eagle":
+            raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are EAGLE-1 heads: format=eagle (vLLM's "
+                              "EAGLE-1) takes those trained with heads.fc_bias=false heads.input_norm=false.")
         raise ExportError(
             f"These {head_type} heads (layout={head_config.get('layout', 'fc')}) have no serving-engine format: "
             "SGLang and vLLM load EAGLE-3 as published, which is eagle3 with heads.layout=midlayer. Retrain with "
@@ -181,37 +213,35 @@ def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dic
 # --- EAGLE-3 -----------------------------------------------------------------------------------------------------------
 
 
-def _llama_layer_config(target_config: Any, draft_vocab_size: int, dtype: torch.dtype) -> dict:
-    """The draft layer's Llama config (the target's sizes, one layer) with the rope fields both transformers 4 and 5
-    readers understand."""
-    tc = target_config.get_text_config(decoder=True) if hasattr(target_config, "get_text_config") else target_config
-    if getattr(tc, "model_type", None) != "llama":
-        raise ExportError(
-            f"The target is a {getattr(tc, 'model_type', '?')} model; SGLang's and vLLM's EAGLE-3 drafters are built "
-            "as Llama layers (no q/k/v bias), so only heads for Llama-architecture targets export to them. Use "
-            "format=selfspec."
-        )
-    if getattr(tc, "attention_bias", False) or getattr(tc, "mlp_bias", False):
-        raise ExportError("The target's layers have biases; the EAGLE-3 formats have none. Use format=selfspec.")
-    d = tc.to_dict()
-    rope = dict(d.get("rope_parameters") or {})
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.dtype) -> dict:
+    """The draft layer's Llama config, one layer, from the fields saved with the heads (``draft_layer``), with the rope
+    fields both transformers 4 and 5 readers understand; vocabulary and token ids are the target's."""
+    from core.archs import text_config
+
+    tc = text_config(drafter.target.config)
+    layer = drafter.config.draft_layer
+    if layer.get("attention_bias") or layer.get("mlp_bias"):
+        raise ExportError("These heads' draft layer has biases (heads saved before the draft layer was a Llama layer "
+                          "of its own, for a Llama target with biases); the EAGLE formats have none. Use "
+                          "format=selfspec, or retrain the heads.")
+    rope = dict(layer["rope_parameters"])
+    theta = rope.get("rope_theta", 10000.0)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" \
-        else d.get("rope_scaling")
-    head_dim = d.get("head_dim") or tc.hidden_size // tc.num_attention_heads
+        else None
+    d = tc.to_dict()
     return {
         "model_type": "llama",
         "hidden_size": tc.hidden_size,
-        "intermediate_size": tc.intermediate_size,
-        "num_attention_heads": tc.num_attention_heads,
-        "num_key_value_heads": getattr(tc, "num_key_value_heads", tc.num_attention_heads),
-        "head_dim": head_dim,
-        "hidden_act": d.get("hidden_act", "silu"),
-        "rms_norm_eps": tc.rms_norm_eps,
-        "max_position_embeddings": tc.max_position_embeddings,
+        "intermediate_size": layer["intermediate_size"],
+        "num_attention_heads": layer["num_attention_heads"],
+        "num_key_value_heads": layer["num_key_value_heads"],
+        "head_dim": layer["head_dim"],
+        "hidden_act": layer["hidden_act"],
+        "rms_norm_eps": layer["rms_norm_eps"],
+        "max_position_embeddings": layer["max_position_embeddings"],
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "rope_parameters": rope or {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "attention_bias": False,
         "mlp_bias": False,
         "vocab_size": tc.vocab_size,
@@ -279,7 +309,7 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
 
     tc = drafter.target.config
     config = {"architectures": ["LlamaForCausalLMEagle3"],
-              **_llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)}
+              **_llama_layer_config(drafter, drafter.lm_head.out_features, drafter.dtype)}
     layer_ids = served_layer_ids(list(drafter.config.layer_ids))
     if layer_ids != engine_layer_ids(tc.num_hidden_layers):
         if min(layer_ids) < 1:
@@ -289,11 +319,27 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
     return config, eagle3_state(drafter, "midlayer.", include_embeddings)
 
 
+def eagle_to_vllm(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
+    """An EAGLE-1 drafter with an fc without bias and a layer without input norm -> (config, state) of vLLM's
+    ``EagleLlamaForCausalLM``."""
+    if drafter.config.variant != "eagle" or drafter.config.fc_bias or drafter.config.input_norm:
+        raise ExportError("Only EAGLE-1 drafters with fc_bias=false and input_norm=false have vLLM's EAGLE-1 form.")
+    config = {"architectures": ["EagleLlamaForCausalLM"],
+              **_llama_layer_config(drafter, drafter.config.vocab_size, drafter.dtype)}
+    del config["draft_vocab_size"]  # the target's vocabulary: the target's LM head is shared
+    state = {"fc.weight": drafter.fc.weight}
+    for name, value in drafter.layer.state_dict().items():
+        state["layers.0." + name] = value
+    if include_embeddings:
+        state["embed_tokens.weight"] = drafter.target.get_input_embeddings().weight
+    return config, state
+
+
 def eagle3_to_speculators(drafter: nn.Module, verifier: str | None, speculative_tokens: int = 3,
                           include_embeddings: bool = True) -> tuple[dict, dict]:
     """Midlayer EAGLE-3 drafter -> (config, state) of vLLM speculators' ``Eagle3Speculator``."""
     tc = drafter.target.config
-    layer = _llama_layer_config(tc, drafter.lm_head.out_features, drafter.dtype)
+    layer = _llama_layer_config(drafter, drafter.lm_head.out_features, drafter.dtype)
     vd = layer.pop("draft_vocab_size")
     layer["architectures"] = ["LlamaForCausalLM"]
     config = {
@@ -363,6 +409,8 @@ def export_heads(
     files: dict[str, object] = {}  # other files the format has (DFlash: vLLM's mask embedding)
     if fmt == "vllm":
         config, state = medusa_to_vllm(module, base.get_output_embeddings(), meta.get("head_config", {}), vocab)
+    elif fmt == "eagle":
+        config, state = eagle_to_vllm(module, include_embeddings)
     elif fmt == "eagle3":
         config, state = eagle3_to_sglang(module, include_embeddings)
     elif fmt == "dflash":
@@ -406,6 +454,7 @@ def model_card(meta: dict, fmt: str, repo: str | None = None, token_map: bool = 
         "vllm": f"""vllm serve {base} --speculative-config '{{"method": "medusa", "model": "{where}", "num_speculative_tokens": {meta.get("num_heads") or 4}}}'"""
         + ("""  \\\n    --model-loader-extra-config '{"enable_weights_track": false}'  # vLLM <= 0.32 and a token_map"""
            if token_map else ""),
+        "eagle": f"""vllm serve {base} --speculative-config '{{"method": "eagle", "model": "{where}", "num_speculative_tokens": {depth}}}'""",
         "eagle3": f"""vllm serve {base} --speculative-config '{{"method": "eagle3", "model": "{where}", "num_speculative_tokens": {depth}}}'
 python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\
     --speculative-draft-model-path {where} --speculative-num-steps {depth}""",

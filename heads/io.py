@@ -12,9 +12,9 @@ A heads folder holds:
 
 A folder is written into a temporary sibling and renamed into place, so a reader never sees half a folder.
 
-Head types are the families of core/families.py that train heads: each row names its builder
-``build(head_config: dict, target_model | None) -> nn.Module`` as ``"module:function"``, imported on first use so
-``load_heads`` works without the caller importing anything.
+Head types are the families of core/families.py that train heads: each row (declared in its family's conf file) names
+its builder ``build(head_config: dict, target_model | None) -> nn.Module`` as ``"module:function"``, imported on first
+use so ``load_heads`` works without the caller importing anything.
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ class HeadsLoadError(SelfspecError, RuntimeError):
 
 
 def head_builder(name: str) -> HeadBuilder:
-    """The builder of head type ``name``: its family's ``heads`` in core/families.py (imported on first use)."""
+    """The builder of head type ``name``: its family's ``heads`` in the family table (imported on first use)."""
     family = FAMILIES.get(name)
     if family is None or family.heads is None:
         known = ", ".join(n for n, f in FAMILIES.items() if f.heads is not None)
-        raise HeadsLoadError(f"Unknown head type {name!r}; known types: {known}. A new type is a row of "
-                             "core/families.py that names its heads builder.")
+        raise HeadsLoadError(f"Unknown head type {name!r}; known types: {known}. A new type is a family row "
+                             "(core/families.py: `families:` in its conf file) that names its heads builder.")
     return family.load("heads")
 
 

@@ -6,10 +6,13 @@ forms (``form``):
 - ``head``: a final norm and an LM head, both initialised from the target's own (the training-free exit is exactly
   this, untrained). The LM head is tuned (``tune_lm_head``) or frozen; frozen over the whole vocabulary, the exit
   reads the target's own LM head and does not save a copy.
-- ``adapter``: one decoder block of the target's own layer class (attention + MLP, as in Kangaroo) before that norm
-  and LM head, initialised from the target's layer E with its output projections zeroed, so an untrained adapter is
-  the identity and the exit starts as the ``head`` form. The block attends over earlier positions, so decoding keeps
-  a small KV cache of its own (decode/layerskip.py).
+- ``adapter``: one decoder block (attention + MLP, as in Kangaroo) before that norm and LM head: a copy of the
+  target's layer E (its class, experts included on a mixture-of-experts target) with its output projections zeroed
+  (:func:`adapter_block`), so an untrained adapter is the identity and the exit starts as the ``head`` form. The
+  block attends over every earlier position (in training and decoding alike, whatever the kind of layer E), with
+  layer E's rotary embedding, so decoding keeps a small KV cache of its own (decode/layerskip.py).
+
+Both forms give logits as the target does, soft-capped where it is (core.archs.output_logits).
 
 A reduced exit vocabulary (``draft_vocab_size``) keeps the LM head rows of the ``token_map`` target ids only, chosen
 by coverage of the training data (train.data.choose_draft_vocab): on a small target the LM head costs as much as
@@ -28,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from core.archs import RESIDUAL_OUTPUTS, layer_position_embeddings, output_logits, residual_outputs
+from core.errors import SettingError
 from core.layers import causal_mask, decoder_of
 from core.kv import cache_length
 from core.target import cache_kwarg
@@ -86,13 +91,7 @@ class LayerSkipExit(nn.Module):
         base = decoder_of(target)
         self.adapter = None
         if config.form == "adapter":
-            layer_config = copy.deepcopy(target.config.get_text_config(decoder=True))
-            layer_config._attn_implementation = target.config._attn_implementation
-            self.adapter = type(base.layers[0])(layer_config, layer_idx=0)
-            self.adapter.load_state_dict(base.layers[config.exit_layer].state_dict())
-            with torch.no_grad():  # the identity at first: the exit starts as the head form
-                self.adapter.self_attn.o_proj.weight.zero_()
-                self.adapter.mlp.down_proj.weight.zero_()
+            self.adapter = adapter_block(base.layers[config.exit_layer])
         self.norm = copy.deepcopy(base.norm)
         target_head = target.get_output_embeddings()
         if config.draft_vocab_size is not None:
@@ -148,7 +147,7 @@ class LayerSkipExit(nn.Module):
                 position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None] + cache_length(cache)
             if attention_mask is None:
                 attention_mask = causal_mask(hidden.shape[1], cache_length(cache), hidden.dtype, hidden.device)
-            rotary = decoder_of(self.target).rotary_emb(hidden, position_ids=position_ids)
+            (rotary,) = layer_position_embeddings(decoder_of(self.target), hidden, position_ids, [self.exit_layer])
             hidden = self.adapter(hidden, attention_mask=attention_mask.to(hidden.dtype), position_ids=position_ids,
                                   use_cache=cache is not None, **{cache_kwarg(self.adapter): cache},
                                   position_embeddings=tuple(r.to(hidden.dtype) for r in rotary))
@@ -157,13 +156,35 @@ class LayerSkipExit(nn.Module):
         return self.norm(hidden)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Exit features [..., H] -> logits [..., K] over the exit vocabulary."""
+        """Exit features [..., H] -> logits [..., K] over the exit vocabulary, soft-capped as the target's own
+        (core.archs.output_logits)."""
         head = self.lm_head if self.lm_head is not None else self._target_head[0]
-        return head(features.to(head.weight.dtype))
+        return output_logits(self.target.config, head(features.to(head.weight.dtype)))
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Exit-vocabulary ids -> target ids."""
         return ids if self.token_map is None else self.token_map[ids]
+
+
+def adapter_block(layer: nn.Module) -> nn.Module:
+    """An adapter: a copy of the target's decoder ``layer`` (its class, configuration and weights, experts and all)
+    that caches as layer 0 of a cache of its own, with its residual outputs zeroed (core.archs.residual_outputs),
+    so that it starts as the identity."""
+    adapter = copy.deepcopy(layer)
+    for module in adapter.modules():
+        if hasattr(module, "layer_idx"):
+            module.layer_idx = 0
+    outputs = residual_outputs(adapter)
+    written = {name.split(".")[0] for name, _ in outputs}  # the submodules that write: attention and MLP
+    if len(written) < 2:
+        raise SettingError(
+            f"exit.form=adapter starts from a copy of the target's layer with its output projections zeroed, but "
+            f"{type(layer).__name__} has none named {' or '.join(RESIDUAL_OUTPUTS)} in both its attention and its "
+            "MLP (core/archs.py). Use exit.form=head.")
+    with torch.no_grad():
+        for _, p in outputs:
+            p.zero_()
+    return adapter
 
 
 class ExitSet(nn.Module):

@@ -30,14 +30,12 @@ import argparse
 import json
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from decode import registry
 from decode.bench import format_sweep, sweep_decoders
 from decode.prompts import read_questions
 from decode.session import load_session
 from decode.types import DecodeSetupError
-from core.config import CONF_DIR, to_dict
+from core.config import CONF_DIR, compose, to_dict
 from core.errors import reported_errors
 
 
@@ -109,8 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="each setting with adaptive depth and the suffix hybrid, as decode/run.py decodes")
     parser.add_argument("--out", help="also write the figures as JSON here")
     args, overrides = parser.parse_known_args(argv)
-    with initialize_config_dir(config_dir=str(CONF_DIR / "decode"), version_base="1.3"):
-        cfg = compose(config_name="decode", overrides=overrides)
+    cfg = compose("decode", overrides, config_dir=CONF_DIR / "decode")
     if not cfg.prompts:
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form).")
     session = load_session(cfg)

@@ -131,8 +131,7 @@ DECODE_CONFIGS = ("decode", "export", "serve_check", "bench")  # in conf/decode/
 def compose(config_name: str, overrides: list[str] | None = None):
     """Compose a real entry config (from conf/, or conf/decode/ for decoding and export, as the entry scripts do),
     with overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from core.config import compose as config_compose
 
     config_dir = CONF / "decode" if config_name in DECODE_CONFIGS else CONF
     overrides = list(overrides or [])
@@ -140,5 +139,4 @@ def compose(config_name: str, overrides: list[str] | None = None):
         key = "device" if config_name in DECODE_CONFIGS else "model.device"
         if not any(o.split("=")[0].lstrip("+") == key for o in overrides):
             overrides.append(f"{key}={TEST_DEVICE}")
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides)
+    return config_compose(config_name, overrides, config_dir=config_dir)

@@ -250,6 +250,57 @@ def test_hf_source_reads_a_local_dataset_folder_and_explains_an_unreachable_one(
         load_conversations({"source": "hf", "name": "someone/chats", "split": "train"})
 
 
+
+# --- the record forms people have -----------------------------------------------------------------------------------
+
+TWO_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye?"},
+             {"role": "assistant", "content": "Bye."}]
+FORMS = {  # a record of each form, and the conversation it holds
+    "sharegpt": ({"id": "s", "conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[
+        m["role"]], "value": m["content"]} for m in TWO_TURNS]}, TWO_TURNS),
+    "openai": ({"messages": [{**m, "content": [{"type": "text", "text": m["content"]}]} if m["role"] == "user" else m
+                             for m in TWO_TURNS]}, TWO_TURNS),
+    "ultrachat": ({"id": "u", "data": ["Hi?", "Hello.", "Bye?", "Bye."]}, TWO_TURNS[1:]),
+    "magpie": ({"uuid": "m", "instruction": "Hi?", "response": "Hello.", "gen_input_configs": {"temperature": 1.0},
+                "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]},
+               TWO_TURNS[1:3]),
+    "magpie_columns": ({"instruction": "Hi?", "response": "Hello.", "system": "Be brief."}, TWO_TURNS[:3]),
+    "alpaca": ({"instruction": "Translate to French.", "input": "cat", "output": "chat"},
+               [{"role": "user", "content": "Translate to French.\n\ncat"}, {"role": "assistant", "content": "chat"}]),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_record_form_reads_through_one_reader_and_labels_its_answers(tiny_tokenizer, tmp_path, form):
+    record, conversation = FORMS[form]
+    path = write_jsonl(tmp_path / "d.jsonl", [record])
+    (read,), _ = load_conversations({"source": "file", "path": str(path)}, verbose=False)
+    assert read == conversation
+    example = tokenize_conversation(tiny_tokenizer, read, max_length=4096)  # labels from the target's template
+    assert labelled_segments(tiny_tokenizer, example) == [m["content"] + "<|im_end|>" for m in conversation
+                                                          if m["role"] == "assistant"]
+
+
+def test_hf_datasets_of_the_new_forms_read_by_name(tmp_path):
+    for form in ("ultrachat", "magpie_columns", "alpaca"):  # sharegpt: test_hf_source_reads_a_local_dataset_folder
+        folder = tmp_path / form
+        folder.mkdir()
+        write_jsonl(folder / "train.jsonl", [FORMS[form][0]] * 2)
+        conversations, report = load_conversations({"source": "hf", "name": str(folder), "split": "train"},
+                                                    verbose=False)
+        assert conversations == [FORMS[form][1]] * 2 and not report.skipped, form
+
+
+def test_malformed_records_of_the_new_forms_are_skipped_with_their_reason(tmp_path):
+    records = [{"data": ["q", 3]}, {"data": ["q", " "]}, {"data": []}, {"instruction": "q", "response": ""},
+               {"instruction": "q"}, {"instruction": ["q"], "output": "a"}, {"data": ["only a question"]}]
+    path = write_jsonl(tmp_path / "d.jsonl", records + [FORMS["alpaca"][0]])
+    conversations, report = load_conversations({"source": "file", "path": str(path)}, verbose=False)
+    assert conversations == [FORMS["alpaca"][1]]
+    assert report.skipped == {data.INVALID_TURN: 2, data.EMPTY_TURN: 2, data.EMPTY_CONVERSATION: 1,
+                              data.NO_TURNS: 1, data.NO_ASSISTANT: 1}
+
 # --- labels ----------------------------------------------------------------------------------------------------------
 
 
@@ -338,8 +389,8 @@ def data_cfg(path, **overrides):
 def test_build_dataset_splits_caches_and_rebuilds_on_config_change(tmp_path, tiny_tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [sharegpt(i, turns=4) for i in range(8)])
     calls = []
-    real = data.tokenize_conversation
-    monkeypatch.setattr(train.data.dataset, "tokenize_conversation", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = train.data.dataset.conversation_examples
+    monkeypatch.setattr(train.data.dataset, "conversation_examples", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "cache"
 
     ds = build_dataset(data_cfg(path), tiny_tokenizer, cache_dir=cache, verbose=False)

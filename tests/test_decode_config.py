@@ -1,7 +1,9 @@
 """Decode defaults are written once, in conf/ (as training's are: see test_medusa_train.py's
-test_settings_defaults_are_written_once_in_conf): each family's settings in conf/decode/drafters.yaml (the hybrid's
-node budget too), the session's, the benchmark's and the serving check's in conf/decode/decode.yaml, bench.yaml and
-serve_check.yaml; the code writes none of its own, and a key the config lacks is an error that names it."""
+test_settings_defaults_are_written_once_in_conf): each family's settings in its row's `draft:` in its conf file, the
+hybrid's node budget in conf/decode/hybrid.yaml, the session's, the benchmark's and the serving check's in
+conf/decode/decode.yaml, bench.yaml and serve_check.yaml; the code writes none of its own, and a key the config lacks
+is an error that names it. decode.yaml lists no family's draft.* keys: a family's keys compose as they are, and the
+family refuses one it does not take."""
 
 from __future__ import annotations
 
@@ -19,20 +21,44 @@ from decode.settings import SESSION_KEYS, DecodeSettings
 from decode.types import DecodeSetupError
 
 
-def test_every_family_takes_the_settings_its_conf_block_names_with_their_defaults():
-    table = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / "drafters.yaml"))
-    draft_keys = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / "decode.yaml").draft)
+def test_every_family_takes_the_settings_its_row_declares_with_their_defaults():
+    hybrid = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / "hybrid.yaml"))
+    assert OmegaConf.to_container(OmegaConf.load(CONF / "decode" / "decode.yaml").draft) == {}  # no family's key
     assert "defaults" not in {f.name for f in dataclasses.fields(registry.DrafterEntry)}  # no settings in Python
-    assert set(table) == set(registry.REGISTRY) | {"hybrid"}
+    declared = []
+    for path in sorted(CONF.glob("*.yaml")):  # each family's own conf file, read here as a file
+        for name, row in (OmegaConf.to_container(OmegaConf.load(path)).get("families") or {}).items():
+            entry = registry.entry(name)
+            assert entry.family.conf == path
+            assert entry.settings() == {**row["draft"], **(hybrid if entry.hybrid else {})}, name
+            assert entry.needs_heads == (entry.random_heads is not None)
+            declared.append(name)
+    assert sorted(declared) == sorted(registry.REGISTRY) and len(declared) >= 7
+
+
+def test_draft_composes_each_family_s_keys_and_the_family_refuses_another():
+    """Every key a family declares composes as ``draft.KEY=`` with nothing listed in decode.yaml, and reaches the
+    family's settings; a key the chosen family does not take is refused naming those it takes, before any model
+    loads; the rest of decode.yaml stays closed."""
+    from hydra.errors import ConfigCompositionException
+
     for name, entry in registry.REGISTRY.items():
-        expected = {**table[name], **(table["hybrid"] if entry.hybrid else {})}
-        assert entry.settings() == expected, name
-        assert set(expected) <= set(draft_keys) and all(draft_keys[k] is None for k in expected)  # null: "the default"
-        assert entry.needs_heads == (entry.random_heads is not None)
-    assert set(draft_keys) == {k for block in table.values() for k in block}  # no draft.* key that no family takes
+        given = {k: v for k, v in entry.defaults.items() if v is not None}
+        settings = DecodeSettings.from_config(compose("decode", [f"drafter={name}"] + [
+            f"draft.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items()]))
+        assert settings.draft == given, name
+        assert entry.settings(None, settings.draft) == entry.defaults, name
+    takes = "draft.depth, draft.top_k, draft.total_tokens, draft.adaptive, draft.suffix"
+    # model=nowhere/none: no such target, so each refusal comes before the session loads one
+    with pytest.raises(DecodeSetupError, match=rf"draft.deph is no drafter's setting: the eagle drafter takes {takes}"):
+        load_session(compose("decode", ["model=nowhere/none", "drafter=eagle", "draft.deph=3"]))
+    with pytest.raises(DecodeSetupError, match=rf"draft.tree is not a setting of the eagle drafter \(it takes {takes}"):
+        load_session(compose("decode", ["model=nowhere/none", "drafter=eagle", "draft.tree=chain"]))
+    with pytest.raises(ConfigCompositionException, match="Could not override 'max_new_tokns'"):
+        compose("decode", ["max_new_tokns=3"])
 
 
-# drafters.yaml key -> the constructor parameter the registry passes it to, where the names differ
+# draft.* key -> the constructor parameter the registry passes it to, where the names differ
 RENAMED = {"hybrid": {"merged_nodes": "max_nodes"}}
 # keys the registry turns into something else before the constructor sees them: a corpus file into its index, a dtype
 # name (auto) into a torch dtype
@@ -40,8 +66,8 @@ TRANSFORMED = {"corpus", "dtype"}
 
 
 def test_the_constructors_the_registry_builds_write_no_default_of_a_conf_setting():
-    """A setting of conf/decode/drafters.yaml reaches its drafter's constructor as an argument without a default, so
-    its default is written only there (a hybrid's ``merged_nodes`` included)."""
+    """A setting a family's row declares reaches its drafter's constructor as an argument without a default, so its
+    default is written only there (a hybrid's ``merged_nodes``, of conf/decode/hybrid.yaml, included)."""
     from decode.dflash_drafter import DFlashBlockDrafter
     from decode.drafters import MedusaDrafter
     from decode.eagle_drafter import EagleTreeDrafter
@@ -49,7 +75,8 @@ def test_the_constructors_the_registry_builds_write_no_default_of_a_conf_setting
     from decode.layerskip import LayerSkipDrafter
     from decode.suffix import SuffixDrafter
 
-    table = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / "drafters.yaml"))
+    table = {name: registry.defaults_of(name) for name in ("medusa", "eagle", "dflash", "layerskip", "suffix")}
+    table["hybrid"] = registry.defaults_of("hybrid")
     assert table["hybrid"]["merged_nodes"] > 0
     built = ((MedusaDrafter, "medusa"), (EagleTreeDrafter, "eagle"), (DFlashBlockDrafter, "dflash"),
              (LayerSkipDrafter, "layerskip"), (SuffixDrafter, "suffix"), (HybridDrafter, "hybrid"))

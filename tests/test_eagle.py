@@ -1,6 +1,6 @@
 """EAGLE drafters.
 
-- Module: shapes, the target's own layer class, target parts used but not owned, cache and unrolled-step consistency.
+- Module: shapes, a Llama draft layer, target parts used but not owned, cache and unrolled-step consistency.
 - Losses (pure functions) and the draft vocabulary maps.
 - Decoding with EAGLE-2 dynamic trees (both variants, tiny Llama and tiny Qwen2, drafters briefly trained so drafts
   are often accepted): greedy output equals HF generate on 12 prompts (EOS inside accepted drafts, the
@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from decode.eagle_drafter import EagleTreeDrafter
 from decode.engine import SpeculativeDecoder
@@ -72,7 +73,8 @@ def test_shapes_and_ownership(request, arch, variant):
     out = drafter(feats, ids, torch.arange(10, device=model.device)[None].expand(2, 10))
     assert out.shape == (2, 10, 64)
     assert drafter.logits(out).shape == (2, 10, 320 if variant == "eagle" else 100)
-    assert type(drafter.layer) is type(model.model.layers[0])  # the target's own layer class
+    assert type(drafter.layer) is LlamaDecoderLayer  # a Llama layer whatever the target, no biases
+    assert not any(k.endswith("bias") for k in drafter.layer.state_dict())
     # The target's embedding / LM head are used, not owned: not in state_dict, not trainable through the drafter.
     target_ids = {id(p) for p in model.parameters()}
     assert not any(id(p) in target_ids for p in drafter.parameters())
@@ -118,6 +120,22 @@ def test_feature_sources():
         EagleConfig(variant="eagle", layout="midlayer")
 
 
+def test_a_bfloat16_drafter_keeps_its_positions(tiny_llama):
+    """A drafter cast to bfloat16 (as heads.load casts it to a bfloat16 target) rotates by the angles it was trained
+    with, thousands of positions in: its rotary frequencies stay float32 (rounded to bfloat16, a relative error up to
+    2**-9, the angle at position 4000 would be off by radians), and only the cos/sin values are rounded."""
+    model, _ = tiny_llama
+    drafter = make(model, "eagle3")
+    positions = torch.tensor([[0, 1, 1000, 4000]], device=model.device)
+    x = torch.zeros(1, 4, 64, device=model.device)
+    full = drafter.position_embeddings(x, positions)
+    drafter.to(torch.bfloat16)
+    rounded = drafter.position_embeddings(x.to(torch.bfloat16), positions)
+    for a, b in zip(full, rounded, strict=True):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a, rtol=0, atol=2**-8)  # values in [-1, 1], 8 bits of mantissa
+
+
 def test_init_layer_from_copies_target_layer(tiny_llama):
     model, _ = tiny_llama
     drafter = make(model, "eagle", init_layer_from=-1)
@@ -132,6 +150,109 @@ def test_init_layer_from_copies_target_layer(tiny_llama):
             assert torch.equal(mid[k][:, 64:], v) and not torch.equal(mid[k][:, :64], v)
         else:
             assert torch.equal(mid[k], v), k
+
+
+def test_init_layer_from_takes_only_a_llama_shaped_layer(tiny_qwen2):
+    """A Qwen2 layer is a Llama layer with q/k/v biases: its weights are copied, the biases left out; a Qwen3 layer
+    (q/k norms) has no place in the Llama draft layer and is refused."""
+    from core.errors import SettingError
+
+    model, _ = tiny_qwen2
+    source = model.model.layers[-1].state_dict()
+    mine = make(model, "eagle", init_layer_from=-1).layer.state_dict()
+    assert set(source) - set(mine) == {f"self_attn.{p}_proj.bias" for p in "qkv"}
+    assert all(torch.equal(mine[k], v) for k, v in source.items() if k in mine)
+    qwen3, _ = build_tiny("qwen3")
+    with pytest.raises(SettingError, match="q_norm.weight.*heads.init_layer_from=null"):
+        make(qwen3, "eagle3", init_layer_from=-1)
+
+
+class SavedBefore(torch.nn.Module):
+    """EagleHeads as saved before the draft layer was a Llama layer whatever the target: a layer of the target's own
+    class built from the target's config, the three eagle3 norms copies of the target's final norm, and a forward that
+    took the target's rotary embedding."""
+
+    def __init__(self, model, variant):
+        import copy
+
+        super().__init__()
+        base, hidden = model.model, model.config.hidden_size
+        self.variant, self.layout = ("eagle3", "midlayer") if variant == "eagle3-mid" else (variant, "fc")
+        self.head_config = {"variant": self.variant, "hidden_size": hidden, "vocab_size": 320, "fc_bias": True,
+                            "init_layer_from": None, "layout": self.layout, "draft_vocab_size": None,
+                            "layer_ids": [1, 2, 3] if self.variant == "eagle3" else None}
+        if self.variant == "eagle3":
+            self.fuse = torch.nn.Linear(3 * hidden, hidden, bias=False)
+            self.embed_norm, self.feature_norm = copy.deepcopy(base.norm), copy.deepcopy(base.norm)
+        if self.layout == "fc":
+            self.fc = torch.nn.Linear(2 * hidden, hidden)
+        self.layer = type(base.layers[0])(copy.deepcopy(model.config), layer_idx=0)
+        if self.layout == "midlayer":
+            for name in ("q_proj", "k_proj", "v_proj"):
+                old = getattr(self.layer.self_attn, name)
+                setattr(self.layer.self_attn, name, torch.nn.Linear(2 * hidden, old.out_features,
+                                                                    bias=old.bias is not None))
+            del self.layer.input_layernorm
+        if self.variant == "eagle3":
+            self.norm = copy.deepcopy(base.norm)
+            self.lm_head = torch.nn.Linear(hidden, 320, bias=False)
+            self.register_buffer("d2t", torch.zeros(320, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(320, dtype=torch.bool))
+        with torch.no_grad():
+            for p in self.parameters():  # trained-looking weights
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1
+                        + (1.0 if p.dim() == 1 else 0.0))
+        self._model = [model]
+
+    def forward(self, hidden_states, ids, positions):
+        """-> (features, logits) of the old module."""
+        model = self._model[0]
+        feats = self.fuse(torch.cat([hidden_states[i] for i in self.head_config["layer_ids"]], -1)) \
+            if self.variant == "eagle3" else hidden_states[-1]
+        emb = model.get_input_embeddings()(ids)
+        pe = model.model.rotary_emb(feats, positions)
+        mask = causal_mask(ids.shape[1], 0, feats.dtype)
+        if self.layout == "midlayer":
+            x = torch.cat([self.embed_norm(emb), self.feature_norm(feats)], -1)
+            h = feats + self.layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=mask)[0]
+            out = h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        else:
+            if self.variant == "eagle3":
+                emb, feats = self.embed_norm(emb), self.feature_norm(feats)
+            out = self.layer(self.fc(torch.cat([emb, feats], -1)), attention_mask=mask, position_ids=positions,
+                             position_embeddings=pe)
+            out = out[0] if isinstance(out, tuple) else out
+        return out, (self.lm_head(self.norm(out)) if self.variant == "eagle3" else model.lm_head(out))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_heads_saved_with_the_targets_own_layer(tmp_path, tiny_llama, tiny_qwen2, variant):
+    """Heads saved before the draft layer was a Llama layer whatever the target (config.json without draft_layer):
+    for a Llama target their layer was a Llama layer, so they load unchanged and compute what they computed; for a
+    Qwen2 target (q/k/v biases) they are refused, saying to retrain."""
+    import heads
+    from heads.eagle import OldDraftLayerError
+    from heads.io import save_heads
+
+    model, _ = tiny_llama
+    old = SavedBefore(model, variant).to(model.device)
+    save_heads(tmp_path / "old", old, old.variant, old.head_config, model)
+    loaded = heads.load(tmp_path / "old", model).module
+    ids = sequence(2, 9, device=model.device)
+    positions = torch.arange(9, device=model.device)[None].expand(2, 9)
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        want, want_logits = old(hs, ids, positions)
+        got = loaded(loaded.target_features(hs), ids, positions)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(loaded.logits(got), want_logits, atol=1e-4, rtol=1e-4)
+    assert loaded.config.draft_layer["intermediate_size"] == model.config.intermediate_size
+    if variant == "eagle":
+        qwen, _ = tiny_qwen2
+        old = SavedBefore(qwen, variant)
+        save_heads(tmp_path / "qwen", old, "eagle", old.head_config, qwen)
+        with pytest.raises(OldDraftLayerError, match="Qwen2DecoderLayer.*Retrain them"):
+            heads.load(tmp_path / "qwen", qwen)
 
 
 def test_heads_saved_without_a_layout_load_as_fc(tiny_llama):
@@ -419,7 +540,7 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
     d2t, _ = build_draft_vocab(count_tokens(seqs.cpu(), model.config.vocab_size), draft_vocab_size)
     if variant == "eagle3-mid":
         steps *= 5  # the midlayer layout learns more slowly (heads.eagle)
-    drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=-1)
+    drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=None)
     if variant != "eagle":
         drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=1.0)
@@ -785,6 +906,11 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
         EagleMethod(compose("eagle", ["heads.layout=midlayer"]))
     with pytest.raises(ValueError, match="use fc or midlayer"):
         EagleMethod(compose("eagle", ["heads=eagle3", "heads.layout=wide"]))
+    with pytest.raises(ValueError, match="input_norm=false is for heads.layout=fc"):
+        EagleMethod(compose("eagle", ["heads=eagle3", "heads.layout=midlayer", "heads.input_norm=false"]))
+    cfg = compose("eagle", ["heads.fc_bias=false", "heads.input_norm=false", "experiment=debug", f"run_dir={tmp_path}"])
+    drafter = EagleMethod(cfg).build_module(tiny_target()).drafter  # vLLM's EAGLE-1: no fc bias, no input norm
+    assert drafter.fc.bias is None and isinstance(drafter.layer.input_layernorm, torch.nn.Identity)
     with pytest.raises(ValueError, match="no feature regression"):
         EagleMethod(compose("eagle", ["heads=eagle3", "heads.loss.regression=1.0"]))
     with pytest.raises(ValueError, match="token_loss"):

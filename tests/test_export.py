@@ -117,39 +117,63 @@ def rms(x, weight, eps):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def rotate(x, positions, theta):
-    """Llama's rotary embedding on x [B, heads, T, d] (halves rotated)."""
+def rotate(x, positions, config):
+    """Llama's rotary embedding on x [B, heads, T, d] (halves rotated), of the config's rope: the plain one written
+    out; a scaled one (gpt-oss's YaRN) from transformers' rope functions, which vLLM's get_rope mirrors."""
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    angles = positions[:, None, :, None].float() * inv  # [B, 1, T, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if rope.get("rope_type", "default") == "default":
+        inv, scale = 1.0 / rope["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d), 1.0
+    else:
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fields = ("hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings", "rope_parameters")
+        inv, scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](LlamaConfig(**{k: config[k] for k in fields}), "cpu")
+    angles = positions[:, None, :, None].float() * inv.to(x.device)  # [B, 1, T, d/2]
+    cos, sin = torch.cat([angles, angles], -1).cos() * scale, torch.cat([angles, angles], -1).sin() * scale
     return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def llama_attention_mlp(config, w, prefix, x, h, positions):
+    """One Llama layer's attention over x [B, T, in] (causal) added to the residual h, then its MLP:
+    (out, h + attention)."""
+    eps, heads, kv, d = (config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"],
+                         config["head_dim"])
+    b, t, _ = x.shape
+    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(b, t, heads, d).transpose(1, 2)
+    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
+    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
+    q, k = rotate(q, positions, config), rotate(k, positions, config)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = (q @ k.transpose(-1, -2)) / d**0.5
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * d) @ w[prefix + "self_attn.o_proj.weight"].T
+    h = h + attn
+    m = rms(h, w[prefix + "post_attention_layernorm.weight"], eps)
+    mlp = (F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)) \
+        @ w[prefix + "mlp.down_proj.weight"].T
+    return h + mlp
 
 
 def eagle3_reference(config, w, prefix, hidden3, ids, positions):
     """SGLang's / speculators' EAGLE-3 draft step over a sequence (causal): returns (output feature, target ids of
     the draft's top tokens). ``hidden3`` [B, T, 3H]: the target's three captured hidden states side by side."""
-    eps, heads, kv = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
-    d, theta = config["head_dim"], config["rope_theta"]
-    b, t, _ = hidden3.shape
+    eps = config["rms_norm_eps"]
     feature = hidden3 @ w["fc.weight"].T
     x = torch.cat([rms(w["embed_tokens.weight"][ids], w[prefix + "input_layernorm.weight"], eps),
                    rms(feature, w[prefix + "hidden_norm.weight"], eps)], -1)
-    q = (x @ w[prefix + "self_attn.q_proj.weight"].T).view(b, t, heads, d).transpose(1, 2)
-    k = (x @ w[prefix + "self_attn.k_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
-    v = (x @ w[prefix + "self_attn.v_proj.weight"].T).view(b, t, kv, d).transpose(1, 2)
-    q, k = rotate(q, positions, theta), rotate(k, positions, theta)
-    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    scores = (q @ k.transpose(-1, -2)) / d**0.5
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=scores.device).tril(), float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, heads * d) @ w[prefix + "self_attn.o_proj.weight"].T
-    h = feature + attn
-    m = rms(h, w[prefix + "post_attention_layernorm.weight"], eps)
-    mlp = (F.silu(m @ w[prefix + "mlp.gate_proj.weight"].T) * (m @ w[prefix + "mlp.up_proj.weight"].T)) \
-        @ w[prefix + "mlp.down_proj.weight"].T
-    out = h + mlp
+    out = llama_attention_mlp(config, w, prefix, x, feature, positions)
     top = (rms(out, w["norm.weight"], eps) @ w["lm_head.weight"].T).argmax(-1)
     return out, top + w["d2t"][top]
+
+
+def eagle_reference(config, w, feature, ids, positions, lm_head):
+    """vLLM's EAGLE-1 draft step (``EagleLlamaForCausalLM``) over a sequence (causal): fc (no bias) over [embedding,
+    feature], layer 0 without input norm, no final norm, the target's LM head: (output feature, top target ids)."""
+    x = torch.cat([w["embed_tokens.weight"][ids], feature], -1) @ w["fc.weight"].T
+    out = llama_attention_mlp(config, w, "layers.0.", x, x, positions)
+    return out, (out @ lm_head.T).argmax(-1)
 
 
 def midlayer_drafter(model, layer_ids=None):
@@ -225,7 +249,7 @@ def test_eagle3_export_refuses_a_layer_fused_twice(tmp_path, tiny_llama):
             export_heads(tmp_path / "heads", tmp_path / fmt, model, fmt=fmt)
 
 
-def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
+def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama):
     model, _ = tiny_llama
     fc = EagleHeads(EagleConfig.from_target(model, variant="eagle3", draft_vocab_size=50), model)
     save_heads(tmp_path / "fc", fc, "eagle3", fc.config.to_dict(), model)
@@ -240,12 +264,17 @@ def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama, tiny_qwen2):
         resolve_format("eagle3", "medusa", {})
     with pytest.raises(ExportError, match="one of"):
         resolve_format("onnx", "medusa", {})
-    # a Qwen2 target has q/k/v biases: no Llama-layer EAGLE-3 format fits
-    qwen, _ = tiny_qwen2
-    mid = EagleHeads(EagleConfig.from_target(qwen, variant="eagle3", layout="midlayer", draft_vocab_size=50), qwen)
-    save_heads(tmp_path / "qwen", mid, "eagle3", mid.config.to_dict(), qwen)
-    with pytest.raises(ExportError, match="Llama"):
-        export_heads(tmp_path / "qwen", tmp_path / "q", qwen)
+    # EAGLE-1 heads export only in vLLM's shape (no fc bias, no input norm); EAGLE-3 heads have no EAGLE-1 form
+    eagle = EagleHeads(EagleConfig.from_target(model, variant="eagle"), model)
+    save_heads(tmp_path / "eagle", eagle, "eagle", eagle.config.to_dict(), model)
+    for fmt in ("auto", "eagle"):
+        with pytest.raises(ExportError, match="heads.fc_bias=false heads.input_norm=false"):
+            export_heads(tmp_path / "eagle", tmp_path / "out", model, fmt=fmt)
+    with pytest.raises(ExportError, match="format=eagle3 or speculators"):
+        resolve_format("eagle", "eagle3", {"layout": "midlayer"})
+    with pytest.raises(ExportError, match="these are EAGLE-1 heads"):
+        resolve_format("speculators", "eagle", {"fc_bias": False, "input_norm": False})
+    assert not (tmp_path / "out").exists()
     # heads trained for another target are refused by the fingerprint check
     from core.target import TargetMismatchError
 

@@ -111,7 +111,7 @@ def test_bad_exit_layers_and_architectures_are_refused(tiny_llama):
     class Other(torch.nn.Module):
         config = type("C", (), {"model_type": "gpt2"})()
 
-    with pytest.raises(DecodeSetupError, match="'gpt2'"):
+    with pytest.raises(DecodeSetupError, match=r"\(Other\) has no decoder with embed_tokens, layers, norm, rotary_emb"):
         LayerSkipDrafter(Other(), exit_layer=1, threshold=0.5, max_depth=6)
 
 

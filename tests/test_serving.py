@@ -85,8 +85,8 @@ def prompts(n: int = 6, seed: int = 7) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def trained_heads(tmp_path_factory):
-    """Medusa-1, midlayer EAGLE-3 and DFlash heads (blocks of K + 1), trained briefly by the real loop on the tiny
-    target's own answers."""
+    """Medusa-1, EAGLE-1 in vLLM's shape (no fc bias, no input norm), midlayer EAGLE-3 and DFlash heads (blocks of
+    K + 1), trained briefly by the real loop on the tiny target's own answers."""
     import datasets
 
     from conftest import compose
@@ -107,6 +107,9 @@ def trained_heads(tmp_path_factory):
     cfg = compose("medusa", common + [f"run_dir={root / 'medusa'}", "trainer.max_steps=60",
                                       "trainer.learning_rate=1e-2", "heads.num_heads=3"])
     out["medusa"] = train(cfg, medusa_method(cfg), target=target, datasets=data).run_dir / "heads"
+    cfg = compose("eagle", common + [f"run_dir={root / 'eagle'}", "heads=eagle", "heads.fc_bias=false",
+                                     "heads.input_norm=false", "trainer.max_steps=80", "trainer.learning_rate=3e-3"])
+    out["eagle"] = train(cfg, EagleMethod(cfg), target=target, datasets=data).run_dir / "heads"
     cfg = compose("eagle", common + [f"run_dir={root / 'eagle3'}", "heads=eagle3", "heads.layout=midlayer",
                                      "trainer.max_steps=80", "trainer.learning_rate=3e-3"])
     out["eagle3"] = train(cfg, EagleMethod(cfg), target=target, datasets=data).run_dir / "heads"
@@ -165,12 +168,12 @@ def reports(trained_heads, tmp_path_factory) -> dict:
     return dict(zip(trained_heads, serve_checks(plans, timeout=900, log_path=root / "vllm.log")))
 
 
-@pytest.mark.parametrize("family", ["medusa", "eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "dflash"])
 def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, family):
     report = reports[family]
     assert report["k"] == K
     assert not report["mismatches"], report["mismatches"]
-    formats = {"medusa": ["vllm"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
+    formats = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
     assert sorted(report["formats"]) == sorted(formats)
     for fmt, entry in report["formats"].items():
         assert entry["loaded"] and not entry["error"], (fmt, entry["error"])

@@ -22,7 +22,7 @@ CPU_CURVE = CostCurve.from_relative({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.29, 16: 1.5, 
 
 
 def suffix_drafter(model, corpus: SuffixArray | None = None, **settings) -> SuffixDrafter:
-    """A suffix drafter under the suffix family's settings of conf/decode/drafters.yaml, ``settings`` over them
+    """A suffix drafter under the suffix family's settings of conf/suffix.yaml, ``settings`` over them
     (its corpus there is a file: ``corpus`` here is the index itself)."""
     defaults = {k: v for k, v in registry.entry("suffix").defaults.items() if k != "corpus"}
     return SuffixDrafter(model, corpus, **{**defaults, **settings})

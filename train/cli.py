@@ -7,10 +7,10 @@
     torchrun --nproc_per_node 2 -m train.cli layerskip       # two processes (python -m train.cli works alike)
     selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
 
-A family trains under its entry config ``conf/<train_conf>.yaml`` with its ``heads_conf`` option (EAGLE-3:
-``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's ``method``) and the end-of-run
-speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is :func:`main` with its family named,
-and its docstring lists the commands.
+A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
+``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's
+``method``) and the end-of-run speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is
+:func:`main` with its family named, and its docstring lists the commands.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def main(family: str | None = None) -> None:
     with reported_errors():
         chosen = trainable(family)
     sys.argv[1:1] = chosen.train_overrides()  # before the user's: Hydra keeps the last value of a key
-    hydra_app(functools.partial(run, family=chosen), chosen.train_conf, job_name=chosen.train_conf)
+    hydra_app(functools.partial(run, family=chosen), chosen.train_conf, job_name=chosen.train_conf,
+              config_dir=chosen.conf.parent)
 
 
 def _family_argument() -> str:

@@ -67,6 +67,7 @@ from heads.dflash import (
     retrieval_hits,
     sample_anchors,
 )
+from core.archs import output_logits
 from core.layers import decoder_of
 from core.errors import SettingError
 from heads.medusa import expected_accept_length
@@ -228,7 +229,8 @@ class DFlashMethod(TrainMethod):
         self.off_path_weight = float(self.settings.loss["off_path_weight"])
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
-        self._teacher_head: tuple | None = None  # the target LM head's (weight, bias) rows of the draft vocabulary
+        self._teacher_head: tuple | None = None  # the target LM head's (weight, bias) rows of the draft vocabulary,
+        # and the target's config (its soft-capping)
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -260,7 +262,8 @@ class DFlashMethod(TrainMethod):
         bias = getattr(lm_head, "bias", None)
         # the teacher's own copy, frozen head or not: it stays in the target's dtype, and a drafter's parameters may
         # be sharded (DeepSpeed ZeRO-3) or cast by the accelerator, where reading them would not give these rows
-        self._teacher_head = (lm_head.weight.detach()[draft_ids], None if bias is None else bias.detach()[draft_ids])
+        self._teacher_head = (lm_head.weight.detach()[draft_ids], None if bias is None else bias.detach()[draft_ids],
+                              model.config)
         return DFlashTrainModule(drafter)
 
     # --- loss ---------------------------------------------------------------------------------------------------
@@ -340,10 +343,12 @@ class DFlashMethod(TrainMethod):
         return on_greedy_path(blocks.scored, greedy, data, (*anchors.shape, self.settings.block_size))
 
     def _teacher_logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the draft vocabulary [N, Vd] (float32) of its last hidden states [N, H]."""
-        weight, bias = self._teacher_head
+        """The target's logits over the draft vocabulary [N, Vd] (float32, soft-capped as the target's own) of its
+        last hidden states [N, H]."""
+        weight, bias, config = self._teacher_head
         with torch.no_grad():
-            return rows_through(lambda r: F.linear(r, weight, bias), rows.to(weight.dtype)).float()
+            logits = rows_through(lambda r: output_logits(config, F.linear(r, weight, bias)), rows.to(weight.dtype))
+            return logits.float()
 
     def _teacher_top(self, blocks: ScoredBlocks) -> torch.Tensor:
         """The teacher's top draft id per position [N] (ce: its greedy token, -100 outside the draft vocabulary)."""

@@ -6,7 +6,8 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
   features, own LM head over a reduced draft vocabulary, token loss only).
 - ``layout``: ``fc`` (EAGLE-1's input projection before an unmodified target layer) or ``midlayer`` (eagle3 only:
   EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see heads.export); see heads.eagle;
-- ``fc_bias``, ``init_layer_from`` (copy a target layer into the draft layer), ``layer_ids`` (eagle3),
+- ``fc_bias``, ``input_norm`` (fc layout: the layer's own input norm; false with ``fc_bias: false`` is vLLM's
+  EAGLE-1), ``init_layer_from`` (copy a Llama-shaped target layer into the draft layer), ``layer_ids`` (eagle3),
   ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
 - ``unroll_steps``: test-time steps unrolled in training (the draft reads its own output features);
   ``feature_noise``: uniform noise on the step-0 input features (training only);
@@ -16,8 +17,9 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
 Hidden states come from the target as training runs (``features: online``: one forward with
 ``output_hidden_states`` under no_grad) or from an offline feature store (``features: store``, see
 train.feature_store), which keeps the last hidden state (after the final norm) and, for eagle3, the three fused layers'
-inputs. The teacher logits are the target's LM head on that last hidden state, so the store needs no top-k logits and
-trains the same drafter as online features (exactly, with ``feature_store.dtype=float32``).
+inputs. The teacher logits are the target's LM head on that last hidden state (soft-capped where the target's are),
+so the store needs no top-k logits and trains the same drafter as online features (exactly, with
+``feature_store.dtype=float32``).
 
 Each loss term of an unrolled step is a sum over the positions it trains at divided by their global count over the
 optimizer step (``count_items``: answer tokens inside the draft vocabulary), so a step's gradient does not depend on
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.archs import output_logits
 from heads.eagle import EagleConfig, EagleHeads
 from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
 from core.runtime import rows_through
@@ -54,6 +57,7 @@ class EagleSettings:
 
     type: str  # eagle | eagle3
     fc_bias: bool
+    input_norm: bool
     init_layer_from: int | None
     layout: str
     layer_ids: list[int] | None
@@ -80,6 +84,8 @@ class EagleSettings:
             problems.append(f"heads.layout={out.layout!r}: use fc or midlayer (eagle3 only)")
         elif out.layout == "midlayer" and out.type != "eagle3":
             problems.append("heads.layout=midlayer (EAGLE-3's widened q/k/v) is for heads=eagle3; EAGLE-1 uses fc")
+        elif out.layout == "midlayer" and not out.input_norm:
+            problems.append("heads.input_norm=false is for heads.layout=fc (midlayer has no input norm already)")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if problems:
             raise ValueError("; ".join(problems) + ".")
@@ -95,7 +101,7 @@ class EagleSettings:
     def eagle_config(self, target_model: nn.Module) -> EagleConfig:
         return EagleConfig.from_target(
             target_model, variant=self.type, fc_bias=self.fc_bias, init_layer_from=self.init_layer_from,
-            layout=self.layout,
+            layout=self.layout, input_norm=self.input_norm,
             layer_ids=self.layer_ids,
             draft_vocab_size=None if self.draft_vocab_size == "auto" else self.draft_vocab_size,  # auto: until counted
         )
@@ -169,7 +175,8 @@ class EagleMethod(TrainMethod):
     def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None):
         """(hidden states indexable by layer id and -1, the target's logits or None): the hidden states of an online
         forward of the decoder stack, or of the feature store; the logits a function (b, p) -> [N, V] (float32)
-        applying the LM head to the rows the loss trains on only (not a [B, T, V] tensor over every position)."""
+        applying the LM head (soft-capped as the target's logits are) to the rows the loss trains on only (not a
+        [B, T, V] tensor over every position)."""
         model = target.model
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         hidden_states = target_hidden_states(model, batch, layer_ids)  # the LM head runs below on trained rows alone
@@ -177,7 +184,8 @@ class EagleMethod(TrainMethod):
 
         def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
             with torch.no_grad():
-                return rows_through(lm_head, hidden[b, p].to(lm_head.weight.dtype)).float()
+                return rows_through(lambda r: output_logits(model.config, lm_head(r)),
+                                    hidden[b, p].to(lm_head.weight.dtype)).float()
 
         return hidden_states, logits if need_logits else None
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from core.archs import output_logits
 from core.errors import SettingError
 from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
 from core.runtime import rows_through
@@ -215,7 +216,7 @@ class LayerSkipMethod(TrainMethod):
     def _teacher(self, batch: dict, target, where: torch.Tensor) -> tuple[dict[int, torch.Tensor], torch.Tensor,
                                                                               torch.Tensor]:
         """({layer: hidden [B, T, H]}, the teacher's logits [N, K] over the exit vocabulary at the positions
-        ``where``, and the target's final normed hidden states [N, H] there)."""
+        ``where`` (soft-capped as the target's own), and the target's final normed hidden states [N, H] there)."""
         model = target.model
         with torch.no_grad():
             if "hidden" in batch:
@@ -229,7 +230,8 @@ class LayerSkipMethod(TrainMethod):
             head = model.get_output_embeddings().weight
             rows = final[where].to(head.dtype)  # [N, H]
             weight = head if self.token_map is None else head[self.token_map.to(head.device)]
-            return states, rows_through(lambda x: x @ weight.t(), rows).float(), rows
+            teacher = rows_through(lambda x: output_logits(model.config, x @ weight.t()), rows)
+            return states, teacher.float(), rows
 
     def count_items(self, batch: dict) -> torch.Tensor:
         return exit_positions(batch["labels"]).sum().reshape(1)

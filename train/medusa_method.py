@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from core.archs import attention_linear_names, output_logits
+from core.errors import SettingError
 from heads.medusa import (
     MedusaConfig,
     MedusaHeads,
@@ -249,7 +251,7 @@ class MedusaMethod(TrainMethod):
             hidden = last_hidden_state(model, batch["input_ids"], batch["attention_mask"])  # [B, T, H]
             out = {"hidden": hidden.to(dtype)}
             if topk:
-                logits = model.get_output_embeddings()(hidden)  # [B, T, V]
+                logits = output_logits(model.config, model.get_output_embeddings()(hidden))  # [B, T, V]
                 top = logits.float().topk(min(topk, logits.shape[-1]), dim=-1)
                 out["teacher_topk_ids"] = top.indices.to(torch.int32)
                 out["teacher_topk_logits"] = top.values.to(dtype)
@@ -319,7 +321,7 @@ class Medusa1Method(MedusaMethod):
                 logits = F.linear(flat, lm_head.weight[token_map.to(flat.device)])
             else:
                 logits = lm_head(flat)
-            return head_rows(logits, head_index, self.settings.num_heads)
+            return head_rows(output_logits(target.model.config, logits), head_index, self.settings.num_heads)
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
         return self._save_heads(path, drafter, target, meta, state_dict)
@@ -343,7 +345,7 @@ class Medusa2Model(nn.Module):
         causal_lm = self.base_causal_lm()
         hidden = last_hidden_state(causal_lm, input_ids, attention_mask, position_ids).flatten(0, 1)  # LoRA active
         head_logits = self.heads(hidden[head_index].to(_dtype(self.heads, hidden)), draft_vocab=draft_vocab)
-        lm_logits = causal_lm.get_output_embeddings()(hidden[lm_index])
+        lm_logits = output_logits(causal_lm.config, causal_lm.get_output_embeddings()(hidden[lm_index]))
         return head_logits, lm_logits
 
 
@@ -355,8 +357,8 @@ class Medusa2Method(MedusaMethod):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         if not self.features.online:
-            raise ValueError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step and "
-                             "cannot come from a feature store: use features=online.")
+            raise SettingError("heads=medusa2 trains LoRA inside the target, so its hidden states change every step "
+                               "and cannot come from a feature store: use features=online.")
 
     def build_module(self, target) -> nn.Module:
         from peft import LoraConfig, get_peft_model
@@ -365,7 +367,8 @@ class Medusa2Method(MedusaMethod):
         lora = dict(self.settings.lora or {})
         peft_config = LoraConfig(
             r=int(lora.get("r", 8)), lora_alpha=float(lora.get("alpha", 16)),
-            lora_dropout=float(lora.get("dropout", 0.0)), target_modules=list(lora.get("target_modules")),
+            lora_dropout=float(lora.get("dropout", 0.0)),
+            target_modules=lora_target_modules(target.model, lora.get("target_modules")),
             bias="none", task_type="CAUSAL_LM",
         )
         peft_model = get_peft_model(target.model, peft_config)
@@ -424,11 +427,32 @@ class Medusa2Method(MedusaMethod):
         with torch.no_grad(), base.target.disable_adapter():
             causal_lm = base.base_causal_lm()
             hidden = batch_hidden_state(causal_lm, batch).flatten(0, 1)
-            return causal_lm.get_output_embeddings()(hidden)
+            return output_logits(causal_lm.config, causal_lm.get_output_embeddings()(hidden))
 
     def save(self, path: Path, drafter: nn.Module, target, meta: dict, state_dict: dict | None = None) -> Path:
         return self._save_heads(path, drafter.heads, target, meta, state_under(state_dict, "heads."), drafter.target,
                                 state_under(state_dict, "target."))
+
+
+def lora_target_modules(model: nn.Module, setting: Any) -> list[str]:
+    """``heads.lora.target_modules``: ``auto``, every linear layer of the target's attention (core.archs:
+    q/k/v/o, Phi-3's fused qkv_proj, DeepSeek-V3's low-rank MLA projections), or a list of module names, each of
+    which must name linear layers of the target (peft would silently adapt only those of a list that exist)."""
+    attention = attention_linear_names(model)
+    if setting in (None, "auto"):
+        if not attention:
+            raise SettingError(f"heads.lora.target_modules=auto adapts the linear layers of the target's attention, "
+                               f"but {type(model).__name__}'s decoder layers have no attention module with linear "
+                               "layers: name the modules to adapt (heads.lora.target_modules=[...]).")
+        return attention
+    names = [setting] if isinstance(setting, str) else [str(n) for n in setting]
+    linears = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [n for n in names if n not in linears]
+    if missing or not names:
+        raise SettingError(f"heads.lora.target_modules={names}: {missing or 'nothing'} is not a linear layer of this "
+                           f"target ({model.config.model_type}, whose attention has {attention}); use auto or names "
+                           "from those.")
+    return names
 
 
 METHODS: dict[str, type[MedusaMethod]] = {"medusa": Medusa1Method, "medusa2": Medusa2Method}

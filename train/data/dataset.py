@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from core.config import cfg_get, to_dict
-from train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, tokenize_conversation
+from train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, conversation_examples
 from train.data.conversations import load_conversations, sharegpt_path
 from core.records import DataError, ReadReport
 
-CACHE_FORMAT = 1  # bump when the tokenized layout or labelling rule changes: old caches are then ignored
+CACHE_FORMAT = 2  # bump when the tokenized layout or labelling rule changes: old caches are then ignored
+# 2: an example per answer for templates that rewrite earlier answers (they were skipped); splits by conversation
 
 # Skip reasons (the keys of ReadReport.skipped) of tokenizing.
 TOO_LONG = "longer than max_length (overflow=drop)"
 NO_LABELS = "no assistant tokens within max_length"
-TEMPLATE_UNSTABLE = "chat template not prefix-stable"
+TEMPLATE_UNSTABLE = "chat template does not start the answer with its generation prompt"
 TEMPLATE_FAILED = "chat template raised an error"
 
 
@@ -91,11 +92,17 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
 
     conversations, report = load_conversations(data_cfg, verbose=verbose)
     max_length = int(cfg_get(data_cfg, "max_length", 1024))
-    examples = _tokenize_all(conversations, tokenizer, max_length, str(cfg_get(data_cfg, "overflow", "truncate")),
-                             report, verbose)
+    template_kwargs = to_dict(cfg_get(data_cfg, "chat_template_kwargs"))
+    examples, groups = _tokenize_all(conversations, tokenizer, max_length,
+                                     str(cfg_get(data_cfg, "overflow", "truncate")), report, verbose, template_kwargs)
     n = len(examples["input_ids"])
     eval_fraction, seed = float(cfg_get(data_cfg, "eval_fraction", 0.0)), int(cfg_get(data_cfg, "seed", 0))
-    train_idx, eval_idx = split_indices(n, eval_fraction, seed)
+    # Split conversations, not examples: the examples of one conversation (one per answer for some templates) share
+    # their opening turns, so they all go to one side.
+    train_conv, eval_conv = split_indices(groups[-1] + 1, eval_fraction, seed)
+    eval_set = set(eval_conv)
+    train_idx = [j for j, g in enumerate(groups) if g not in eval_set]
+    eval_idx = [j for j, g in enumerate(groups) if g in eval_set]
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
                                   "labels": datasets.List(datasets.Value("int32"))})
 
@@ -103,7 +110,9 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
         return datasets.Dataset.from_dict({k: [v[j] for j in idx] for k, v in examples.items()}, features=features)
 
     ds = datasets.DatasetDict({"train": subset(train_idx), "eval": subset(eval_idx)})
-    summary = (f"{n:,} examples ({len(train_idx):,} train / {len(eval_idx):,} eval) from {report.summary()}")
+    per_answer = f" of {groups[-1] + 1:,} conversations" if n != groups[-1] + 1 else ""
+    summary = (f"{n:,} examples{per_answer} ({len(train_idx):,} train / {len(eval_idx):,} eval) from "
+               f"{report.summary()}")
     if verbose:
         print(f"[selfspec] data: {summary}", file=sys.stderr)
     _save_atomically(ds, folder, {"summary": summary, "skipped": report.skipped, "records_read": report.records_read,
@@ -123,17 +132,19 @@ def _load_cached(folder: Path, verbose: bool):
 
 
 def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str, report: ReadReport,
-                  verbose: bool) -> dict[str, list[list[int]]]:
-    """``{"input_ids": [...], "labels": [...]}`` of the conversations that give an example; the others are counted
-    in ``report``. Raises when the chat template fails on most conversations or no example is left."""
+                  verbose: bool, template_kwargs: dict | None = None) -> tuple[dict[str, list[list[int]]], list[int]]:
+    """``{"input_ids": [...], "labels": [...]}`` of the conversations that give examples, and each example's
+    conversation (0, 1, ... over those conversations, ascending); the others are counted in ``report``. Raises when
+    the chat template fails on most conversations or no example is left."""
     from tqdm.auto import tqdm
 
     examples: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+    groups: list[int] = []
     first_template_error = None
     unstable = 0
     for i, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="conv", disable=not verbose)):
         try:
-            example = tokenize_conversation(tokenizer, messages, max_length, overflow)
+            conversation = conversation_examples(tokenizer, messages, max_length, overflow, template_kwargs)
         except ChatTemplateError as err:
             unstable += 1
             first_template_error = first_template_error or err
@@ -148,20 +159,22 @@ def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str
             if report.skipped[TEMPLATE_FAILED] > 10 and report.skipped[TEMPLATE_FAILED] > 0.1 * (i + 1):
                 raise ChatTemplateError(f"The chat template fails on most conversations: {err}") from err
             continue
-        if example is None:
-            report.skip(TOO_LONG)
-        elif all(label == IGNORE_INDEX for label in example["labels"]):
-            report.skip(NO_LABELS)
-        else:
+        conversation = [e for e in conversation if any(label != IGNORE_INDEX for label in e["labels"])]
+        if not conversation:
+            report.skip(TOO_LONG if overflow == "drop" else NO_LABELS)
+            continue
+        group = groups[-1] + 1 if groups else 0
+        for example in conversation:
             examples["input_ids"].append(example["input_ids"])
             examples["labels"].append(example["labels"])
+            groups.append(group)
     if not examples["input_ids"]:
         hint = f" First template error: {first_template_error}" if first_template_error else ""
         raise DataError(
             f"No training example left after tokenizing {len(conversations):,} conversations (skipped: "
             f"{report.skipped}).{hint} Raise data.max_length (now {max_length}) or use data.overflow=truncate."
         )
-    return examples
+    return examples, groups
 
 
 def _save_atomically(ds, folder: Path, report: dict[str, Any]) -> None:

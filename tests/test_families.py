@@ -1,0 +1,191 @@
+"""The family table is what the conf files declare, and nothing else lists a family: a toy family written to a
+temporary folder as one module and one conf file (its row, its decode defaults and its training entry) is found by
+the heads loader, the decode registry (a session decodes with it, its draft.* setting given on the command line) and
+selfspec-train, with no other file edited. A row that is not a row is refused naming its file."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import yaml
+
+from conftest import CONF, compose
+from core import families
+from core.config import compose as compose_in
+from core.families import FAMILIES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOY_MODULE = '''
+"""A toy family: heads that score the vocabulary from the last hidden state; a chain of their top token."""
+import torch
+from torch import nn
+
+from decode.tree import chain_tree
+from decode.types import Draft, DrafterBase
+
+
+class ToyHeads(nn.Module):
+    def __init__(self, config, target_model=None):
+        super().__init__()
+        self.config = config
+        self.score = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+
+
+def build_toy_heads(config, target_model):
+    return ToyHeads(config, target_model)
+
+
+def random_toy_heads(model, seed=0, **_):
+    torch.manual_seed(seed)
+    config = {"hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size}
+    return ToyHeads(config).to(model.device).eval()
+
+
+class ToyDrafter(DrafterBase):
+    def __init__(self, heads, chain):
+        self.heads, self.chain = heads, chain
+
+    def propose(self, state, max_depth):
+        depth = min(self.chain, max_depth)
+        guess = int(self.heads.score(state.hidden).argmax())
+        tokens = torch.tensor([state.next_token] + [guess] * depth, device=state.hidden.device)
+        return Draft(tokens=tokens, tree=chain_tree(depth).to(state.hidden.device))
+
+
+def toy_from_settings(heads, target, settings):
+    return ToyDrafter(heads, chain=settings["chain"])
+
+
+class ToyMethod:
+    def __init__(self, cfg):
+        self.heads = dict(cfg.heads)
+'''
+
+TOY_CONF = '''
+# The toy family's conf: its row, its decode defaults and its training entry, one file.
+families:
+  toy:
+    summary: "a toy: a chain of the heads' top token"
+    drafter: {module}:toy_from_settings
+    heads: {module}:build_toy_heads
+    method: {module}:ToyMethod
+    random_heads: {module}:random_toy_heads
+    needs_heads: true
+    saved_key: decode
+    draft:
+      chain: 2             # the drafted chain's length
+      adaptive: false
+
+defaults:
+  - model: tiny
+  - data: sharegpt
+  - trainer: default
+  - logger: none
+  - _self_
+
+hydra:
+  searchpath: [file://{conf}]  # the real conf groups (model, data, trainer, logger), from this temporary folder
+
+task: toy
+run_name: ${{task}}-tiny
+run_dir: outputs/${{run_name}}
+heads:                     # its heads' settings inline: a family without heads variants needs no conf/heads/ option
+  type: toy
+  hidden_size: 64
+'''
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The toy family, declared in ``tmp_path/conf/toy.yaml`` with its code in ``tmp_path/toy_family_<n>.py``, added
+    to the table as core/families.py adds what conf/ declares."""
+    module = f"toy_family_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(TOY_MODULE)
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "toy.yaml").write_text(TOY_CONF.format(module=module, conf=CONF))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declared = families.declared(conf)
+    assert list(declared) == ["toy"] and declared["toy"].conf == conf / "toy.yaml"
+    monkeypatch.setitem(FAMILIES, "toy", declared["toy"])
+    yield declared["toy"]
+    sys.modules.pop(module, None)
+
+
+def test_the_table_is_what_the_conf_files_declare():
+    assert families.declared() == FAMILIES and len(FAMILIES) >= 7
+    for family in FAMILIES.values():  # each is declared in one top-level conf file, its entry config if it trains
+        assert family.conf.parent == CONF and family.name in yaml.safe_load(family.conf.read_text())["families"]
+        assert family.train_conf == (family.conf.stem if family.trains else None)
+
+
+def test_a_toy_family_in_one_module_and_one_conf_file_is_found_by_every_layer(toy, tmp_path, monkeypatch, capsys):
+    from hydra.core.global_hydra import GlobalHydra
+
+    from decode import registry
+    from decode.session import load_session
+    from decode.types import DecodeSetupError
+    from heads import load as load_heads
+    from heads.io import head_builder, save_heads
+    from train.cli import main, trainable
+
+    # decode: the registry's entry, a session with random toy heads, and the draft.* setting it declares
+    assert registry.entry("toy").family is toy and registry.entry("toy").settings() == {"chain": 2, "adaptive": False}
+    session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=toy", "draft.chain=3",
+                                              "max_new_tokens=12"]))
+    assert session.family == "toy" and session.decoder.drafter.chain == 3
+    ids = [5, 6, 7, 8]
+    plain = session.decoder_for(family="vanilla").generate(ids, max_new_tokens=12).tokens
+    drafted = session.decoder.generate(ids, max_new_tokens=12)
+    assert drafted.tokens == plain and drafted.stats.drafted > 0  # lossless, and it drafted
+    refused = r"draft.chian is no drafter's setting: the toy drafter takes draft.chain, draft.adaptive\.$"
+    with pytest.raises(DecodeSetupError, match=refused):
+        load_session(compose("decode", ["model=tiny", "heads=random", "drafter=toy", "draft.chian=3"]))
+
+    # heads: the loader rebuilds its heads by its row, and decoding picks the family and its saved settings from them
+    assert head_builder("toy") is toy.load("heads")
+    save_heads(tmp_path / "heads", session.heads, "toy", session.heads.config, session.target, {"decode": {"chain": 4}})
+    loaded = load_heads(tmp_path / "heads", session.target)
+    assert type(loaded.module) is type(session.heads)
+    assert torch.equal(loaded.module.score.weight, session.heads.score.weight)
+    again = load_session(compose("decode", ["model=tiny", f"heads={tmp_path / 'heads'}"]))
+    assert again.family == "toy" and again.draft_settings == {"chain": 4, "adaptive": False}
+
+    # training: selfspec-train lists it, takes it and composes its own conf file
+    assert trainable("toy") is toy
+    monkeypatch.setattr(sys, "argv", ["selfspec-train"])
+    with pytest.raises(SystemExit):
+        main()
+    assert "toy" in capsys.readouterr().err.splitlines()[0]  # the usage line's family list
+    monkeypatch.setattr(sys, "argv", ["selfspec-train", "toy", "trainer.max_steps=7", "--cfg", "job", "--resolve"])
+    try:
+        main()
+    finally:
+        GlobalHydra.instance().clear()
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["task"] == "toy" and shown["heads"] == {"type": "toy", "hidden_size": 64}
+    assert shown["model"]["source"] == "tiny" and shown["trainer"]["max_steps"] == 7  # the real groups, composed
+    cfg = compose_in("toy", ["trainer.max_steps=7"], config_dir=toy.conf.parent)
+    assert toy.load("method")(cfg).heads == {"type": "toy", "hidden_size": 64}
+
+
+@pytest.mark.parametrize("row, problem", [
+    ("{summary: s, drafter: a:b}", "the toy family's row lacks 'draft'"),
+    ("{summary: s, drafter: a:b, draft: {}, train_conf: toy}", "the toy family's row has no field 'train_conf'"),
+    ("{summary: s, drafter: a:b, draft: [chain]}", r"the toy family's row: `draft:` maps each decode setting"),
+])
+def test_a_row_that_is_not_a_row_is_refused_naming_its_file(tmp_path, row, problem):
+    (tmp_path / "toy.yaml").write_text(f"families:\n  toy: {row}\n")
+    with pytest.raises(families.FamilyConfError, match=rf"{tmp_path / 'toy.yaml'}: {problem}"):
+        families.declared(tmp_path)
+
+
+def test_two_files_declaring_one_name_are_refused(tmp_path):
+    row = "{summary: s, drafter: a:b, draft: {}}"
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(f"families:\n  toy: {row}\n")
+    with pytest.raises(families.FamilyConfError, match=rf"{tmp_path / 'b.yaml'}.*{tmp_path / 'a.yaml'} declares"):
+        families.declared(tmp_path)

@@ -108,9 +108,9 @@ def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = 
     start every kind of engine reliably after another in the same process (a suffix engine after an ngram one, or an
     ngram one after engines of other models, fails in its executor with ``AttributeError: '_lib_fn_wrapper' object
     has no attribute 'get'``); a fresh process costs ~15 s of imports on a 2-core machine and leaves each run as a
-    user's own script would run it. Plain, ``medusa``, ``eagle3``, ``dflash`` and speculators engines do start one
-    after another in one process (the worker tears each one's distributed state down), also after one that failed,
-    on one target or several: :func:`serve_checks` runs them so."""
+    user's own script would run it. Plain, ``medusa``, ``eagle``, ``eagle3``, ``dflash`` and speculators engines do
+    start one after another in one process (the worker tears each one's distributed state down), also after one that
+    failed, on one target or several: :func:`serve_checks` runs them so."""
     python = vllm_python(venv)
     job = {**job, "engine": {**ENGINE_DEFAULTS, **job.get("engine", {})}}
     result: dict = {"vllm_version": None, "runs": []}
@@ -399,10 +399,10 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
 def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout: float | None = None,
                  log_path: str | Path | None = None) -> list[dict | ServingError]:
     """The reports of several planned checks (:func:`plan_check`; heads of any family, on one target or several),
-    their vLLM runs all in one worker process: vLLM's imports, the slowest part of a small check on a small CPU, are
-    paid once. A plain run that two plans share (the same target, prompts and engine settings) runs once. A plan
-    whose target vLLM could not decode gets the ServingError :func:`serve_check` would raise in place of its report,
-    so one such target leaves the others' reports."""
+    their vLLM runs all in one worker process: vLLM's imports (10-15 s a process on 2 cores) are paid once. A plain
+    run that two plans share (the same target, prompts and engine settings) runs once. A plan whose target vLLM could
+    not decode gets the ServingError :func:`serve_check` would raise in place of its report, so one such target
+    leaves the others' reports."""
     shared = ("model", "dtype", "max_model_len", "max_new_tokens", "prompts", "stop_token_ids", "warmup", "engine")
     runs: dict[str, dict] = {}  # by the run's whole spec (its name aside)
     names: list[dict[str, str]] = []  # per plan: its run's name -> the name in the merged job
@@ -418,9 +418,9 @@ def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout
     by_name = {r["name"]: r for r in vllm["runs"]}
     reports: list[dict | ServingError] = []
     for plan, renamed in zip(plans, names):
-        runs = [{**by_name[merged], "name": name} for name, merged in renamed.items()]
+        own = [{**by_name[merged], "name": name} for name, merged in renamed.items()]
         try:
-            reports.append(finish_check(plan, {"vllm_version": vllm["vllm_version"], "runs": runs}))
+            reports.append(finish_check(plan, {"vllm_version": vllm["vllm_version"], "runs": own}))
         except ServingError as err:
             reports.append(err)
     return reports

@@ -13,7 +13,8 @@ Two things differ between the decoder-only architectures selfspec drafts for, as
 
 Everything else (q/k norms, q/k/v biases, fused projections, MoE routing, MLA, sinks, soft-capping, scaled
 embeddings) lives inside the model's own ``forward`` and needs nothing from us. Adding an architecture is a row in
-:data:`TINY_ARCHS` and a row in the tests' matrix (tests/test_archs.py).
+:data:`TINY_ARCHS` and a row in the tests' matrix (tests/test_archs.py); tests/test_serving_archs.py then checks it in
+vLLM's CPU build and expects every export served, unless it records the refusal.
 
 Drafters that run or build layers outside the model's forward read what they need here too (below), and
 :func:`llama_layer_fields` gives the shape of a plain dense Llama layer for a target (EAGLE's draft layer, a Llama
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,20 +35,33 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 
 
+def plain_head(head_dim: int) -> dict[str, Any]:
+    return {"head_dim": head_dim}
+
+
+def mla_head(head_dim: int) -> dict[str, Any]:
+    """Multi-head latent attention's query/key head: half rotated, half not; values as wide."""
+    return {"qk_rope_head_dim": head_dim // 2, "qk_nope_head_dim": head_dim // 2, "v_head_dim": head_dim}
+
+
 @dataclass(frozen=True)
 class TinyArch:
     """A tiny random model of one architecture: its transformers config class and what differs from the shared
-    shape (hidden 64, 4 layers, 4 query heads on 2 key/value heads, vocabulary 320)."""
+    shape (hidden 64, 4 layers, 4 query heads on 2 key/value heads, vocabulary 320). Every row builds at any shape
+    ``build_tiny`` asks for: ``head`` turns the head size (hidden / heads unless given: 16 by default, 32 for vLLM's
+    CPU attention) into the config's settings, and alternating layer types run over all the layers."""
 
     config_class: str
     extra: dict[str, Any] = field(default_factory=dict)
     attn_implementation: str | None = None  # one the architecture needs (gpt-oss has no sdpa attention)
+    head: Callable[[int], dict[str, Any]] = plain_head
     alternating: bool = False  # sliding and full layers alternate, sliding first (Gemma 3, gpt-oss)
 
-    def config_kwargs(self, num_hidden_layers: int) -> dict[str, Any]:
-        """What this architecture's config takes beyond the shared shape, for a model of that many layers."""
+    def config_kwargs(self, num_hidden_layers: int, head_dim: int) -> dict[str, Any]:
+        """What this architecture's config takes beyond the shared shape, for a model of that many layers and that
+        head size."""
         layers = {"layer_types": [SLIDING if i % 2 == 0 else FULL for i in range(num_hidden_layers)]}
-        return {**self.extra, **(layers if self.alternating else {})}
+        return {**self.head(head_dim), **self.extra, **(layers if self.alternating else {})}
 
 
 WINDOW = 8  # the tiny sliding windows: prompts of 4-30 tokens and 20 new ones cross it
@@ -55,27 +69,30 @@ WINDOW = 8  # the tiny sliding windows: prompts of 4-30 tokens and 20 new ones c
 TINY_ARCHS: dict[str, TinyArch] = {
     "llama": TinyArch("LlamaConfig"),
     "qwen2": TinyArch("Qwen2Config"),  # q/k/v biases
-    "qwen3": TinyArch("Qwen3Config", {"head_dim": 16}),  # q/k norms
-    "qwen3_moe": TinyArch("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-                                             "moe_intermediate_size": 32}),
-    "mistral": TinyArch("MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}),  # every layer slides
+    "qwen3": TinyArch("Qwen3Config"),  # q/k norms
+    "qwen3_moe": TinyArch("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "mistral": TinyArch("MistralConfig", {"sliding_window": WINDOW}),  # every layer slides
     "gemma3": TinyArch("Gemma3TextConfig", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": WINDOW,
-        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}, alternating=True),
+        "sliding_window": WINDOW, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        head=lambda d: {"head_dim": d, "query_pre_attn_scalar": d}, alternating=True),
     "gpt_oss": TinyArch("GptOssConfig", {
-        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
-        attn_implementation="eager", alternating=True),  # attention sinks: transformers has eager (and kernels) attention for them
+        # attention sinks: transformers has eager (and kernels) attention for them
+        attn_implementation="eager", alternating=True),
     "phi3": TinyArch("Phi3Config"),  # fused qkv and gate/up projections
     "deepseek_v2": TinyArch("DeepseekV2Config", {  # MLA without a query low rank (V2-Lite), softmax routing
-        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-        "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1}),
+        "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 16, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32, "n_shared_experts": 1}, head=mla_head),
     "deepseek_v3": TinyArch("DeepseekV3Config", {  # MLA attention, shared + routed experts after a dense layer
-        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-        "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 32, "n_shared_experts": 1}),
+        "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "moe_intermediate_size": 32, "n_shared_experts": 1,
+        # what transformers' DeepSeek-V3 always does and its real config.json names (vLLM reads them; without them
+        # it routes by softmax and has no router bias to load)
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid"}, head=mla_head),
 }
 
 

@@ -127,8 +127,9 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
     dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
     attn = cfg_get(cfg, "attn_implementation", "sdpa")
     if source == "tiny":
-        model, tokenizer = build_tiny(**dict(cfg_get(cfg, "tiny", {}) or {}), attn_implementation=attn)
-        name = f"tiny-{model.config.model_type}"
+        tiny = dict(cfg_get(cfg, "tiny", {}) or {})
+        model, tokenizer = build_tiny(**tiny, attn_implementation=attn)
+        name = f"tiny-{tiny.get('arch', 'llama')}"  # the row of core/archs.py (Gemma 3's model type is gemma3_text)
     elif source == "smollm2":
         folder = ensure_smollm2()
         model, tokenizer = _load_hf(str(folder), None, dtype, attn)
@@ -342,6 +343,7 @@ def build_tiny(
     num_hidden_layers: int = 4,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
+    head_dim: int | None = None,
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     seed: int = 0,
@@ -350,7 +352,8 @@ def build_tiny(
     device: str | torch.device = "cpu",
 ):
     """A small random CausalLM with fixed init (the same weights on every device), on ``device``, and the byte-level
-    tokenizer (ids < 259 are used by text)."""
+    tokenizer (ids < 259 are used by text). ``head_dim``: the attention head size (default hidden / heads), which
+    every architecture's row turns into its own settings (core/archs.py)."""
     import transformers
 
     if arch not in TINY_ARCHS:
@@ -363,7 +366,8 @@ def build_tiny(
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    config = getattr(transformers, spec.config_class)(**{**shape, **spec.config_kwargs(num_hidden_layers)})
+    extra = spec.config_kwargs(num_hidden_layers, int(head_dim or hidden_size // num_attention_heads))
+    config = getattr(transformers, spec.config_class)(**{**shape, **extra})
     attn_implementation = spec.attn_implementation or attn_implementation
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):

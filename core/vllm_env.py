@@ -9,6 +9,7 @@ keeps one :class:`VllmSession` open and sends it a batch of requests per turn (c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -89,7 +90,11 @@ def served_target_dir(target: Any, cache: Path | None = None) -> Path:
         if "quantization_config" not in json.loads((local / "config.json").read_text()):
             return local
     fp = fingerprint(target.model)
-    name = f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
+    config = {k: v for k, v in target.model.config.to_dict().items() if k != "transformers_version"}
+    # the config's digest too: two tiny targets of one architecture and seed share their embeddings
+    shape = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    name = (f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
+            f"-{shape}")
     folder = (cache or cache_dir()) / "served" / name
     if (folder / "config.json").exists():
         return folder

@@ -3,7 +3,8 @@
 ``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
 it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too; core/vllm_env.py finds
 it): this module writes a job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both
-engines decode the same prompt token ids greedily.
+engines decode the same prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one
+after another in one worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
 
 What :func:`serve_check` compares, per format and prompt:
 
@@ -97,24 +98,28 @@ def chain_settings(head_type: str, k: int) -> dict:
 
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
-             log_path: str | Path | None = None) -> dict:
-    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own;
-    returns their results in order. ``timeout``: seconds for all the runs together. vLLM's log (every run's, in order) is copied to
-    ``log_path`` when given; the lines that name each failed run's cause are kept in that run's ``log_errors``.
+             log_path: str | Path | None = None, one_process: bool = False) -> dict:
+    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own
+    (``one_process``: all in one); returns their results in order. ``timeout``: seconds for all the runs together.
+    vLLM's log (every run's, in order) is copied to ``log_path`` when given; the lines that name each failed run's
+    cause are kept in that run's ``log_errors``.
 
-    One process per run: with the engine in the worker's process (ENGINE_ENV_DEFAULTS), vLLM 0.32 does not start a
-    second kind of engine reliably after the first in the same process (a suffix engine after an ngram one fails in
-    its executor with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``); a fresh process costs a
-    few seconds of imports and leaves each run as a user's own script would run it."""
+    One process per run by default: with the engine in the worker's process (ENGINE_ENV_DEFAULTS), vLLM 0.32 does not
+    start every kind of engine reliably after another in the same process (a suffix engine after an ngram one, or an
+    ngram one after engines of other models, fails in its executor with ``AttributeError: '_lib_fn_wrapper' object
+    has no attribute 'get'``); a fresh process costs ~15 s of imports on a 2-core machine and leaves each run as a
+    user's own script would run it. Plain, ``medusa``, ``eagle``, ``eagle3``, ``dflash`` and speculators engines do
+    start one after another in one process (the worker tears each one's distributed state down), also after one that
+    failed, on one target or several: :func:`serve_checks` runs them so."""
     python = vllm_python(venv)
     job = {**job, "engine": {**ENGINE_DEFAULTS, **job.get("engine", {})}}
     result: dict = {"vllm_version": None, "runs": []}
     texts = []
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for run in job["runs"]:
+        for runs in [job["runs"]] if one_process else [[run] for run in job["runs"]]:
             left = None if deadline is None else max(1.0, deadline - time.monotonic())
-            one, text = _run_worker(python, {**job, "runs": [run]}, left)
+            one, text = _run_worker(python, {**job, "runs": runs}, left)
             texts.append(text)
             if not quiet:
                 sys.stderr.write(text)
@@ -298,11 +303,27 @@ def served_depth(meta: dict, k: int) -> int:
     return k
 
 
-def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None, *,
-                settings: CheckSettings, progress: bool = True) -> dict:
-    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
-    the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
-    (see :func:`format_report`)."""
+@dataclass
+class CheckPlan:
+    """One serving check made ready to run: the heads exported, selfspec's sessions loaded, vLLM's job written."""
+
+    heads: Path
+    head_type: str
+    settings: CheckSettings  # ``k`` resolved
+    formats: list[str]
+    exports: dict[str, Path]
+    vocab: str | None  # a Medusa export's vocabulary
+    chain: Any  # selfspec's chain-of-k session
+    plain: Any  # selfspec's plain decoding on the same target
+    eos: set[int]
+    job: dict  # vLLM's job: plain decoding, then each format (decode/serving_worker.py)
+    out_root: Path
+
+
+def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None, *,
+               settings: CheckSettings) -> CheckPlan:
+    """Export the heads in every vLLM format (or ``formats``) and write the vLLM job that decodes ``prompts`` (token
+    ids, or texts put through the target's chat template) plain and with each export."""
     from heads.export import export_heads
     from heads.io import heads_dir, read_heads_config
 
@@ -345,14 +366,64 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
         "runs": [{"name": "plain", "speculative_config": None}]
         + [FORMATS[fmt].run(exports[fmt], settings.k) for fmt in formats],
     }
+    return CheckPlan(heads=heads_path, head_type=head_type, settings=settings, formats=formats, exports=exports,
+                     vocab=vocab, chain=chain, plain=plain, eos=eos, job=job, out_root=out_root)
+
+
+def finish_check(plan: CheckPlan, vllm: dict) -> dict:
+    """The report of ``plan`` (see :func:`format_report`) from vLLM's results for its job's runs (by name), with
+    selfspec's engine run on the same prompts now. Raises ServingError when vLLM could not decode the target itself."""
+    plain = next(r for r in vllm["runs"] if r["name"] == "plain")
+    if not plain["loaded"] or plain.get("error"):
+        raise ServingError(f"vLLM could not decode the target itself: {plain.get('error')}")
+    ours = run_ours(plan.chain, plan.plain, plan.job["prompts"], plan.settings, warmup=plan.job["warmup"])
+    return compare(vllm, ours, plan.formats, plan.eos, plan.settings, head_type=plan.head_type, heads=str(plan.heads),
+                   vocab=plan.vocab, exports={f: str(p) for f, p in plan.exports.items()})
+
+
+def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], formats: list[str] | None = None, *,
+                settings: CheckSettings, progress: bool = True) -> dict:
+    """Export the heads in every vLLM format (or ``formats``), decode ``prompts`` (token ids, or texts put through
+    the target's chat template) in vLLM plain and with each export, and in selfspec's engine; returns the report
+    (see :func:`format_report`)."""
+    plan = plan_check(heads_path, prompts, formats, settings=settings)
     if progress:
-        print(f"[selfspec] vLLM: plain decoding and {', '.join(formats)} on {len(prompts)} prompts", file=sys.stderr)
-    vllm = run_vllm(job, settings.venv, settings.timeout, log_path=out_root / "vllm.log")
-    if progress:
-        print("[selfspec] selfspec's engine and HF generate on the same prompts", file=sys.stderr)
-    ours = run_ours(chain, plain, prompts, settings, warmup=job["warmup"])
-    return compare(vllm, ours, formats, eos, settings, head_type=head_type, heads=str(heads_path), vocab=vocab,
-                   exports={f: str(p) for f, p in exports.items()})
+        print(f"[selfspec] vLLM: plain decoding and {', '.join(plan.formats)} on {len(plan.job['prompts'])} prompts, "
+              "then selfspec's engine and HF generate on the same prompts", file=sys.stderr)
+    [report] = serve_checks([plan], settings.venv, settings.timeout, log_path=plan.out_root / "vllm.log")
+    if isinstance(report, ServingError):
+        raise report
+    return report
+
+
+def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout: float | None = None,
+                 log_path: str | Path | None = None) -> list[dict | ServingError]:
+    """The reports of several planned checks (:func:`plan_check`; heads of any family, on one target or several),
+    their vLLM runs all in one worker process: vLLM's imports (10-15 s a process on 2 cores) are paid once. A plain
+    run that two plans share (the same target, prompts and engine settings) runs once. A plan whose target vLLM could
+    not decode gets the ServingError :func:`serve_check` would raise in place of its report, so one such target
+    leaves the others' reports."""
+    shared = ("model", "dtype", "max_model_len", "max_new_tokens", "prompts", "stop_token_ids", "warmup", "engine")
+    runs: dict[str, dict] = {}  # by the run's whole spec (its name aside)
+    names: list[dict[str, str]] = []  # per plan: its run's name -> the name in the merged job
+    for i, plan in enumerate(plans):
+        names.append({})
+        for run in plan.job["runs"]:
+            spec = {**{k: plan.job[k] for k in shared}, **run}
+            key = json.dumps({k: v for k, v in spec.items() if k != "name"}, sort_keys=True)
+            runs.setdefault(key, {**spec, "name": f"{i}/{run['name']}"})
+            names[i][run["name"]] = runs[key]["name"]
+    job = {"runs": list(runs.values())}
+    vllm = run_vllm(job, venv, timeout, log_path=log_path, one_process=True)
+    by_name = {r["name"]: r for r in vllm["runs"]}
+    reports: list[dict | ServingError] = []
+    for plan, renamed in zip(plans, names):
+        own = [{**by_name[merged], "name": name} for name, merged in renamed.items()]
+        try:
+            reports.append(finish_check(plan, {"vllm_version": vllm["vllm_version"], "runs": own}))
+        except ServingError as err:
+            reports.append(err)
+    return reports
 
 
 def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]]) -> list[dict]:
@@ -441,8 +512,6 @@ def compare(vllm: dict, ours: list[dict], formats: list[str], eos: set[int], set
     """The report: per format and prompt, loaded / tokens equal / acceptance per position in both engines."""
     runs = {r["name"]: r for r in vllm["runs"]}
     plain = runs["plain"]
-    if not plain["loaded"] or plain.get("error"):
-        raise ServingError(f"vLLM could not decode the target itself: {plain.get('error')}")
     report = {"vllm_version": vllm.get("vllm_version"), "k": settings.k, "max_new_tokens": settings.max_new_tokens,
               "tolerance": settings.tolerance, **info, "formats": {}, "mismatches": []}
     n = settings.max_new_tokens

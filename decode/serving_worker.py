@@ -10,8 +10,9 @@ The job (JSON): ``model`` (a target folder), ``dtype``, ``max_model_len``, ``max
 token ids: both engines decode the very same ids, so no tokenizer or chat template can differ), ``stop_token_ids``,
 ``warmup`` (prompts decoded first and not reported), ``engine`` (extra ``LLM(...)`` arguments) and ``runs``: each
 ``{"name", "speculative_config"}`` (``null``: plain decoding), with ``model`` where the run serves another folder
-(a speculators export names its verifier itself). Every run gets its own ``LLM``; a run whose model does not
-load is reported with the error and the others still run.
+(a speculators export names its verifier itself); a run may set any of the job's other keys for itself too (its
+``engine`` arguments are added to the job's). Every run gets its own ``LLM``; a run whose model does not load is
+reported with the error and the others still run.
 
 The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
 difference of vLLM's counters over that prompt: ``drafts``, ``draft_tokens``, ``accepted`` and
@@ -59,26 +60,27 @@ def difference(after: dict, before: dict) -> dict:
 def run_one(job: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    spec = {**job, **run, "engine": {**job.get("engine", {}), **run.get("engine", {})}}  # the run's own settings win
     result = {"name": run["name"], "loaded": False, "error": None, "prompts": []}
     t0 = time.perf_counter()
     try:
         llm = LLM(
-            model=run.get("model") or job["model"], dtype=job.get("dtype", "float32"), max_model_len=int(job["max_model_len"]),
-            speculative_config=run.get("speculative_config"), disable_log_stats=False, seed=0,
-            **job.get("engine", {}),
+            model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=int(spec["max_model_len"]),
+            speculative_config=run.get("speculative_config"), disable_log_stats=False, seed=0, **spec["engine"],
         )
     except Exception as err:  # noqa: BLE001 - the caller reports why a model did not load
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc(limit=8)
+        cleanup()
         return result
     result["loaded"] = True
     result["init_s"] = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=int(job["max_new_tokens"]),
-                            stop_token_ids=list(job.get("stop_token_ids") or []), detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_new_tokens"]),
+                            stop_token_ids=list(spec.get("stop_token_ids") or []), detokenize=False)
     try:
-        for ids in job.get("warmup") or []:
+        for ids in spec.get("warmup") or []:
             llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
-        for ids in job["prompts"]:
+        for ids in spec["prompts"]:
             before = spec_counters(llm)
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
@@ -90,8 +92,18 @@ def run_one(job: dict, run: dict) -> dict:
         result["traceback"] = traceback.format_exc(limit=8)
     finally:
         del llm
-        gc.collect()
+        cleanup()
     return result
+
+
+def cleanup() -> None:
+    """Tear down what an engine left in this process (its distributed groups), so that the next run's engine starts
+    as in a fresh process: without it a MoE model's engine after another model's finds the groups made without its
+    expert-parallel one (``AssertionError: expert parallel group is not initialized``)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def main(job_path: str, result_path: str) -> None:

@@ -44,6 +44,18 @@ def pytest_configure(config):
     target.build_tiny = functools.partial(target.build_tiny, device=device)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm_archs`` (the rest of the vLLM architecture matrix, minutes) run only when ``-m`` names the
+    marker (``pytest -m vllm_archs``); otherwise they skip, saying so."""
+    if "vllm_archs" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the rest of the vLLM architecture matrix (50-90 s an architecture): "
+                                   "pytest -m vllm_archs tests/test_serving_archs.py")
+    for item in items:
+        if item.get_closest_marker("vllm_archs"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def device(pytestconfig) -> torch.device:
     """The device of ``--device`` (cpu by default)."""

@@ -153,12 +153,24 @@ def test_the_serve_checks_k_auto_is_what_each_family_drafts_and_a_bad_k_is_named
             requested_depth({"head_type": "eagle3"}, bad)
 
 
+@pytest.fixture(scope="module")
+def reports(trained_heads, tmp_path_factory) -> dict:
+    """Each family's serve check, their vLLM engines in one worker process (serve_checks; serve_check runs one)."""
+    from decode.serving import plan_check, serve_checks
+
+    root = tmp_path_factory.mktemp("serve-checks")
+    plans = []
+    for family, heads in trained_heads.items():
+        # DFlash's k left to auto: its block less one, the K its heads were trained for
+        settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
+                                  out=str(root / family), timeout=900)
+        plans.append(plan_check(heads, prompts(), settings=settings))
+    return dict(zip(trained_heads, serve_checks(plans, timeout=900, log_path=root / "vllm.log")))
+
+
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "dflash"])
-def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(trained_heads, family, tmp_path):
-    # DFlash's k left to auto: its block less one, the K its heads were trained for
-    settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
-                              out=str(tmp_path / "exports"), timeout=900)
-    report = serve_check(trained_heads[family], prompts(), settings=settings, progress=False)
+def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, family):
+    report = reports[family]
     assert report["k"] == K
     assert not report["mismatches"], report["mismatches"]
     formats = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
@@ -287,3 +299,43 @@ def test_each_vllm_run_gets_a_process_of_its_own_with_the_engine_inside(tmp_path
     run_vllm({"runs": job["runs"][:1]}, venv)
     assert [env["VLLM_ENABLE_V1_MULTIPROCESSING"] for env, _ in seen] == ["0", "0", "1"]
     assert all(env["VLLM_PLUGINS"] == "" for env, _ in seen)
+
+
+def test_serve_checks_runs_every_engine_in_one_process_and_a_shared_plain_run_once(monkeypatch):
+    """Two checks on one target and one on another: vLLM gets one job for one worker process, with each target's plain
+    run once; each check gets back its own runs under its own names, and a check whose target vLLM cannot decode gets
+    the error serve_check would raise."""
+    from decode import serving
+    from decode.serving import CheckPlan, serve_checks
+
+    def plan(model: str, formats: list[str]) -> CheckPlan:
+        job = {"model": model, "dtype": "float32", "max_model_len": 40, "max_new_tokens": 8, "prompts": [[5, 6]],
+               "stop_token_ids": [2], "warmup": [], "engine": {},
+               "runs": [{"name": "plain", "speculative_config": None}]
+               + [{"name": f, "speculative_config": {"method": f}} for f in formats]}
+        return CheckPlan(heads=Path(model), head_type="x", settings=None, formats=formats, exports={}, vocab=None,
+                         chain=None, plain=None, eos={2}, job=job, out_root=Path(model))
+
+    jobs = []
+
+    def fake_run_vllm(job, venv, timeout, log_path, one_process):
+        jobs.append((job, one_process))
+        return {"vllm_version": "x", "runs": [{"name": r["name"], "loaded": True, "model": r["model"],
+                                                "error": "broken" if r["model"] == "b" else None}
+                                               for r in job["runs"]]}
+
+    def fake_finish_check(plan, vllm):
+        if any(r["error"] for r in vllm["runs"]):
+            raise ServingError("vLLM could not decode the target itself: broken")
+        return vllm["runs"]
+
+    monkeypatch.setattr(serving, "run_vllm", fake_run_vllm)
+    monkeypatch.setattr(serving, "finish_check", fake_finish_check)
+    first, second, third = serve_checks([plan("a", ["medusa"]), plan("a", ["dflash"]), plan("b", ["dflash"])])
+    [(job, one_process)] = jobs
+    assert one_process
+    assert [(r["name"], r["model"]) for r in job["runs"]] == [
+        ("0/plain", "a"), ("0/medusa", "a"), ("1/dflash", "a"), ("2/plain", "b"), ("2/dflash", "b")]
+    assert [(r["name"], r["model"]) for r in first] == [("plain", "a"), ("medusa", "a")]
+    assert [(r["name"], r["model"]) for r in second] == [("plain", "a"), ("dflash", "a")]
+    assert isinstance(third, ServingError) and str(third).endswith("broken")

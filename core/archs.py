@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from core.kv import additive_mask
+from core.layers import decoder_of
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -194,9 +195,8 @@ def attention_linear_names(model: torch.nn.Module) -> list[str]:
     ``attn``): q/k/v/o for most, ``qkv_proj``/``o_proj`` for Phi-3's fused projection, MLA's low-rank
     ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``/``o_proj`` for DeepSeek-V3. Empty when the layers
     have no such child."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     names = set()
-    for layer in decoder.layers:
+    for layer in decoder_of(model).layers:
         for child_name, child in layer.named_children():
             if "attn" in child_name:
                 names |= {n.split(".")[-1] for n, m in child.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -22,6 +22,7 @@ from train.data import IGNORE_INDEX, ChatTemplateError, build_dataset, chat_ids,
 from train.data.chat import TemplateRewritesTurns, conversation_examples, tokenize_conversation
 
 from conftest import REPO
+from test_data import labelled_segments
 
 TEMPLATES = REPO / "tests" / "assets" / "chat_templates"
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
@@ -43,19 +44,6 @@ def harmony():
     return tok
 
 
-def labelled(tok, example) -> list[str]:
-    """The decoded text of each run of labelled tokens (labels equal the ids there)."""
-    runs, run = [], []
-    for token, label in zip(example["input_ids"], example["labels"]):
-        if label != IGNORE_INDEX:
-            assert label == token
-            run.append(token)
-        elif run:
-            runs.append(tok.decode(run))
-            run = []
-    return runs + ([tok.decode(run)] if run else [])
-
-
 THINKING = [  # reasoning inside the content (as scripts/regenerate.py writes Qwen3's answers) and apart from it
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour."},
@@ -71,7 +59,7 @@ def test_qwen3_answer_keeps_its_think_block_as_written(qwen3):
     messages = THINKING[:3]
     (example,) = conversation_examples(qwen3, messages, max_length=4096)
     assert example["input_ids"] == chat_ids(qwen3, messages)
-    assert labelled(qwen3, example) == ["<think>\nSomething common.\n</think>\n\nBlue.<|im_end|>"]
+    assert labelled_segments(qwen3, example) == ["<think>\nSomething common.\n</think>\n\nBlue.<|im_end|>"]
     think = qwen3.convert_tokens_to_ids("<think>")
     assert example["labels"].count(think) == 1  # the model's own token, not the characters of "<think>"
 
@@ -89,7 +77,7 @@ def test_qwen3_multi_turn_is_one_example_per_answer_in_the_context_it_was_writte
         prompt = chat_ids(qwen3, THINKING[:i], add_generation_prompt=True)  # what the target reads to answer turn i
         assert example["input_ids"][:len(prompt)] == prompt
         assert example["labels"][:len(prompt)] == [IGNORE_INDEX] * len(prompt)
-        assert labelled(qwen3, example) == [text]
+        assert labelled_segments(qwen3, example) == [text]
     # the last example shows the earlier answers as history: without their reasoning
     history = qwen3.decode(examples[-1]["input_ids"])
     assert "assistant\nBlue.<|im_end|>" in history and "Something common" not in history
@@ -100,12 +88,12 @@ def test_qwen3_non_thinking_mode_leaves_the_empty_block_to_the_prompt(qwen3):
              {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Red."}]
     off = {"enable_thinking": False}
     examples = conversation_examples(qwen3, plain, max_length=4096, template_kwargs=off)
-    assert [labelled(qwen3, e) for e in examples] == [["Blue.<|im_end|>"], ["Red.<|im_end|>"]]
+    assert [labelled_segments(qwen3, e) for e in examples] == [["Blue.<|im_end|>"], ["Red.<|im_end|>"]]
     last = qwen3.decode(examples[-1]["input_ids"])
     assert last.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nRed.<|im_end|>\n")
     # thinking mode on the same answers: the (empty) block is the answer's, labelled
     (first, *_) = conversation_examples(qwen3, plain, max_length=4096)
-    assert labelled(qwen3, first) == ["<think>\n\n</think>\n\nBlue.<|im_end|>"]
+    assert labelled_segments(qwen3, first) == ["<think>\n\n</think>\n\nBlue.<|im_end|>"]
     with pytest.raises(ChatTemplateError, match="generation prompt"):  # reasoning under the non-thinking prompt
         conversation_examples(qwen3, THINKING[:3], max_length=4096, template_kwargs=off)
 
@@ -120,12 +108,12 @@ HARMONY = [
 
 def test_harmony_answer_is_its_analysis_and_final_channels(harmony):
     (example,) = conversation_examples(harmony, HARMONY[:2], max_length=4096)
-    assert labelled(harmony, example) == [
+    assert labelled_segments(harmony, example) == [
         "<|channel|>analysis<|message|>Something common.<|end|><|start|>assistant<|channel|>final<|message|>Blue."
         "<|return|>"]
     examples = conversation_examples(harmony, HARMONY, max_length=4096)
     assert len(examples) == 2
-    assert labelled(harmony, examples[1]) == [
+    assert labelled_segments(harmony, examples[1]) == [
         "<|channel|>analysis<|message|>A warm one.<|end|><|start|>assistant<|channel|>final<|message|>Red.<|return|>"]
     history = harmony.decode(examples[1]["input_ids"])
     assert "<|start|>assistant<|channel|>final<|message|>Blue.<|end|>" in history
@@ -194,7 +182,7 @@ def test_dataset_of_a_reasoning_template_keeps_each_conversation_on_one_side(qwe
         for example in ds[split]:
             texts.append(qwen3.decode(example["input_ids"]))
             sides.setdefault(re.search(r"question (\d)", texts[-1]).group(1), set()).add(split)
-            assert len(labelled(qwen3, example)) == 1  # one answer labelled per example
+            assert len(labelled_segments(qwen3, example)) == 1  # one answer labelled per example
     assert len(texts) == 16  # two answers of eight conversations
     assert len(ds["eval"]) == 4 and len(sides) == 8 and all(len(s) == 1 for s in sides.values())
     assert sum("<think>\nwhy 3\n</think>\n\nanswer 3" in t for t in texts) == 1  # in its own answer's example only

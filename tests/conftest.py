@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config, items):
     marker (``pytest -m vllm_archs``); otherwise they skip, saying so."""
     if "vllm_archs" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="the rest of the vLLM architecture matrix (50-90 s an architecture): "
+    skip = pytest.mark.skip(reason="the rest of the vLLM architecture matrix (about a minute an architecture): "
                                    "pytest -m vllm_archs tests/test_serving_archs.py")
     for item in items:
         if item.get_closest_marker("vllm_archs"):

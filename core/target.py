@@ -350,10 +350,12 @@ def build_tiny(
     attn_implementation: str = "sdpa",
     tie_word_embeddings: bool = False,
     device: str | torch.device = "cpu",
+    config: dict[str, Any] | None = None,
 ):
     """A small random CausalLM with fixed init (the same weights on every device), on ``device``, and the byte-level
     tokenizer (ids < 259 are used by text). ``head_dim``: the attention head size (default hidden / heads), which
-    every architecture's row turns into its own settings (core/archs.py)."""
+    every architecture's row turns into its own settings (core/archs.py). ``config``: any other field of the
+    architecture's config class, set last (e.g. DeepSeek's ``kv_lora_rank``)."""
     import transformers
 
     if arch not in TINY_ARCHS:
@@ -367,7 +369,8 @@ def build_tiny(
         tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
     extra = spec.config_kwargs(num_hidden_layers, int(head_dim or hidden_size // num_attention_heads))
-    config = getattr(transformers, spec.config_class)(**{**shape, **extra})
+    overrides = dict(config or {})
+    config = getattr(transformers, spec.config_class)(**{**shape, **extra, **overrides})
     attn_implementation = spec.attn_implementation or attn_implementation
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):
@@ -381,6 +384,12 @@ def build_tiny(
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     model.generation_config.bos_token_id = 1
+    # how to build it again: heads trained on it record this (heads/io.py), and decoding rebuilds the same target
+    model.tiny_spec = dict(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
+                           num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                           num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+                           intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                           seed=seed, tie_word_embeddings=tie_word_embeddings, config=overrides)
     freeze(model)
     return model.to(device), tokenizer
 

@@ -130,6 +130,10 @@ def save_heads(
         "head_config": dict(config),
         "adapter": None,
     }
+    tiny = getattr(base, "tiny_spec", None)
+    if tiny is not None:  # a target built in code (core.target.build_tiny): how to build it again
+        meta["model"] = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(tiny),
+                         "attn_implementation": getattr(base.config, "_attn_implementation", None) or "sdpa"}
     meta.update(extra_meta or {})
 
     path.parent.mkdir(parents=True, exist_ok=True)

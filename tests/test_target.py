@@ -7,6 +7,7 @@ import torch
 
 from core.archs import TINY_ARCHS
 from core.target import (
+    Target,
     TargetLoadError,
     TargetMismatchError,
     build_tiny,
@@ -52,6 +53,28 @@ def test_every_tiny_arch_builds_at_another_head_size_and_depth_and_is_rebuilt_fr
     again = load_target(target_config_from_heads({"base_model": target.name,
                                                   "target_fingerprint": fingerprint(target.model)}))
     assert all(torch.equal(v, again.model.state_dict()[k]) for k, v in target.model.state_dict().items())
+
+
+def test_heads_record_the_whole_tiny_recipe_and_decoding_builds_the_same_target(tmp_path):
+    """A tiny target with a head size and a config field of its own (what tests/test_serving_archs.py builds for
+    vLLM's MLA kernel): heads saved on it name how to build it, so ``heads=`` alone loads that target, not the default
+    shape of its name (whose weights differ, and which the fingerprint check would refuse)."""
+    from decode.settings import target_config_from_heads
+    from heads.io import read_heads_config, save_heads
+
+    model, tokenizer = build_tiny("deepseek_v3", hidden_size=128, head_dim=32, config={"kv_lora_rank": 64})
+    head = torch.nn.Linear(128, 8)
+    target = Target(model=model, tokenizer=tokenizer, name="tiny-deepseek_v3")
+    path = save_heads(tmp_path / "heads", head, "medusa", {"num_heads": 1}, target)
+    meta = read_heads_config(path)
+    again = load_target(target_config_from_heads(meta))
+    assert again.model.config.kv_lora_rank == 64 and again.model.config.v_head_dim == 32
+    assert all(torch.equal(v, again.model.state_dict()[k]) for k, v in model.state_dict().items())
+    check_fingerprint(meta["target_fingerprint"], again.model, what="heads")
+    # the name and fingerprint alone (heads saved before this) build the default shape, which is another target
+    with pytest.raises(TargetMismatchError):
+        default = load_target(target_config_from_heads({k: v for k, v in meta.items() if k != "model"}))
+        check_fingerprint(meta["target_fingerprint"], default.model, what="heads")
 
 
 def test_tiny_from_config_matches_build(device):

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = REPO / ".venv-vllm"
 VENV_ENV = "SELFSPEC_VLLM_VENV"
 SESSION_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+PLUGINS_DIR = Path(__file__).resolve().parent / "vllm_plugins"  # modules vLLM loads by name (kv_connector_module_path)
 
 # What vLLM needs on a small CPU machine: eager mode (no compilation), a modest share of memory.
 ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
@@ -140,6 +141,23 @@ def served_model(model_cfg: Any) -> tuple[str, Any]:
     return str(served_target_dir(target)), target.tokenizer
 
 
+def hidden_states_engine(layers: list[int], storage: str | Path) -> dict:
+    """The ``LLM(...)`` keywords that make vLLM capture the hidden states of ``layers`` (index i: the input of decoder
+    layer i, the number of layers: the last layer's output before the final norm) for every prompt token, written per
+    request to the file its ``hidden_states_path`` names: vLLM's ``extract_hidden_states`` method, with selfspec's
+    synchronous connector (core/vllm_plugins/selfspec_hidden_states.py; the session needs :data:`PLUGINS_DIR` on
+    its ``pythonpath``)."""
+    return {
+        "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                               "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}},
+        "kv_transfer_config": {"kv_connector": "SelfspecHiddenStatesConnector",
+                               "kv_connector_module_path": "selfspec_hidden_states", "kv_role": "kv_producer",
+                               "kv_connector_extra_config": {"shared_storage_path": str(storage),
+                                                             "allow_custom_save_path": True,
+                                                             "use_synchronization_lock": False}},
+    }
+
+
 class VllmSession:
     """One ``LLM`` kept open in a worker process of vLLM's venv (core/vllm_worker.py), answering batches of requests
     with continuous batching; with ``replicas`` > 1, one worker per replica, each on its own devices, every batch
@@ -152,7 +170,8 @@ class VllmSession:
     ends after its current call, when its input ends or its answer finds no reader."""
 
     def __init__(self, engine: dict, venv: str | Path | None = None, replica_env: list[dict] | None = None,
-                 log_path: str | Path | None = None, timeout: float | None = None):
+                 log_path: str | Path | None = None, timeout: float | None = None,
+                 pythonpath: list[str] | None = None):
         python = vllm_python(venv)
         self.timeout = timeout
         self.logs = []
@@ -168,7 +187,7 @@ class VllmSession:
             with open(log, "w") as out:
                 self.procs.append(subprocess.Popen(
                     [str(python), "-P", str(SESSION_WORKER), str(job_path)], cwd=self._tmp.name, env=worker_env(
-                        extra=extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, text=True))
+                        pythonpath, extra=extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out, text=True))
         try:
             ready = [self._read(r) for r in range(len(self.procs))]
         except BaseException:
@@ -179,7 +198,8 @@ class VllmSession:
 
     def generate(self, requests: list[dict]) -> list[list[int]]:
         """Each request's generated token ids. A request: ``prompt_token_ids``, ``max_tokens``, ``temperature``,
-        ``top_p``, ``seed`` (or None), ``stop_token_ids``. Replica ``r`` answers requests ``r, r + R, ...``."""
+        ``top_p``, ``seed`` (or None), ``stop_token_ids``, and on an engine of :func:`hidden_states_engine` a
+        ``hidden_states_path`` (the file is written when the call returns). Replica ``r`` answers requests ``r, r + R, ...``."""
         n = len(self.procs)
         shares = [requests[r::n] for r in range(n)]
         for r, share in enumerate(shares):

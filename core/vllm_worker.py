@@ -9,7 +9,9 @@ of selfspec, only vLLM and the standard library:
 The job (JSON): ``engine``, the ``LLM(...)`` keywords, and ``cpu_defaults``, keywords added where the engine leaves
 them out on vLLM's CPU build. Then, per line of standard input, ``{"requests": [...]}``, each request
 ``{"prompt_token_ids", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids"}``: all of them go to one
-``LLM.generate`` call (vLLM batches them continuously). Every answer is one line of standard output: first
+``LLM.generate`` call (vLLM batches them continuously). On an engine that captures hidden states (its
+``kv_transfer_config`` names a hidden-states connector), a request's ``hidden_states_path`` is where they go; the
+answer comes once every such file is written. Every answer is one line of standard output: first
 ``{"vllm_version", "init_s"}`` once the engine is up, then per batch ``{"tokens": [[...], ...], "seconds"}``, or
 ``{"error", "traceback"}``. vLLM's own output goes to standard error. The worker ends when its input ends.
 """
@@ -56,12 +58,28 @@ def main(job_path: str) -> None:
             prompts = [{"prompt_token_ids": list(r["prompt_token_ids"])} for r in requests]
             params = [SamplingParams(temperature=float(r["temperature"]), top_p=float(r["top_p"]), seed=r.get("seed"),
                                      max_tokens=int(r["max_tokens"]), stop_token_ids=list(r["stop_token_ids"]),
-                                     detokenize=False) for r in requests]
+                                     detokenize=False, extra_args=(
+                                         {"kv_transfer_params": {"hidden_states_path": r["hidden_states_path"]}}
+                                         if r.get("hidden_states_path") else None)) for r in requests]
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
+            wait_for_files(llm, [r["hidden_states_path"] for r in requests if r.get("hidden_states_path")])
             reply({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - t})
         except Exception as err:  # noqa: BLE001
             reply({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)})
+
+
+def wait_for_files(llm, paths: list[str], max_steps: int = 100) -> None:
+    """Step the engine until every file in ``paths`` exists: a hidden-states connector writes a finished request's
+    states in the engine step after the one that finished it, which ``LLM.generate`` does not wait for."""
+    for _ in range(max_steps):
+        if all(os.path.exists(p) for p in paths):
+            return
+        llm.llm_engine.step()
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise RuntimeError(f"vLLM wrote no hidden states for {len(missing)} of {len(paths)} requests "
+                           f"(first: {missing[0]}) after {max_steps} engine steps")
 
 
 if __name__ == "__main__":  # vLLM starts worker processes: everything runs under this guard

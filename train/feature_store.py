@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,13 +58,18 @@ class FeatureSource:
     kind: str  # online | store
     settings: dict[str, Any]  # cfg.feature_store
     run_dir: Path
+    model: dict[str, Any] | None = None  # cfg.model: what feature_store.engine=vllm serves
+    max_length: int | None = None  # cfg.data.max_length: the longest example (vLLM's max_model_len)
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "FeatureSource":
         out = cls(kind=str(cfg_get(cfg, "features", "online")), settings=to_dict(cfg_get(cfg, "feature_store")),
-                  run_dir=Path(str(cfg_get(cfg, "run_dir", "."))))
+                  run_dir=Path(str(cfg_get(cfg, "run_dir", "."))), model=to_dict(cfg_get(cfg, "model")),
+                  max_length=cfg_get(cfg_get(cfg, "data", {}) or {}, "max_length", None))
         if out.kind not in ("online", "store"):
             raise ValueError(f"features={out.kind!r}: use online or store.")
+        if out.engine not in ("hf", "vllm"):
+            raise ValueError(f"feature_store.engine={out.engine!r}: use hf (the target's forward here) or vllm.")
         missing = [f"feature_store.{k}" for k in STORE_KEYS if k not in out.settings]
         if out.kind == "store" and missing:
             raise ValueError(f"features=store needs {', '.join(missing)} (conf/medusa.yaml and conf/eagle.yaml set "
@@ -73,6 +79,11 @@ class FeatureSource:
     @property
     def online(self) -> bool:
         return self.kind == "online"
+
+    @property
+    def engine(self) -> str:
+        """Who runs the target's forward to build the store: ``hf`` (here) or ``vllm`` (vLLM's venv)."""
+        return str(self.settings.get("engine") or "hf")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -94,30 +105,124 @@ class FeatureSource:
             splits["eval"] = datasets["eval"]
         identity = {"target": fingerprint(target.model)["digest"], "target_name": target.name,
                     "dtype": str(self.dtype), **fields}
-        store = ensure_feature_store(
-            self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
-            batch_size=int(self.settings["batch_size"]), examples_per_shard=int(self.settings["examples_per_shard"]),
-            device=accelerator.device, accelerator=accelerator,
-        )
+        batch_size = int(self.settings["batch_size"])
+        if self.engine == "vllm":
+            if not isinstance(extract, HiddenStatesExtract):
+                raise FeatureStoreError(
+                    f"feature_store.engine=vllm captures the target's hidden states only; this store keeps "
+                    f"{fields.get('fields', 'other fields')} beyond them (e.g. heads.loss=kl's teacher logits: "
+                    "feature_store.teacher_topk=0 drops them). Use feature_store.engine=hf.")
+            from core.vllm_env import vllm_available
+
+            reason = vllm_available(self.settings.get("vllm", {}).get("venv"))
+            if reason:
+                raise FeatureStoreError(f"feature_store.engine=vllm: {reason}")
+            extract = VllmHiddenStates(extract, self.model, self.settings.get("vllm") or {}, self.max_length,
+                                       self.run_dir / "features-vllm.log")
+            batch_size = int((self.settings.get("vllm") or {}).get("batch_size") or batch_size)
+        try:
+            store = ensure_feature_store(
+                self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
+                batch_size=batch_size, examples_per_shard=int(self.settings["examples_per_shard"]),
+                device=accelerator.device, accelerator=accelerator,
+            )
+        finally:
+            if isinstance(extract, VllmHiddenStates):
+                extract.close()
         pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
         return store["train"], store.get("eval"), pad
 
 
-def hidden_states_extract(model: torch.nn.Module, layers: Sequence[int] | None, dtype: torch.dtype) -> Extract:
+class HiddenStatesExtract:
     """The extract function of a store of the target's hidden states: ``hidden`` [B, T, H], the last one (after the
     final norm, what the LM head reads), and with ``layers`` ``aux`` [B, T, len(layers), H], those layers' (index i:
     the input of decoder layer i, 0 the embeddings), both in ``dtype``. One forward over the batch, padded or packed,
-    with the LM head on the last position only. :func:`stored_hidden_states` reads them back."""
+    with the LM head on the last position only. :func:`stored_hidden_states` reads them back; feature_store.engine=vllm
+    computes the same fields in vLLM (:class:`VllmHiddenStates`)."""
 
-    def extract(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True, use_cache=False,
-                    logits_to_keep=1)
-        fields = {"hidden": out.hidden_states[-1].to(dtype)}
-        if layers:
-            fields["aux"] = torch.stack([out.hidden_states[i] for i in layers], dim=2).to(dtype)
+    def __init__(self, model: torch.nn.Module, layers: Sequence[int] | None, dtype: torch.dtype):
+        self.model, self.layers, self.dtype = model, list(layers or []), dtype
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.model(input_ids=batch["input_ids"], **target_inputs(batch), output_hidden_states=True,
+                         use_cache=False, logits_to_keep=1)
+        fields = {"hidden": out.hidden_states[-1].to(self.dtype)}
+        if self.layers:
+            fields["aux"] = torch.stack([out.hidden_states[i] for i in self.layers], dim=2).to(self.dtype)
         return fields
 
-    return extract
+
+def hidden_states_extract(model: torch.nn.Module, layers: Sequence[int] | None, dtype: torch.dtype) -> Extract:
+    """:class:`HiddenStatesExtract` of ``model``'s ``layers`` (and its last hidden state) in ``dtype``."""
+    return HiddenStatesExtract(model, layers, dtype)
+
+
+class VllmHiddenStates:
+    """The fields of a :class:`HiddenStatesExtract`, computed by vLLM (``feature_store.engine=vllm``): its
+    ``extract_hidden_states`` method captures the inputs of the store's layers and the last layer's output in one
+    prefill per example (core/vllm_plugins/selfspec_hidden_states.py writes them), and the target's own final norm
+    turns that output into ``hidden`` here. Returns one tensor per example (no padding). The engine starts on the
+    first batch and stops with :meth:`close`."""
+
+    def __init__(self, extract: HiddenStatesExtract, model_cfg: Mapping[str, Any] | None, settings: Mapping[str, Any],
+                 max_length: int | None, log_path: Path):
+        from core.layers import decoder_of
+
+        self.layers, self.dtype = extract.layers, extract.dtype
+        self.model_cfg, self.settings, self.log_path = dict(model_cfg or {}), dict(settings), log_path
+        self.max_model_len = None if max_length is None else int(max_length) + 1  # and the one token generated
+        config = extract.model.config.get_text_config(decoder=True)
+        self.last = int(config.num_hidden_layers)
+        self.norm = decoder_of(extract.model).norm
+        self.model_dtype = extract.model.dtype
+        self.session = None
+        self.calls = 0
+
+    def _start(self, max_model_len: int) -> None:
+        from core.vllm_env import PLUGINS_DIR, VllmSession, hidden_states_engine, served_model
+        from train.regenerate import VllmSettings, llm_kwargs, replica_env, visible_gpus
+
+        settings = VllmSettings.from_config({"batch_size": 1, **self.settings})
+        path, _ = served_model(self.model_cfg)
+        kwargs = llm_kwargs(settings, path, str(self.model_dtype).removeprefix("torch."), max_model_len, 0)
+        self.tmp = Path(tempfile.mkdtemp(prefix="selfspec-hidden-"))
+        kwargs.update(hidden_states_engine([*self.layers, self.last], self.tmp))
+        self.session = VllmSession(kwargs, settings.venv, replica_env(settings, visible_gpus()),
+                                   log_path=self.log_path, timeout=settings.timeout, pythonpath=[str(PLUGINS_DIR)])
+        print(f"[selfspec] feature store: vLLM {self.session.vllm_version} up in {self.session.init_s:.1f} s, capturing "
+              f"layers {self.layers} and the last (log: {self.log_path})", file=sys.stderr)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        rows = [batch["input_ids"][r, :n].tolist() for r, n in enumerate(lengths)]
+        if self.session is None:
+            self._start(self.max_model_len)
+        paths = [str(self.tmp / f"{self.calls}-{r}.safetensors") for r in range(len(rows))]
+        self.calls += 1
+        self.session.generate([{"prompt_token_ids": ids, "max_tokens": 1, "temperature": 0.0, "top_p": 1.0,
+                                "seed": None, "stop_token_ids": [], "hidden_states_path": path}
+                               for ids, path in zip(rows, paths)])
+        out: dict[str, list[torch.Tensor]] = {"hidden": [], **({"aux": []} if self.layers else {})}
+        for ids, path in zip(rows, paths):
+            states = load_file(path)["hidden_states"]  # [n, layers + 1, H]
+            os.remove(path)
+            if states.shape[0] != len(ids):
+                raise FeatureStoreError(f"vLLM returned hidden states for {states.shape[0]} tokens of an example of "
+                                        f"{len(ids)}: see {self.log_path}.")
+            with torch.no_grad():
+                last = self.norm(states[:, -1].to(self.norm.weight.device, self.model_dtype))
+            out["hidden"].append(last.to("cpu", self.dtype))
+            if self.layers:
+                out["aux"].append(states[:, :-1].to(self.dtype))
+        return out
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.session = None
 
 
 def hidden_states_fields(layers: Sequence[int] | None) -> str:
@@ -265,8 +370,8 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
                 ids.append(batch["input_ids"][row, :n].to("cpu", torch.int32))
                 labels.append(batch["labels"][row, :n].to("cpu", torch.int32))
                 offsets.append(offsets[-1] + n)
-                for key, value in out.items():
-                    values.setdefault(key, []).append(value[row, :n].detach().to("cpu").contiguous())
+                for key, value in out.items():  # padded [B, T, ...], or a list of [n, ...] per example
+                    values.setdefault(key, []).append(value[row][:n].detach().to("cpu").contiguous())
             bar.update(len(examples))
         tensors = {"input_ids": torch.cat(ids), "labels": torch.cat(labels),
                    "offsets": torch.tensor(offsets, dtype=torch.int64)}

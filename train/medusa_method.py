@@ -48,7 +48,7 @@ from heads.medusa import (
 )
 from train.config import settings_from_cfg
 from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
-from train.feature_store import FeatureSource
+from train.feature_store import FeatureSource, hidden_states_extract
 from train.medusa_eval import eval_summary, medusa_eval_metrics
 from train.method import TrainMethod, save_run_heads, state_under, unwrap
 
@@ -246,6 +246,10 @@ class MedusaMethod(TrainMethod):
         if self.features.online:
             return datasets["train"], datasets.get("eval"), collate_fn
         dtype, topk, model = self.features.dtype, int(self.features.settings.get("teacher_topk") or 0), target.model
+        if not topk:  # the last hidden state alone: what any engine of the store computes
+            return self.features.open_store(datasets, target, accelerator, collate_fn,
+                                            hidden_states_extract(model, None, dtype),
+                                            {"teacher_topk": topk, "fields": "medusa-last-hidden"})
 
         def extract(batch):
             hidden = last_hidden_state(model, batch["input_ids"], batch["attention_mask"])  # [B, T, H]

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--store-engine", default="vllm", choices=("hf", "vllm"))
     parser.add_argument("--regenerated", default=None, help="the regenerated JSONL (default: <out>/regenerated.jsonl)")
     parser.add_argument("--prompts", default=f"[{MT_BENCH},humaneval]", help="bench prompts (held out from training)")
-    parser.add_argument("--limit", type=int, default=16, help="questions of each prompt source")
+    parser.add_argument("--limit", type=int, default=16, help="questions of each prompt source (0: all)")
     parser.add_argument("--out", default="outputs/tau_curve")
     parser.add_argument("--bench-args", default="", help="more scripts/bench.py keys (e.g. \"dtype=bfloat16\"); the "
                         "target comes from the heads")
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "train_tokens": store_tokens(store), "heads": str(run_dir / "heads")})
     bench_out = out / "bench"
     run([py, "scripts/bench.py", f"heads=[{','.join(r['heads'] for r in runs)}]", "methods=[hf,heads]",
-         f"prompts={args.prompts}", f"limit={args.limit}", "max_new_tokens=128", f"out={bench_out}",
+         f"prompts={args.prompts}", *([f"limit={args.limit}"] if args.limit else []), "max_new_tokens=128",
+         f"out={bench_out}",
          *shlex.split(args.bench_args)], out / "logs" / "bench.log")
     report = json.loads((bench_out / "bench.json").read_text())
     groups = [g for g in next(iter(report["figures"].values())) if g.startswith("all ")] or ["overall"]

@@ -144,6 +144,20 @@ def test_max_length_stops_a_conversation_before_it_overflows(tiny_llama, tmp_pat
     assert report.skipped == {"first prompt longer than max_length": 1}
 
 
+def test_n_counts_conversations_written_not_prompts_read(tiny_llama, tmp_path):
+    """n=2 with a first prompt too long to answer between them: that one is skipped and the next one taken."""
+    model, tok = tiny_llama
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [text]}) + "\n"
+                            for i, text in enumerate(["short", "z" * 200, "also short", "third"])))
+    out = tmp_path / "out.jsonl"
+    report = regenerate(HFEngine(model, tok), tok, iter_prompts(read_records(path), {}), out, n=2,
+                        answering=Answering(max_new_tokens=MAX_NEW, max_length=100), progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert report.written == 2 and sorted(r["messages"][0]["content"] for r in records) == ["also short", "short"]
+    assert report.skipped == {"first prompt longer than max_length": 1}
+
+
 @pytest.mark.skipif(not MT_BENCH.exists(), reason="MT-bench questions are not next to the project")
 def test_run_composes_the_entry_config_and_reads_mt_bench_prompts(tmp_path):
     out = tmp_path / "mt.jsonl"

@@ -418,6 +418,10 @@ def regenerate(engine: AnswerEngine, tokenizer, prompts: Iterable[Prompt], out_p
         seen.add(prompt.id)
         if prompt.id in done:
             report.already_done += 1
+        elif answering.max_length and len(answering.prompt_ids(tokenizer, _opening(prompt))) >= answering.max_length:
+            report.skip(PROMPT_TOO_LONG)  # never answerable: it does not count towards n
+            seen.discard(prompt.id)
+            continue
         else:
             todo.append(prompt)
         if n is not None and len(seen) >= n:
@@ -458,9 +462,7 @@ def _answer_batch(engine: AnswerEngine, tokenizer, batch: list[Prompt], answerin
             candidate = conversations[j] + [{"role": "user", "content": batch[j].turns[turn]}]
             ids = answering.prompt_ids(tokenizer, candidate)
             if answering.max_length and len(ids) >= answering.max_length:
-                ended.append(j)
-                if turn == 0:
-                    report.skip(PROMPT_TOO_LONG)
+                ended.append(j)  # (a first prompt that long never gets here: regenerate skips it)
             else:
                 asking.append(j)
                 prompts.append(ids)

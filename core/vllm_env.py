@@ -199,7 +199,8 @@ class VllmSession:
     def generate(self, requests: list[dict]) -> list[list[int]]:
         """Each request's generated token ids. A request: ``prompt_token_ids``, ``max_tokens``, ``temperature``,
         ``top_p``, ``seed`` (or None), ``stop_token_ids``, and on an engine of :func:`hidden_states_engine` a
-        ``hidden_states_path`` (the file is written when the call returns). Replica ``r`` answers requests ``r, r + R, ...``."""
+        ``hidden_states_path`` (the file is written when the call returns). Replica ``r`` answers requests
+        ``r, r + R, ...``."""
         n = len(self.procs)
         shares = [requests[r::n] for r in range(n)]
         for r, share in enumerate(shares):

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="outputs/tau_curve")
     parser.add_argument("--bench-args", default="", help="more scripts/bench.py keys (e.g. \"dtype=bfloat16\"); the "
                         "target comes from the heads")
-    parser.add_argument("overrides", nargs="*", help="keys regeneration and training take (model=..., data.max_length=...)")
+    parser.add_argument("overrides", nargs="*",
+                        help="keys regeneration and training take (model=..., data.max_length=...)")
     args = parser.parse_args(argv)
     from core.config import compose
 

@@ -189,8 +189,8 @@ class VllmHiddenStates:
         kwargs.update(hidden_states_engine([*self.layers, self.last], self.tmp))
         self.session = VllmSession(kwargs, settings.venv, replica_env(settings, visible_gpus()),
                                    log_path=self.log_path, timeout=settings.timeout, pythonpath=[str(PLUGINS_DIR)])
-        print(f"[selfspec] feature store: vLLM {self.session.vllm_version} up in {self.session.init_s:.1f} s, capturing "
-              f"layers {self.layers} and the last (log: {self.log_path})", file=sys.stderr)
+        print(f"[selfspec] feature store: vLLM {self.session.vllm_version} up in {self.session.init_s:.1f} s, "
+              f"capturing layers {self.layers} and the last (log: {self.log_path})", file=sys.stderr)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
         from safetensors.torch import load_file

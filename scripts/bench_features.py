@@ -15,6 +15,7 @@ Writes ``--out``/report.json and prints a Markdown table (docs/benchmarks.md, "F
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import shutil
@@ -41,7 +42,7 @@ def one_pass(cfg, target, splits, folder: Path) -> dict:
     cfg.feature_store.dir = str(folder)
     method = EagleMethod(cfg)
     method.features.run_dir = folder.parent
-    collate_fn = lambda examples: collate(examples, pad_token_id=target.tokenizer.pad_token_id)  # noqa: E731
+    collate_fn = functools.partial(collate, pad_token_id=target.tokenizer.pad_token_id)  # as train/loaders.py
     start = time.perf_counter()
     method.prepare_data(splits, target, Accelerator(cpu=True), collate_fn)
     seconds = time.perf_counter() - start

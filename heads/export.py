@@ -213,6 +213,22 @@ def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dic
 # --- EAGLE-3 -----------------------------------------------------------------------------------------------------------
 
 
+def whole_context_window(target_config) -> int | None:
+    """Where every layer of the target slides (Mistral), the window a served drafter's layers must declare to see the
+    whole context, as selfspec's drafter does; None where the target has a full layer.
+
+    vLLM sets ``CacheConfig.sliding_window`` only when every layer of the target slides (``vllm/engine/arg_utils.py``),
+    and every attention layer without a window of its own takes it (``Attention.__init__``: ``per_layer_sliding_window``
+    first, else the cache config's), the drafter's too. A drafter layer that declares itself sliding over a window as
+    long as any context (the target's ``max_position_embeddings``, which bounds vLLM's ``max_model_len``) keeps its own,
+    and so attends to every position, as it was trained to."""
+    from core.archs import SLIDING, layer_kinds, text_config
+
+    if set(layer_kinds(target_config)) != {SLIDING}:
+        return None
+    return int(text_config(target_config).max_position_embeddings)
+
+
 def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.dtype) -> dict:
     """The draft layer's Llama config, one layer, from the fields saved with the heads (``draft_layer``), with the rope
     fields both transformers 4 and 5 readers understand; vocabulary and token ids are the target's."""
@@ -252,7 +268,16 @@ def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.
         "eos_token_id": d.get("eos_token_id"),
         "pad_token_id": d.get("pad_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **_whole_context_fields(drafter.target.config, 1),
     }
+
+
+def _whole_context_fields(target_config, num_layers: int) -> dict:
+    """The Llama config fields that keep a drafter's layers attending to the whole context on a target whose every
+    layer slides (:func:`whole_context_window`; vLLM's ``llama.py`` takes a layer's window from ``sliding_window``
+    where ``layer_types`` marks it sliding); none elsewhere."""
+    window = whole_context_window(target_config)
+    return {} if window is None else {"layer_types": ["sliding_attention"] * num_layers, "sliding_window": window}
 
 
 def served_layer_ids(layer_ids: list[int]) -> list[int]:
@@ -322,11 +347,16 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
 def eagle_to_vllm(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
     """An EAGLE-1 drafter with an fc without bias and a layer without input norm -> (config, state) of vLLM's
     ``EagleLlamaForCausalLM``."""
+    from core.archs import text_config
+
     if drafter.config.variant != "eagle" or drafter.config.fc_bias or drafter.config.input_norm:
         raise ExportError("Only EAGLE-1 drafters with fc_bias=false and input_norm=false have vLLM's EAGLE-1 form.")
     config = {"architectures": ["EagleLlamaForCausalLM"],
               **_llama_layer_config(drafter, drafter.config.vocab_size, drafter.dtype)}
     del config["draft_vocab_size"]  # the target's vocabulary: the target's LM head is shared
+    if "layer_types" in config:  # vLLM's EAGLE-1 numbers its layer after the target's (start_layer_id); its Llama
+        # layer reads layer_types at that number less target_layer_count, which EAGLE-3's model sets and EAGLE-1's not
+        config["target_layer_count"] = int(text_config(drafter.target.config).num_hidden_layers)
     state = {"fc.weight": drafter.fc.weight}
     for name, value in drafter.layer.state_dict().items():
         state["layers.0." + name] = value

@@ -453,3 +453,35 @@ def test_dflash_export_computes_the_drafter(tmp_path, tiny_llama):
     targets = torch.arange(96) + d2t
     torch.testing.assert_close(ref[:, targets], mine, rtol=1e-4, atol=1e-4)
     assert torch.isinf(ref[:, [t for t in range(model.config.vocab_size) if t not in set(targets.tolist())]]).all()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "llama", "gemma3"])
+def test_drafters_keep_the_whole_context_where_every_target_layer_slides(tmp_path, arch):
+    """vLLM gives a target's window to every attention layer without one of its own when all the target's layers
+    slide (Mistral), the drafter's too; the exports then declare their layers sliding over a window as long as any
+    context, which vLLM takes per layer instead (tests/test_serving_archs.py serves them, drafts equal to selfspec's).
+    A target with full layers (Llama; Gemma 3 mixes both) gets no such fields."""
+    from heads.dflash import DFlashConfig, DFlashHeads
+
+    model, _ = build_tiny(arch)
+    window = 512 if arch == "mistral" else None  # build_tiny's max_position_embeddings; its Mistral slides
+    eagle = EagleHeads(EagleConfig.from_target(model, variant="eagle", fc_bias=False, input_norm=False), model)
+    eagle3 = midlayer_drafter(model)
+    dflash = DFlashHeads(DFlashConfig.from_target(model, block_size=4, num_layers=2, mask_token_id=7), model)
+    for head_type, drafter, formats in (("eagle", eagle, ["eagle"]), ("eagle3", eagle3, ["eagle3", "speculators"]),
+                                        ("dflash", dflash, ["dflash"])):
+        save_heads(tmp_path / head_type, drafter, head_type, drafter.config.to_dict(), model)
+        for fmt in formats:
+            config, _ = read_export(export_heads(tmp_path / head_type, tmp_path / f"out-{fmt}", model, fmt=fmt)[0])
+            layer = config["transformer_layer_config"] if fmt == "speculators" else config
+            if fmt == "dflash":
+                swa = {k: config["dflash_config"].get(k) for k in ("use_swa", "swa_window_size", "causal")}
+                assert swa == ({"use_swa": True, "swa_window_size": window, "causal": False} if window
+                               else {"use_swa": None, "swa_window_size": None, "causal": None})
+                continue
+            if window is None:
+                assert "layer_types" not in layer and "sliding_window" not in layer and "target_layer_count" not in layer
+                continue
+            assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == window
+            # vLLM's EAGLE-1 numbers its layer after the target's and reads layer_types at that number less this
+            assert layer.get("target_layer_count") == (model.config.num_hidden_layers if fmt == "eagle" else None)

@@ -11,8 +11,10 @@ skips what is done: the regenerated file resumes (scripts/regenerate.py engine=v
 size), one feature store per source and size serves both families (feature_store.engine=vllm by default), a run
 whose heads exist is not trained again. Every run takes the family's CPU hour recipe (experiment=<family>_cpu_1h)
 for ``--epochs`` passes over its data instead of an hour. Then one ``scripts/bench.py`` run decodes every drafter
-alone (no suffix drafter), interleaved prompt by prompt, and the curve is fitted per family and source as tau = a +
-b log2(training tokens).
+alone (no suffix drafter) at its full depth every step (``draft.adaptive=false``: the default decoder's adaptive depth
+drafts nothing where drafts do not pay on this machine, and its tau would then say 1.0 of a drafter that accepts
+something), interleaved prompt by prompt, and the curve is fitted per family and source as tau = a + b log2(training
+tokens).
 
 Writes ``--out``/curve.json, curve.md (the table, the fit, the commands) and curve.png.
 """
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     bench_out = out / "bench"
     run([py, "scripts/bench.py", f"heads=[{','.join(r['heads'] for r in runs)}]", "methods=[hf,heads]",
          f"prompts={args.prompts}", *([f"limit={args.limit}"] if args.limit else []), "max_new_tokens=128",
-         f"out={bench_out}",
+         "draft.adaptive=false", f"out={bench_out}",
          *shlex.split(args.bench_args)], out / "logs" / "bench.log")
     report = json.loads((bench_out / "bench.json").read_text())
     groups = [g for g in next(iter(report["figures"].values())) if g.startswith("all ")] or ["overall"]

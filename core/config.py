@@ -56,13 +56,23 @@ def store_open_dict() -> None:
 
 def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = CONF_DIR) -> Any:
     """``config_dir/<config_name>.yaml`` composed with ``overrides``, as :func:`hydra_app` composes it from the command
-    line: for code that composes an entry config itself (the benchmark, scripts, tests)."""
+    line: for code that composes an entry config itself (the benchmark, scripts, tests). Inside a running Hydra app
+    (decode/run.py with learn=true composes the heads' training config) the app's Hydra is set aside and restored."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
     store_open_dict()
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+    outer = get_gh_backup() if GlobalHydra.instance().is_initialized() else None
+    if outer is not None:
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    finally:
+        if outer is not None:
+            restore_gh_from_backup(outer)
 
 
 def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, config_dir: Path = CONF_DIR) -> None:

@@ -39,9 +39,7 @@ class TokenStream:
 def decode_prompt(
     session: Session, ids: list[int], on_tokens: Callable[[list[int]], None] | None = None
 ) -> DecodeResult:
-    s = session.settings
-    return session.decoder.generate(ids, max_new_tokens=s.max_new_tokens, sampling=s.sampling, stop=s.stop,
-                                    seed=s.seed, on_tokens=on_tokens, timings=True)
+    return session.generate(ids, on_tokens=on_tokens, timings=True)
 
 
 def warm_up(session: Session, baseline: bool) -> None:
@@ -69,6 +67,8 @@ def answer_question(session: Session, question: dict, baseline: bool = False, ou
         answers.append(answer)
         stats = result.stats.to_dict()
         stats["finish_reason"] = result.finish_reason
+        if session.learner is not None:  # learn=true: what this request's update did
+            stats["learn"] = session.last_learned
         if baseline:
             hf_tokens, hf_s = hf_generate(session, ids)
             stats["hf"] = {"new_tokens": len(hf_tokens), "total_s": hf_s,
@@ -115,6 +115,11 @@ def format_summary(summary: dict) -> str:
             f"HF generate {summary['hf_tokens_per_s']:.1f} tokens/s -> speedup {summary['speedup_vs_hf']:.2f}x; "
             f"same tokens as HF in {summary['same_tokens_as_hf']}/{summary['turns']} turns"
         )
+    if "learned" in summary:
+        ln = summary["learned"]
+        lines.append(f"learned from {ln['requests']} requests: {ln['updates']} updates kept, {ln['rollbacks']} rolled "
+                     f"back, {ln['steps']} steps; buffers {ln['buffer_bytes'] / 2**20:.1f} MiB (bound "
+                     f"{ln['memory_bound'] / 2**20:.0f} MiB with the heads and optimizer)")
     return "\n".join(lines)
 
 
@@ -132,6 +137,14 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
     if baseline not in (None, "hf"):
         raise DecodeSetupError(f"baseline={baseline!r}: use baseline=hf (or leave it unset).")
     session = load_session(cfg)
+    try:
+        return _answer(session, c, cfg, out)
+    finally:
+        session.close()  # learn=true: the adapted heads saved
+
+
+def _answer(session: Session, c: dict, cfg: Any, out: TextIO) -> dict:
+    prompt, prompts, baseline = c["prompt"], c["prompts"], c["baseline"]
     stream = bool(c["stream"])
     if prompt is not None:
         if baseline:
@@ -141,6 +154,8 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
         if not stream:
             out.write(record["answers"][0] + "\n")
         summary = summarize(record["turns"])
+        if session.learner is not None:
+            summary["learned"] = session.learner.summary()
         out.write(format_summary(summary) + "\n")
         return summary
 
@@ -162,6 +177,8 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
             f.flush()
             turn_stats.extend(record["turns"])
     summary = summarize(turn_stats)
+    if session.learner is not None:
+        summary["learned"] = session.learner.summary()
     (answers_path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     out.write(f"\n{len(questions)} questions -> {answers_path}\n" + format_summary(summary) + "\n")
     return summary

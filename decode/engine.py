@@ -25,7 +25,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -41,6 +41,15 @@ from core.errors import SelfspecError, SettingError
 from core.target import cache_kwarg
 
 TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (decode/attention.py)
+
+
+class Observer(Protocol):
+    """What :meth:`SpeculativeDecoder.generate` shows an observer (decode/learn.py:Recorder): the prompt ids and the
+    prefill's output, then each step's draft, verdict and verify output after the commit."""
+
+    def start(self, prompt_ids: torch.Tensor, out: ForwardOutput) -> None: ...
+
+    def commit(self, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None: ...
 
 
 class TreeAttentionError(SelfspecError, RuntimeError):
@@ -307,15 +316,17 @@ class SpeculativeDecoder:
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
         timings: bool = False,
+        observer: Observer | None = None,
     ) -> DecodeResult:
         """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted.
         ``timings``: the stats' split between prefill, drafting and verifying is measured after the device's queued
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
-        exact)."""
+        exact). ``observer``: sees the prefill's and every commit's forward output (decode/learn.py's recorder keeps
+        the committed positions' hidden states); its time counts as drafting."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan, plans=self.row_plans):
             head = self._head(sampling)
-            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head)
+            return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head, observer)
 
     def _head(self, sampling: Sampling) -> GreedyHead | None:
         """Greedy verification's bfloat16 LM head (decode/greedy_head.py) if this decode can use it: the small-batch
@@ -334,7 +345,8 @@ class SpeculativeDecoder:
             return self.drafter.verify_forward
         return tree_forward if head is None else partial(tree_forward, head=head)
 
-    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head) -> DecodeResult:
+    def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head,
+                  observer=None) -> DecodeResult:
         if max_new_tokens < 1:
             raise SettingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
         if stop and self.decode is None:
@@ -352,6 +364,8 @@ class SpeculativeDecoder:
         state, kept = settle(replace(state, new_tokens=[]), first, rule)
         t_prefill = clock()
         self.drafter.start(state, out)
+        if observer is not None:
+            observer.start(ids, out)
         stats.prefill_s = t_prefill - t_start
         stats.draft_s += clock() - t_prefill
         if on_tokens and kept:
@@ -373,6 +387,8 @@ class SpeculativeDecoder:
             state = commit(state, draft, verdict, out)
             t2 = clock()
             self.drafter.on_commit(state, draft, verdict, out)
+            if observer is not None:
+                observer.commit(draft, verdict, out)
             t3 = clock()
 
             emitted = draft.tokens[verdict.path[1:]].tolist() + [verdict.next_token]

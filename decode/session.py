@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from core.target import Target, load_target
 from decode import registry
 from decode.adaptive import AdaptiveDepth, measured_cost_curve
-from decode.engine import SpeculativeDecoder
+from decode.engine import DecodeResult, SpeculativeDecoder
 from decode.linear_kernels import use_small_batch
 from decode.registry import DrafterEntry
 from decode.settings import DecodeSettings
@@ -41,9 +41,30 @@ class Session:
     heads: torch.nn.Module | None  # the module the family's drafter runs (None: a training-free family)
     heads_config: dict | None  # the heads folder's config.json (None: random heads or none)
     decoder: SpeculativeDecoder = field(init=False)
+    learner: Any = field(default=None, init=False)  # learn=true: the decode.learn.OnlineLearner training ``heads``
+    last_learned: dict | None = field(default=None, init=False)  # what the last request's update did
 
     def __post_init__(self) -> None:
         self.decoder = self.decoder_for()
+
+    def generate(self, ids: list[int], learn: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
+                 **overrides: Any) -> DecodeResult:
+        """Decode ``ids`` with the session's decoder under its settings (``overrides``: other ``generate`` keyword
+        arguments, e.g. ``max_new_tokens``). With ``learn=true`` in the settings, the heads then learn from this
+        request, unless ``learn=False`` here (a request that must not be stored: nothing of it is kept)."""
+        s = self.settings
+        kwargs = {"max_new_tokens": s.max_new_tokens, "sampling": s.sampling, "stop": s.stop, "seed": s.seed,
+                  **overrides}
+        recorder = self.learner.recorder() if self.learner is not None and learn else None
+        result = self.decoder.generate(ids, on_tokens=on_tokens, observer=recorder, **kwargs)
+        if recorder is not None:
+            self.last_learned = self.learner.learn(recorder.example(result.tokens))
+        return result
+
+    def close(self) -> None:
+        """Save what the heads learned (learn=true); nothing otherwise."""
+        if self.learner is not None:
+            self.learner.save()
 
     @property
     def sampling(self) -> Sampling:
@@ -150,8 +171,15 @@ def load_session(cfg: Any) -> Session:
     draft_settings = chosen.settings(heads_config, settings.draft)
     target = load_target(settings.target_config(heads_config))
     target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads)
-    return Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
-                   heads=module, heads_config=heads_config)
+    session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
+                      heads=module, heads_config=heads_config)
+    if settings.learn:
+        from decode.learn import LearnSettings, OnlineLearner, check_learnable
+
+        check_learnable(chosen.name)
+        session.learner = OnlineLearner(module, chosen.name, heads_config or {}, target,
+                                        LearnSettings.from_dict(settings.learner))
+    return session
 
 
 def hf_generate(session: Session, ids: list[int], settings: DecodeSettings | None = None) -> tuple[list[int], float]:

@@ -41,7 +41,8 @@ def decode_config(overrides: dict | None = None) -> Any:
 
 
 SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", "dtype", "acceptance", "temperature",
-                "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt")
+                "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt", "learn",
+                "learner")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class DecodeSettings:
     seed: int
     chat: bool
     system_prompt: str | None
+    learn: bool  # the heads learn from the requests they decode (decode/learn.py)
+    learner: dict  # learn=true's settings (decode.learn.LearnSettings)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "DecodeSettings":
@@ -79,6 +82,7 @@ class DecodeSettings:
                               top_k=int(c["top_k"]), top_p=float(c["top_p"])),
             linear_kernel=kernel, max_new_tokens=int(c["max_new_tokens"]), stop=[str(s) for s in (c["stop"] or [])],
             seed=int(c["seed"]), chat=bool(c["chat"]), system_prompt=c["system_prompt"],
+            learn=bool(c["learn"]), learner=to_dict(c["learner"]),
         )
 
     def target_config(self, heads_config: dict | None) -> dict:

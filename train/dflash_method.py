@@ -254,6 +254,12 @@ class DFlashMethod(TrainMethod):
         if self.settings.init_from_layer is not None:
             init_layers_from_target(drafter, model, self.settings.init_from_layer)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
+        return self.wrap_module(drafter, target)
+
+    def wrap_module(self, drafter: nn.Module, target) -> nn.Module:
+        """The training module around ``drafter`` (a built or loaded DFlashHeads), with the teacher's rows of its
+        draft vocabulary."""
+        model = target.model
         if self.settings.freeze_lm_head:  # the target's rows of the draft vocabulary, copied by DFlashHeads
             drafter.lm_head.weight.requires_grad_(False)
         lm_head = model.get_output_embeddings()

@@ -167,6 +167,10 @@ class EagleMethod(TrainMethod):
         model = target.model
         drafter = EagleHeads(self.settings.eagle_config(model), model, d2t=self.d2t)
         drafter.to(device=model.get_input_embeddings().weight.device, dtype=torch.float32)
+        return self.wrap_module(drafter, target)
+
+    def wrap_module(self, drafter: nn.Module, target) -> nn.Module:
+        """The training module around ``drafter`` (a built or loaded EagleHeads)."""
         self._draft_vocab_of = drafter.target_to_draft  # the labels count_items reads, in the drafter's vocabulary
         return EagleTrainModule(drafter, self.weights, self.settings.unroll_steps, self.settings.feature_noise)
 

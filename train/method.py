@@ -11,6 +11,7 @@ capability             default
 ``supports_packing``   False: ``trainer.packing=true`` is refused
 ``prepare_data``       the splits and the collate function unchanged
 ``param_groups``       one group: every trainable parameter of the module ``build_module`` built
+``wrap_module``        refused: the module around a drafter built elsewhere (learning while decoding)
 =====================  ==================================================================================
 
 One normalisation rule: a loss is a sum over the items a micro-batch trains on divided by ``num_items``, their count
@@ -94,6 +95,11 @@ class TrainMethod(ABC):
         before the drafter is built: e.g. a draft vocabulary counted on the train split, or a feature store swapped
         in. By default the splits and ``collate_fn`` unchanged."""
         return datasets["train"], datasets.get("eval"), collate_fn
+
+    def wrap_module(self, drafter: nn.Module, target: Any) -> nn.Module:
+        """The module ``build_module`` would build, around a drafter that exists already (heads loaded for decoding,
+        which decode/learn.py trains between requests). Families that learn while decoding implement it."""
+        raise NotImplementedError(f"The {self.name} family does not train heads it did not build (no wrap_module).")
 
     def param_groups(self, module: nn.Module, lr: float) -> list[dict]:
         """The optimizer's parameter groups (e.g. a learning-rate multiplier for some of them); ``lr`` is

@@ -1,0 +1,206 @@
+"""Learning while decoding (decode/learn.py): the recorded examples are the target's own forward, answers stay the
+target's (greedy token for token, sampling in distribution) while the heads change between requests, the guard
+rolls back an update that lowers held-out acceptance, a killed session resumes from its last save, and learning
+over a repeated prompt raises the drafter's own acceptance beyond what chance gives."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import compose
+from decode.session import hf_generate, load_session
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23]]  # token ids of the tiny byte-level target
+LEARN = ["learn=true", "learner.resume=false", "learner.mixed_precision=no", "learner.steps=8",
+         "learner.learning_rate=3e-3", "learner.holdout_every=4", "learner.min_tokens=1", "learner.save_every=0"]
+
+
+def learning_session(tmp_path, family: str, *extra: str, name: str = "learned"):
+    """A session on the tiny Llama with untrained heads of ``family`` drafting alone at full depth, learning."""
+    return load_session(compose("decode", ["model=tiny", "heads=random", f"drafter={family}", "draft.suffix=false",
+                                           "draft.adaptive=false", "max_new_tokens=32",
+                                           f"learner.dir={tmp_path / name}", *LEARN, *extra]))
+
+
+def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_the_recorded_example_is_the_targets_own_forward(tmp_path, family):
+    s = learning_session(tmp_path, family)
+    recorder = s.learner.recorder()
+    result = s.decoder.generate(PROMPTS[0], max_new_tokens=24, observer=recorder)
+    example = recorder.example(result.tokens)
+    ids = PROMPTS[0] + result.tokens[:-1]  # the last answer token was never fed to the target
+    assert example["input_ids"].tolist() == ids
+    assert example["labels"].tolist() == [-100] * len(PROMPTS[0]) + result.tokens[:-1]
+    with torch.no_grad():
+        hs = s.target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    config = s.target.model.config
+    # float32 rounding of a tree-masked forward over a cache against one plain forward: a few ulps per dot product of
+    # hidden_size terms, compounded over the layers (the bound of tests/test_feature_store_vllm.py)
+    bound = 4 * torch.finfo(torch.float32).eps * math.sqrt(config.hidden_size) * (config.num_hidden_layers + 1)
+    pairs = [(example["hidden"], hs[-1][0])]
+    if s.learner.layers:
+        pairs += [(example["aux"][:, j], hs[i][0]) for j, i in enumerate(s.learner.layers)]
+    for got, ref in pairs:
+        assert got.shape == ref.shape
+        assert float((got - ref).abs().max()) <= bound * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_greedy_answers_stay_the_targets_while_the_heads_learn(tmp_path, family):
+    s = learning_session(tmp_path, family)
+    start = weights(s.heads)
+    refs, late_accepted = {}, 0
+    for i in range(10):
+        ids = PROMPTS[i % len(PROMPTS)]
+        result = s.generate(ids)
+        if tuple(ids) not in refs:
+            refs[tuple(ids)] = hf_generate(s, ids)[0]
+        assert result.tokens == refs[tuple(ids)], f"request {i}"
+        if i >= 6:
+            late_accepted += result.stats.accepted
+    assert s.learner.updates > 0 and not same_weights(start, weights(s.heads))  # the weights did change mid-stream
+    assert late_accepted > 0  # and drafts of the changed weights were accepted
+
+
+def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp_path):
+    """The first three sampled tokens of the 12-token target over many seeds, the DFlash heads learning from every
+    request (one step each, unguarded, so the weights change every request), follow the target's own distribution."""
+    from test_engine import SAMPLING, exact_first_three, small_vocab_target
+    from test_verify import chi_square_pvalue
+
+    from core.target import Target
+    from decode.dflash_drafter import DFlashBlockDrafter, random_dflash_heads
+    from decode.engine import SpeculativeDecoder
+    from decode.learn import LearnSettings, OnlineLearner
+
+    model = small_vocab_target()
+    heads = random_dflash_heads(model, seed=0)
+    settings = LearnSettings.from_dict({
+        "dir": str(tmp_path / "learned"), "resume": False, "buffer_tokens": 256, "holdout_every": 1000, "steps": 1,
+        "batch_size": 8, "learning_rate": 3e-3, "min_tokens": 1, "guard": False, "save_every": 0, "max_length": 64,
+        "mixed_precision": "no", "seed": 0})
+    learner = OnlineLearner(heads, "dflash", {}, Target(model=model, tokenizer=SimpleNamespace(pad_token_id=0), name="small"),
+                            settings)
+    decoder = SpeculativeDecoder(model, DFlashBlockDrafter(heads, top_k=1, dtype=torch.float32), eos_token_ids=[])
+    prompt = torch.tensor([3, 5, 7, 1])
+    v = model.config.vocab_size
+    counts, accepted, seeds = torch.zeros(v ** 3), 0, 1000
+    for seed in range(seeds):
+        recorder = learner.recorder()
+        res = decoder.generate(prompt, max_new_tokens=3, sampling=SAMPLING, seed=seed, observer=recorder)
+        learner.learn(recorder.example(res.tokens))
+        a, b, c = res.tokens
+        counts[(a * v + b) * v + c] += 1
+        accepted += res.stats.accepted
+    exact = exact_first_three(model, prompt).reshape(-1)
+    assert learner.updates > seeds // 2  # the weights changed on most requests
+    assert accepted / seeds > 0.2  # drafts were accepted often enough for the test to mean something
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_the_guard_rolls_back_an_update_that_lowers_held_out_acceptance(tmp_path):
+    s = learning_session(tmp_path, "eagle3")
+    for _ in range(5):  # learn the repeated answer: held-out acceptance well above zero
+        s.generate(PROMPTS[0])
+    before = s.learner.held_out_acceptance()
+    assert before > 0
+    kept, module, rollbacks = weights(s.heads), weights(s.learner.module), s.learner.rollbacks
+    for group in s.learner.optimizer.param_groups:
+        group["lr"] = 10.0  # steps this large wreck the drafter
+    report = s.generate(PROMPTS[0]) and s.last_learned
+    assert report["rolled_back"] and report["after"] < report["before"] and s.learner.rollbacks == rollbacks + 1
+    assert same_weights(kept, weights(s.heads))  # the session's heads never saw the wrecked weights
+    assert same_weights(module, weights(s.learner.module))  # and training goes on from where it was
+    assert s.learner.held_out_acceptance() == before
+
+    unguarded = learning_session(tmp_path, "eagle3", "learner.guard=false", name="unguarded")
+    for _ in range(5):
+        unguarded.generate(PROMPTS[0])
+    kept = weights(unguarded.heads)
+    for group in unguarded.learner.optimizer.param_groups:
+        group["lr"] = 10.0
+    unguarded.generate(PROMPTS[0])
+    assert not same_weights(kept, weights(unguarded.heads))  # without the guard the same update lands
+
+
+def test_a_killed_session_resumes_where_its_last_save_left_off(tmp_path):
+    every = ["learner.save_every=1"]
+    whole = learning_session(tmp_path, "eagle3", *every, name="whole")
+    for i in range(6):
+        whole.generate(PROMPTS[i % 2])
+
+    first = learning_session(tmp_path, "eagle3", *every, name="killed")
+    for i in range(3):
+        first.generate(PROMPTS[i % 2])
+    saved = weights(first.heads)
+    del first  # killed: no close
+
+    again = learning_session(tmp_path, "eagle3", *every, "learner.resume=true", name="killed")
+    assert same_weights(saved, weights(again.heads)) and again.learner.requests == 3
+    for i in range(3, 6):
+        again.generate(PROMPTS[i % 2])
+    assert same_weights(weights(whole.heads), weights(again.heads))  # as if it had never stopped
+    assert (whole.learner.updates, whole.learner.rollbacks) == (again.learner.updates, again.learner.rollbacks)
+
+
+def test_a_save_cut_midway_leaves_the_last_one_whole(tmp_path, monkeypatch):
+    s = learning_session(tmp_path, "eagle3")
+    for i in range(3):
+        s.generate(PROMPTS[i % 2])
+    s.close()
+    saved = (tmp_path / "learned" / "learner.pt").read_bytes()
+    s.generate(PROMPTS[0])
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    assert (tmp_path / "learned" / "learner.pt").read_bytes() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["learned"]  # no half-written folder left beside it
+
+
+def test_learning_over_a_repeated_prompt_raises_the_drafters_own_acceptance(tmp_path):
+    """Frozen, the untrained heads accept the same drafts on every repeat of the prompt (greedy, deterministic);
+    learning, the last repeat accepts more than that, and more than drafts guessed uniformly from the draft
+    vocabulary would reach with probability 1e-6 (a binomial tail bound: the threshold is derived, not tuned)."""
+    frozen = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3", "draft.suffix=false",
+                                             "draft.adaptive=false", "max_new_tokens=32"]))
+    learning = learning_session(tmp_path, "eagle3")
+    for _ in range(8):
+        base = frozen.generate(PROMPTS[0])
+        last = learning.generate(PROMPTS[0])
+    n, vd = last.stats.drafted, learning.heads.lm_head.out_features
+    k = next(k for k in range(n + 1) if binomial_tail(n, 1 / vd, k) < 1e-6)
+    assert last.stats.accepted > base.stats.accepted and last.stats.accepted >= k
+
+
+def binomial_tail(n: int, p: float, k: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, p)."""
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k, n + 1))
+
+
+def test_learn_refuses_what_it_cannot_train(tmp_path):
+    from decode.types import DecodeSetupError
+
+    with pytest.raises(DecodeSetupError, match="learn=true trains eagle, eagle3, dflash heads"):
+        load_session(compose("decode", ["model=tiny", "heads=random", "drafter=medusa", "learn=true",
+                                         f"learner.dir={tmp_path / 'l'}"]))
+    with pytest.raises(Exception, match="learner.steps=-1 must be >= 0"):
+        learning_session(tmp_path, "eagle3", "learner.steps=-1")

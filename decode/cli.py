@@ -49,6 +49,29 @@ def bench_main() -> None:
         bench()
 
 
+# --- scripts/stream_bench.py ------------------------------------------------------------------------------------------
+
+
+def stream_bench(argv: list[str] | None = None) -> dict:
+    """The learning stream benchmark (conf/decode/stream.yaml with the overrides ``argv``); SystemExit(1) after
+    writing the outputs if a method's output differs from HF generate's."""
+    from decode.bench.stream import run_stream
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = compose("stream", argv, config_dir=DECODE_CONF)
+    report = run_stream(cfg, command=shlex.join(["python", "scripts/stream_bench.py", *argv]))
+    print((Path(str(cfg.out)) / "stream.md").read_text())
+    if report["mismatches"]:
+        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (stream.json)", file=sys.stderr)
+        raise SystemExit(1)
+    return report
+
+
+def stream_bench_main() -> None:
+    with reported_errors():
+        stream_bench()
+
+
 # --- selfspec-export: scripts/export.py ------------------------------------------------------------------------------
 
 

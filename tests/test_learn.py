@@ -204,3 +204,31 @@ def test_learn_refuses_what_it_cannot_train(tmp_path):
                                          f"learner.dir={tmp_path / 'l'}"]))
     with pytest.raises(Exception, match="learner.steps=-1 must be >= 0"):
         learning_session(tmp_path, "eagle3", "learner.steps=-1")
+
+
+def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_path):
+    import json
+
+    from heads.io import save_heads
+    from scripts.stream_bench import main
+
+    seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3"]))
+    save_heads(tmp_path / "heads", seed_session.heads, "eagle3", seed_session.heads.config.to_dict(),
+               seed_session.target)
+    prompts = tmp_path / "stream.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def f{i % 2}(x):"]})
+                               + "\n" for i in range(6)))
+    report = main([f"heads={tmp_path / 'heads'}", f"prompts={prompts}", "window=3", "max_new_tokens=16",
+                   f"out={tmp_path / 'out'}", "learner.mixed_precision=no", "learner.min_tokens=1",
+                   "learner.holdout_every=3", "learner.steps=2", "learner.save_every=0"])
+    assert report["mismatches"] == [] and len(report["runs"]) == 6
+    assert [(w["start"], w["end"]) for w in report["windows"]] == [(0, 3), (3, 6)]
+    for name in ("suffix", "frozen", "learn", "learn_untrained"):
+        assert all(r[name]["new_tokens"] == r["hf"]["new_tokens"] for r in report["runs"])
+    for name in ("learn", "learn_untrained"):
+        assert report["learned"][name]["requests"] == 6 and report["learned"][name]["updates"] > 0
+        assert all("alone_tau" in r[name] for r in report["runs"])
+        assert (tmp_path / "out" / ("learned" if name == "learn" else "learned-untrained") / "heads").is_dir()
+    assert sum(r["learn"]["learn_seconds"] for r in report["runs"]) > 0
+    assert "learn_vs_suffix_second_half" in report["aims"]
+    assert all((tmp_path / "out" / f).is_file() for f in ("stream.json", "stream.md", "stream.png"))

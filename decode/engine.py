@@ -44,7 +44,7 @@ TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a dec
 
 
 class Observer(Protocol):
-    """What :meth:`SpeculativeDecoder.generate` shows an observer (decode/learn.py:Recorder): the prompt ids and the
+    """What :meth:`SpeculativeDecoder.generate` shows an observer (train/online.py:Recorder): the prompt ids and the
     prefill's output, then each step's draft, verdict and verify output after the commit."""
 
     def start(self, prompt_ids: torch.Tensor, out: ForwardOutput) -> None: ...
@@ -321,7 +321,7 @@ class SpeculativeDecoder:
         """Decode one prompt ([T] or [1, T] ids). ``on_tokens`` gets each step's new tokens as they are accepted.
         ``timings``: the stats' split between prefill, drafting and verifying is measured after the device's queued
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
-        exact). ``observer``: sees the prefill's and every commit's forward output (decode/learn.py's recorder keeps
+        exact). ``observer``: sees the prefill's and every commit's forward output (train/online.py's recorder keeps
         the committed positions' hidden states); its time counts as drafting."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan, plans=self.row_plans):

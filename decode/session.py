@@ -41,7 +41,7 @@ class Session:
     heads: torch.nn.Module | None  # the module the family's drafter runs (None: a training-free family)
     heads_config: dict | None  # the heads folder's config.json (None: random heads or none)
     decoder: SpeculativeDecoder = field(init=False)
-    learner: Any = field(default=None, init=False)  # learn=true: the decode.learn.OnlineLearner training ``heads``
+    learner: Any = field(default=None, init=False)  # learn=true: the train.online.OnlineLearner training ``heads``
     last_learned: dict | None = field(default=None, init=False)  # what the last request's update did
 
     def __post_init__(self) -> None:
@@ -174,7 +174,7 @@ def load_session(cfg: Any) -> Session:
     session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
                       heads=module, heads_config=heads_config)
     if settings.learn:
-        from decode.learn import LearnSettings, OnlineLearner, check_learnable
+        from train.online import LearnSettings, OnlineLearner, check_learnable
 
         check_learnable(chosen.name)
         session.learner = OnlineLearner(module, chosen.name, heads_config or {}, target,

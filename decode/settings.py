@@ -64,8 +64,8 @@ class DecodeSettings:
     seed: int
     chat: bool
     system_prompt: str | None
-    learn: bool  # the heads learn from the requests they decode (decode/learn.py)
-    learner: dict  # learn=true's settings (decode.learn.LearnSettings)
+    learn: bool  # the heads learn from the requests they decode (train/online.py)
+    learner: dict  # learn=true's settings (train.online.LearnSettings)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "DecodeSettings":

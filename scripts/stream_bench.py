@@ -1,6 +1,6 @@
 """The learning stream benchmark: a stream of prompts of one domain the heads never trained on, in order; each
 prompt decoded by the suffix drafter alone (with its memory of earlier answers), the heads frozen, and the heads
-learning from every request (decode/learn.py), from the trained heads and from untrained ones; every output checked
+learning from every request (train/online.py), from the trained heads and from untrained ones; every output checked
 against HF generate's. Per window of requests: tau, tokens/s (decoding, and with the learning time counted in), the
 learning seconds per request and each drafter's own tau; the issue's aims on the stream's second half. Writes
 stream.json, stream.md and stream.png to ``out=``; exits 1 if any output differs from HF generate's.

@@ -1,4 +1,4 @@
-"""Learning while decoding (decode/learn.py): the recorded examples are the target's own forward, answers stay the
+"""Learning while decoding (train/online.py): the recorded examples are the target's own forward, answers stay the
 target's (greedy token for token, sampling in distribution) while the heads change between requests, the guard
 rolls back an update that lowers held-out acceptance, a killed session resumes from its last save, and learning
 over a repeated prompt raises the drafter's own acceptance beyond what chance gives."""
@@ -85,7 +85,7 @@ def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp
     from core.target import Target
     from decode.dflash_drafter import DFlashBlockDrafter, random_dflash_heads
     from decode.engine import SpeculativeDecoder
-    from decode.learn import LearnSettings, OnlineLearner
+    from train.online import LearnSettings, OnlineLearner
 
     model = small_vocab_target()
     heads = random_dflash_heads(model, seed=0)
@@ -197,9 +197,9 @@ def binomial_tail(n: int, p: float, k: int) -> float:
 
 
 def test_learn_refuses_what_it_cannot_train(tmp_path):
-    from decode.types import DecodeSetupError
+    from train.online import LearnSetupError
 
-    with pytest.raises(DecodeSetupError, match="learn=true trains eagle, eagle3, dflash heads"):
+    with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash heads"):
         load_session(compose("decode", ["model=tiny", "heads=random", "drafter=medusa", "learn=true",
                                          f"learner.dir={tmp_path / 'l'}"]))
     with pytest.raises(Exception, match="learner.steps=-1 must be >= 0"):

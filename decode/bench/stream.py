@@ -6,7 +6,7 @@ Methods (``methods=``; HF generate always runs, the reference):
 - ``suffix``: the suffix drafter alone, one decoder over the whole stream (its memory of earlier answers: the
   training-free way to adapt);
 - ``frozen``: the heads' default decoder (with the suffix drafter, adaptive depth), never trained;
-- ``learn``: the same decoder from the same heads, learning from every request (decode/learn.py);
+- ``learn``: the same decoder from the same heads, learning from every request (train/online.py);
 - ``learn_untrained``: that, from untrained heads of the same family (``heads=random``).
 
 For ``frozen`` and the learning methods the heads also decode each prompt alone at full depth (no suffix drafter,

@@ -35,11 +35,14 @@ from typing import Any, Iterable
 
 import torch
 
-from core.errors import SettingError
-from decode.types import DecodeSetupError, Draft, ForwardOutput
-from decode.verify import Verdict
+from core.errors import SelfspecError, SettingError
 
 LEARNING_FAMILIES = ("eagle", "eagle3", "dflash")
+
+
+class LearnSetupError(SelfspecError, ValueError):
+    """Learning cannot start as asked (a family it does not train, a learner.dir that does not load); the message
+    says what to do instead."""
 STATE_FILE = "learner.pt"
 HEADS_DIR = "heads"
 
@@ -104,7 +107,7 @@ class Recorder:
         self.prompt_length = 0
         self.length = 0
 
-    def _keep(self, tokens: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], index) -> None:
+    def _keep(self, tokens: torch.Tensor, hidden_states, index) -> None:
         if self.length >= self.max_length:
             return
         rows = torch.stack([hidden_states[i][index] for i in (*self.layers, -1)], dim=1)
@@ -112,11 +115,13 @@ class Recorder:
         self.rows.append(rows.detach().to("cpu", self.dtype))
         self.length += int(tokens.shape[0])
 
-    def start(self, prompt_ids: torch.Tensor, out: ForwardOutput) -> None:
+    def start(self, prompt_ids: torch.Tensor, out) -> None:
+        """``out``: the prefill's decode.types.ForwardOutput."""
         self.prompt_length = int(prompt_ids.shape[0])
         self._keep(prompt_ids, out.hidden_states, slice(None))
 
-    def commit(self, draft: Draft, verdict: Verdict, out: ForwardOutput) -> None:
+    def commit(self, draft, verdict, out) -> None:
+        """The engine's decode.types Draft, decode.verify Verdict and ForwardOutput of one step."""
         path = torch.tensor(verdict.path, device=draft.tokens.device)
         self._keep(draft.tokens[path], out.hidden_states, path.to(out.hidden.device))
 
@@ -213,7 +218,7 @@ class OnlineLearner:
     def __init__(self, heads: torch.nn.Module, head_type: str, heads_config: dict, target: Any,
                  settings: LearnSettings):
         if head_type not in LEARNING_FAMILIES:
-            raise DecodeSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; these are {head_type} "
+            raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; these are {head_type} "
                                    "heads. Decode with learn=false, or train heads of one of those families.")
         self.heads, self.head_type, self.target, self.settings = heads, head_type, target, settings
         self.heads_config = heads_config
@@ -392,7 +397,7 @@ class OnlineLearner:
             buffer, holdout, rng, torch_rng, c = (state[k] for k in ("buffer", "holdout", "rng", "torch_rng",
                                                                      "counters"))
         except Exception as err:  # noqa: BLE001 - named with the fix
-            raise DecodeSetupError(f"learner.dir={self.dir} holds no learner state that loads ({type(err).__name__}: "
+            raise LearnSetupError(f"learner.dir={self.dir} holds no learner state that loads ({type(err).__name__}: "
                                    f"{err}). Point learner.dir elsewhere, or give learner.resume=false to start over "
                                    "from heads= (the next save replaces that folder).") from err
         with torch.no_grad():
@@ -412,10 +417,10 @@ class OnlineLearner:
 def check_learnable(family: str) -> None:
     """A clear refusal for ``learn=true`` where there is nothing it can train."""
     if family not in LEARNING_FAMILIES:
-        raise DecodeSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; the session's drafter is "
+        raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; the session's drafter is "
                                f"{family}. Give heads=FOLDER of one of those families (heads=random with "
                                "drafter=eagle3 or dflash: untrained heads), or decode with learn=false.")
 
 
-__all__ = ["LearnSettings", "OnlineLearner", "Recorder", "ReplayBuffer", "check_learnable", "training_method",
+__all__ = ["LearnSettings", "LearnSetupError", "OnlineLearner", "Recorder", "ReplayBuffer", "check_learnable", "training_method",
            "bytes_per_position"]

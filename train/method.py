@@ -98,7 +98,7 @@ class TrainMethod(ABC):
 
     def wrap_module(self, drafter: nn.Module, target: Any) -> nn.Module:
         """The module ``build_module`` would build, around a drafter that exists already (heads loaded for decoding,
-        which decode/learn.py trains between requests). Families that learn while decoding implement it."""
+        which train/online.py trains between requests). Families that learn while decoding implement it."""
         raise NotImplementedError(f"The {self.name} family does not train heads it did not build (no wrap_module).")
 
     def param_groups(self, module: nn.Module, lr: float) -> list[dict]:

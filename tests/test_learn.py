@@ -232,3 +232,21 @@ def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_pa
     assert sum(r["learn"]["learn_seconds"] for r in report["runs"]) > 0
     assert "learn_vs_suffix_second_half" in report["aims"]
     assert all((tmp_path / "out" / f).is_file() for f in ("stream.json", "stream.md", "stream.png"))
+
+
+def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path):
+    from heads.export import export_heads
+    from heads.io import load_heads
+
+    s = learning_session(tmp_path, "dflash")
+    for i in range(4):
+        s.generate(PROMPTS[i % 2])
+    state = (s.learner.requests, s.learner.buffer.tokens, s.learner.holdout.tokens, weights(s.heads))
+    s.generate(PROMPTS[2], learn=False)  # a request that must not be stored
+    assert state[:3] == (s.learner.requests, s.learner.buffer.tokens, s.learner.holdout.tokens)
+    assert same_weights(state[3], weights(s.heads))
+    s.close()
+    folder = tmp_path / "learned" / "heads"
+    assert same_weights(weights(load_heads(folder, target=s.target).module), weights(s.heads))
+    out, fmt = export_heads(folder, tmp_path / "export", s.target.model)  # vLLM's DFlash form, as for any heads
+    assert fmt == "dflash" and (out / "model.safetensors").is_file()

@@ -36,7 +36,7 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "medusa"])
 def test_the_recorded_example_is_the_targets_own_forward(tmp_path, family):
     s = learning_session(tmp_path, family)
     recorder = s.learner.recorder()
@@ -59,7 +59,7 @@ def test_the_recorded_example_is_the_targets_own_forward(tmp_path, family):
         assert float((got - ref).abs().max()) <= bound * float(ref.abs().max())
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "medusa"])
 def test_greedy_answers_stay_the_targets_while_the_heads_learn(tmp_path, family):
     s = learning_session(tmp_path, family)
     start = weights(s.heads)
@@ -199,8 +199,8 @@ def binomial_tail(n: int, p: float, k: int) -> float:
 def test_learn_refuses_what_it_cannot_train(tmp_path):
     from train.online import LearnSetupError
 
-    with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash heads"):
-        load_session(compose("decode", ["model=tiny", "heads=random", "drafter=medusa", "learn=true",
+    with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash, medusa heads"):
+        load_session(compose("decode", ["model=tiny", "heads=null", "drafter=suffix", "learn=true",
                                          f"learner.dir={tmp_path / 'l'}"]))
     with pytest.raises(Exception, match="learner.steps=-1 must be >= 0"):
         learning_session(tmp_path, "eagle3", "learner.steps=-1")

@@ -296,6 +296,11 @@ class Medusa1Method(MedusaMethod):
     def build_module(self, target) -> nn.Module:
         return self.build_heads(target)
 
+    def wrap_module(self, drafter: nn.Module, target) -> nn.Module:
+        """Loaded heads as they are (Medusa-1 trains the heads module itself), with their draft vocabulary."""
+        self.token_map = getattr(drafter, "token_map", None)
+        return drafter
+
     def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:
         return self._heads_forward(drafter, self._hidden(batch, target).flatten(0, 1)[head_index])
 

@@ -37,7 +37,7 @@ import torch
 
 from core.errors import SelfspecError, SettingError
 
-LEARNING_FAMILIES = ("eagle", "eagle3", "dflash")
+LEARNING_FAMILIES = ("eagle", "eagle3", "dflash", "medusa")  # Medusa-1: Medusa-2's adapter is refused
 
 
 class LearnSetupError(SelfspecError, ValueError):
@@ -193,6 +193,9 @@ class _OneProcess:
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return tensor
 
+    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
 
 def training_method(head_type: str, heads_config: dict):
     """The family's training method, configured as these heads were trained (their saved ``heads`` settings over the
@@ -225,10 +228,16 @@ class OnlineLearner:
         model = target.model
         self.device = next(model.parameters()).device
         self.method = training_method(head_type, heads_config)
-        # the float32 copy trained here; the target it refers to stays the one object (not copied)
-        drafter = copy.deepcopy(heads, memo={id(model): model}).to(device=self.device, dtype=torch.float32)
+        # the float32 copy trained here; the target and its parts it refers to stay the same objects (not copied)
+        memo = {id(x): x for x in (model, *model.modules(), *model.parameters())}
+        drafter = copy.deepcopy(heads, memo=memo).to(device=self.device, dtype=torch.float32)
         drafter.requires_grad_(True)
-        self.module = self.method.wrap_module(drafter, target)
+        try:
+            self.module = self.method.wrap_module(drafter, target)
+        except NotImplementedError as err:
+            raise LearnSetupError(f"learn=true cannot train these {head_type} heads: {err} (Medusa-2's heads fit "
+                                  "the target with its adapter). Decode with learn=false.") from err
+        self.core = getattr(self.module, "drafter", self.module)  # the heads inside the training module
         self.params = [p for g in self.method.param_groups(self.module, settings.learning_rate) for p in g["params"]]
         self.optimizer = torch.optim.AdamW(self.method.param_groups(self.module, settings.learning_rate),
                                            lr=settings.learning_rate, weight_decay=0.0)
@@ -248,13 +257,13 @@ class OnlineLearner:
 
     def _store_layers(self, model) -> list[int]:
         """The layers the family's feature store keeps beside the last (EAGLE-3's fused inputs, DFlash's context)."""
-        core = self.module.drafter
+        core = self.core
         if self.head_type == "dflash":
             return list(core.feature_layers)
         return list(core.config.layer_ids) if self.head_type == "eagle3" else []
 
     def bytes_per_position(self) -> int:
-        return bytes_per_position(self.module.drafter.config.hidden_size, len(self.layers), self.dtype)
+        return bytes_per_position(self.core.config.hidden_size, len(self.layers), self.dtype)
 
     def memory_bound(self) -> int:
         """Bytes the learner can hold at most: both buffers full, and the float32 heads with AdamW's two moments."""
@@ -304,7 +313,7 @@ class OnlineLearner:
         self.updates += 1
         self.steps += len(losses)
         with torch.no_grad():
-            self.heads.load_state_dict(self.module.drafter.state_dict())
+            self.heads.load_state_dict(self.core.state_dict())
         out["rolled_back"] = False
         return out
 
@@ -392,7 +401,7 @@ class OnlineLearner:
         try:
             loaded = load_heads(self.dir / HEADS_DIR, target=self.target)
             state = torch.load(self.dir / STATE_FILE, weights_only=False)
-            self.module.drafter.load_state_dict(loaded.module.state_dict())
+            self.core.load_state_dict(loaded.module.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
             buffer, holdout, rng, torch_rng, c = (state[k] for k in ("buffer", "holdout", "rng", "torch_rng",
                                                                      "counters"))

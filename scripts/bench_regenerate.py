@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 from core.config import compose
+from core.vllm_env import VllmSettings
 from train.data import open_records, read_records
 from train.regenerate import (
     AnswerEngine,
     Answering,
     HFEngine,
-    VllmSettings,
     answering_of,
     iter_prompts,
     open_vllm_engine,

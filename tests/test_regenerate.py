@@ -262,7 +262,7 @@ def test_conversations_are_written_as_they_complete_and_a_kill_loses_only_those_
 
 
 def test_vllm_settings_compose_into_the_llm_keywords_and_one_engine_per_data_parallel_replica():
-    from train.regenerate import VllmSettings, llm_kwargs, replica_env
+    from core.vllm_env import VllmSettings, llm_kwargs, replica_env
 
     cfg = compose("regenerate", ["engine=vllm", "vllm.tensor_parallel_size=2", "vllm.data_parallel_size=2",
                                  "vllm.max_num_seqs=64", "+vllm.engine_args.enable_expert_parallel=true"])

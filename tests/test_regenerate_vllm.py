@@ -25,7 +25,8 @@ from conftest import compose
 from test_regenerate import PROMPTS
 from test_serving import HIDDEN, LAYERS, tiny_target, vllm_or_skip
 from train.data import chat_ids, load_conversations
-from train.regenerate import Answering, HFEngine, VllmSettings, iter_prompts, open_vllm_engine, regenerate
+from core.vllm_env import VllmSettings
+from train.regenerate import Answering, HFEngine, iter_prompts, open_vllm_engine, regenerate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

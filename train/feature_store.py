@@ -180,7 +180,7 @@ class VllmHiddenStates:
 
     def _start(self, max_model_len: int) -> None:
         from core.vllm_env import PLUGINS_DIR, VllmSession, hidden_states_engine, served_model
-        from train.regenerate import VllmSettings, llm_kwargs, replica_env, visible_gpus
+        from core.vllm_env import VllmSettings, llm_kwargs, replica_env, visible_gpus
 
         settings = VllmSettings.from_config({"batch_size": 1, **self.settings})
         path, _ = served_model(self.model_cfg)

@@ -42,13 +42,14 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from core.errors import SettingError
+from core.vllm_env import VllmSettings
 from train.data import (
     EMPTY_TURN,
     INVALID_TURN,
@@ -263,91 +264,6 @@ class HFEngine(AnswerEngine):
         return [cut_answer(row, self.stop_ids, budget) for row, budget in zip(rows, budgets)]
 
 
-@dataclass
-class VllmSettings:
-    """engine=vllm's settings: conf/regenerate.yaml's ``vllm:`` block describes them and writes their defaults, the
-    only place they are written (:meth:`from_config`)."""
-
-    venv: str | None  # vLLM's venv (None: $SELFSPEC_VLLM_VENV, else .venv-vllm)
-    batch_size: int  # conversations replayed together; each turn of them is one call
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    data_parallel_size: int  # engines, each on its own tensor x pipeline devices
-    distributed_executor_backend: str | None  # None: vLLM's choice (mp on one node, ray across nodes)
-    gpu_memory_utilization: float | None  # None: vLLM's default (0.3 on its CPU build: core.vllm_env)
-    enforce_eager: bool | None  # None: vLLM's default (CUDA graphs on GPUs; eager on its CPU build)
-    max_num_seqs: int | None  # sequences vLLM runs at once (None: its default)
-    engine_args: dict  # any other LLM(...) keyword
-    timeout: float | None  # seconds vLLM may take to start, and for each call
-
-    @classmethod
-    def from_config(cls, vllm_cfg: Any) -> "VllmSettings":
-        from core.config import to_plain
-
-        values = to_plain(vllm_cfg) or {}
-        missing = [f.name for f in fields(cls) if f.name not in values]
-        if missing:
-            raise SettingError(f"vllm.{missing[0]} is not set: compose conf/regenerate.yaml, which writes every "
-                               "vllm.* default, rather than a config of your own.")
-        settings = cls(**{f.name: values[f.name] for f in fields(cls)})
-        settings.engine_args = dict(settings.engine_args or {})
-        return settings
-
-
-# LLM(...) keywords that have a setting of their own (or are the target's): engine_args may not set them
-OWN_ARGS = ("model", "dtype", "seed", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
-            "data_parallel_size", "distributed_executor_backend", "gpu_memory_utilization", "enforce_eager",
-            "max_num_seqs")
-
-
-def llm_kwargs(settings: VllmSettings, model: str, dtype: str, max_model_len: int | None, seed: int) -> dict:
-    """The keywords of each engine's ``LLM(...)``: the target, its dtype, the longest conversation, the seed, and the
-    settings that pass through (a None one is left to vLLM). ``data_parallel_size`` is not among them: vLLM 0.32
-    refuses it in one process, so each replica is an engine of its own (:func:`replica_env`)."""
-    taken = sorted(set(settings.engine_args) & set(OWN_ARGS))
-    if taken:
-        raise SettingError(f"vllm.engine_args sets {', '.join(taken)}: the target and its dtype come from model=, "
-                           "the seed from seed=, max_model_len from data.max_length, the rest are vllm.* settings "
-                           "of their own.")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        value = getattr(settings, key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SettingError(f"vllm.{key}={value!r}: a whole number >= 1.")
-    kwargs = {
-        "model": model, "dtype": dtype, "seed": int(seed), "max_model_len": max_model_len,
-        "tensor_parallel_size": settings.tensor_parallel_size,
-        "pipeline_parallel_size": settings.pipeline_parallel_size,
-        "distributed_executor_backend": settings.distributed_executor_backend,
-        "gpu_memory_utilization": settings.gpu_memory_utilization, "enforce_eager": settings.enforce_eager,
-        "max_num_seqs": settings.max_num_seqs, **settings.engine_args,
-    }
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def replica_env(settings: VllmSettings, visible: list[str]) -> list[dict[str, str]]:
-    """Per data-parallel replica, the variables that give it its own devices: replica ``r`` sees the ``r``-th run of
-    tensor x pipeline devices among ``visible`` (``$CUDA_VISIBLE_DEVICES``, else every GPU). One replica keeps the
-    devices as they are (a multi-node engine finds its GPUs through Ray)."""
-    replicas, per = settings.data_parallel_size, settings.tensor_parallel_size * settings.pipeline_parallel_size
-    if replicas == 1:
-        return [{}]
-    if not visible:
-        raise SettingError(f"vllm.data_parallel_size={replicas}: each replica is an engine on its own GPUs, and none "
-                           "is visible here (on a CPU one vLLM engine already uses every core: keep 1).")
-    if replicas * per > len(visible):
-        raise SettingError(f"vllm.data_parallel_size={replicas} x tensor_parallel_size x pipeline_parallel_size "
-                           f"= {replicas * per} GPUs, but {len(visible)} are visible ({','.join(visible)}): lower "
-                           "one of them, or for several nodes run one regenerate per node (docs/usage.md).")
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(visible[r * per:(r + 1) * per])} for r in range(replicas)]
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use: ``$CUDA_VISIBLE_DEVICES``, else every one torch sees."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-        return [d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-
-
 class VllmEngine(AnswerEngine):
     """vLLM's offline ``LLM`` in its venv (core/vllm_env.py's :class:`VllmSession`): every call one batch of
     requests, each with its own budget and, sampled, its own seed."""
@@ -374,7 +290,7 @@ def open_vllm_engine(path: str, tokenizer, model_cfg: Any, settings: VllmSetting
 
     from core.config import cfg_get
     from core.target import resolve_device, resolve_dtype
-    from core.vllm_env import VllmSession
+    from core.vllm_env import VllmSession, llm_kwargs, replica_env, visible_gpus
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id

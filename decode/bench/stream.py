@@ -118,7 +118,8 @@ def run_stream(cfg: Any, command: str = "") -> dict:
         session.close()
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": command, "machine": machine_info(base.target.model), "heads": c["heads"],
-              "family": base.family, "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
+              "family": base.family, "dtype": str(next(base.target.model.parameters()).dtype).removeprefix("torch."),
+              "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
               "max_new_tokens": s.max_new_tokens, "learner": to_dict(cfg.learner), "methods": names, "runs": runs,
               "windows": windows(runs, names, window), "aims": aims(runs, names), "mismatches": mismatches,
               "learned": {n: sessions[n].learner.summary() for n in LEARNING if n in sessions}}

@@ -356,6 +356,10 @@ def build_tiny(
     tokenizer (ids < 259 are used by text). ``head_dim``: the attention head size (default hidden / heads), which
     every architecture's row turns into its own settings (core/archs.py). ``config``: any other field of the
     architecture's config class, set last (e.g. DeepSeek's ``kv_lora_rank``)."""
+    # how to build it again (the arguments that shape the weights): heads trained on it record this (heads/io.py),
+    # and decoding rebuilds the same target
+    recipe = {k: v for k, v in locals().items() if k not in ("attn_implementation", "device", "config")}
+    recipe["config"] = dict(config or {})
     import transformers
 
     if arch not in TINY_ARCHS:
@@ -384,12 +388,7 @@ def build_tiny(
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 2
     model.generation_config.bos_token_id = 1
-    # how to build it again: heads trained on it record this (heads/io.py), and decoding rebuilds the same target
-    model.tiny_spec = dict(arch=arch, vocab_size=vocab_size, hidden_size=hidden_size,
-                           num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                           num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                           intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                           seed=seed, tie_word_embeddings=tie_word_embeddings, config=overrides)
+    model.tiny_spec = recipe
     freeze(model)
     return model.to(device), tokenizer
 

@@ -398,3 +398,22 @@ def test_vllm_session_shares_each_call_among_its_replicas_and_answers_in_order(t
                                                                  "gpu_memory_utilization": 0.3}
     with pytest.raises(ServingError, match="failed: ModuleNotFoundError: No module named 'vllm'"):
         VllmSession({"model": "m"}, tmp_path / "venv", timeout=120)
+
+
+def test_resuming_reads_records_whose_text_holds_unicode_line_breaks(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+0085 and a form feed as they are; str.splitlines would cut a
+    record there and call the file foreign (seen on ShareGPT's answers)."""
+    from train.regenerate import read_done
+
+    out = tmp_path / "regenerated.jsonl"
+    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"a{sep}b"}]}
+               for i, sep in enumerate(["\u2028", "\u0085", "\x0c", "\u2029"])]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert read_done(out) == ({"c0", "c1", "c2", "c3"}, False)
+    with open(out, "a", encoding="utf-8") as f:
+        f.write('{"id": "c4", "messages": [{"role": "user", "content": "cut\u2028 off')  # a killed run's last line
+    assert read_done(out) == ({"c0", "c1", "c2", "c3"}, True)
+    with open(out, "a", encoding="utf-8") as f:
+        f.write("not a record\n")
+    with pytest.raises(DataError, match="line 5 is not a regenerated record"):
+        read_done(out)

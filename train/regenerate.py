@@ -125,7 +125,10 @@ def read_done(out_path: Path) -> tuple[set[str], bool]:
             f.truncate(keep)
         data, cut = data[:keep], True
     done = set()
-    for line_no, line in enumerate(data.decode("utf-8").splitlines(), 1):
+    # lines end at b"\n" only: str.splitlines would also cut a record at a U+2028 or a form feed inside its text,
+    # which json.dumps(ensure_ascii=False) writes as they are
+    for line_no, raw in enumerate(data.split(b"\n"), 1):
+        line = raw.decode("utf-8")
         if not line.strip():
             continue
         try:

@@ -61,7 +61,8 @@ def one_pass(engine: AnswerEngine, tokenizer, prompts, answering: Answering, out
 
 
 def answers(path: Path) -> dict:
-    return {r["id"]: r["messages"] for r in map(json.loads, path.read_text().splitlines())}
+    lines = [line for line in path.read_text().split("\n") if line.strip()]  # not splitlines: a U+2028 in a text
+    return {r["id"]: r["messages"] for r in map(json.loads, lines)}
 
 
 def main() -> None:

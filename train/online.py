@@ -152,8 +152,10 @@ class ReplayBuffer:
         self.max_tokens = int(max_tokens)
         self.examples: deque[dict[str, torch.Tensor]] = deque()
         self.tokens = 0
+        self.added = 0  # examples ever added
 
     def add(self, example: dict[str, torch.Tensor]) -> None:
+        self.added += 1
         self.examples.append(example)
         self.tokens += len(example["input_ids"])
         while self.tokens > self.max_tokens and len(self.examples) > 1:
@@ -250,7 +252,9 @@ class OnlineLearner:
         self.torch_rng = torch.Generator().manual_seed(settings.seed).get_state()
         self.requests = 0  # requests learned from (held out ones included)
         self.updates = self.rollbacks = self.steps = 0
-        self.last_guard: tuple[float, float] | None = None  # (before, after) of the last guarded update
+        # the held-out acceptance of the weights the session has, and the held-out set it was measured on: the next
+        # update's "before" while that set is unchanged
+        self._guarded: tuple[int, float] | None = None
         self.dir = Path(settings.dir)
         if settings.resume and (self.dir / STATE_FILE).is_file():
             self._resume()
@@ -299,23 +303,31 @@ class OnlineLearner:
         """``steps`` optimizer steps on the buffer; kept (and copied into the session's heads) unless the guard sees
         the held-out acceptance fall, else rolled back."""
         snapshot = (copy.deepcopy(self.module.state_dict()), copy.deepcopy(self.optimizer.state_dict()))
-        before = self.held_out_acceptance() if self.settings.guard else None
+        guard = self.settings.guard
+        held_out = self._held_out_key()
+        before = (self._guarded[1] if self._guarded and self._guarded[0] == held_out  # these weights, measured
+                  else self.held_out_acceptance()) if guard else None
         losses = [self.train_step() for _ in range(self.settings.steps)]
-        after = self.held_out_acceptance() if self.settings.guard else None
+        after = self.held_out_acceptance() if guard else None
         out = {"loss": sum(losses) / len(losses), "before": before, "after": after}
         if before is not None and after < before:
             self.module.load_state_dict(snapshot[0])
             self.optimizer.load_state_dict(snapshot[1])
             self.rollbacks += 1
+            self._guarded = (held_out, before)
             out["rolled_back"] = True
             return out
-        self.last_guard = (before, after) if before is not None else None
+        self._guarded = (held_out, after) if guard else None
         self.updates += 1
         self.steps += len(losses)
         with torch.no_grad():
             self.heads.load_state_dict(self.core.state_dict())
         out["rolled_back"] = False
         return out
+
+    def _held_out_key(self) -> int:
+        """What identifies the held-out set: it changes only when an example is added (and the oldest dropped)."""
+        return self.holdout.added
 
     def _autocast(self):
         mp = self.settings.mixed_precision
@@ -335,7 +347,7 @@ class OnlineLearner:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def train_step(self) -> float:
-        """One optimizer step on ``batch_size`` examples drawn from the buffer (with replacement past its size)."""
+        """One optimizer step on ``batch_size`` examples drawn from the buffer, with replacement."""
         examples = list(self.buffer.examples)
         picks = [examples[self.rng.randrange(len(examples))] for _ in range(self.settings.batch_size)]
         batch = self._batch(picks)

@@ -212,7 +212,9 @@ def exported(folder):
 
 
 def assert_llama_draft_config(config, drafter):
-    """The exported layer config is a Llama layer of the fields saved with the heads, full attention."""
+    """The exported layer config is a Llama layer of the fields saved with the heads, attending to the whole context:
+    no window, or on a target whose every layer slides (where vLLM would give the drafter the target's window) its
+    own window as long as any context (heads.export.whole_context_window)."""
     layer = drafter.config.draft_layer
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
     for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -220,7 +222,13 @@ def assert_llama_draft_config(config, drafter):
         assert config[key] == layer[key], key
     assert config["hidden_size"] == drafter.config.hidden_size and config["vocab_size"] == drafter.config.vocab_size
     assert not config["attention_bias"] and not config["mlp_bias"]
-    assert "layer_types" not in config and "sliding_window" not in config  # vLLM would slide the draft's attention
+    from core.archs import SLIDING, layer_kinds
+
+    target = drafter.target.config
+    if set(layer_kinds(target)) == {SLIDING}:
+        assert config["layer_types"] == [SLIDING] and config["sliding_window"] == target.max_position_embeddings
+    else:
+        assert "layer_types" not in config and "sliding_window" not in config
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -140,6 +140,10 @@ def _totals(rows: list[dict], name: str) -> dict:
             "learn_seconds_per_request": learn / len(rows), "alone_tau": sum(alone) / len(alone) if alone else None}
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def windows(runs: list[dict], names: list[str], window: int) -> list[dict]:
     """Per window of ``window`` consecutive requests: each method's tau, tokens/s (decoding alone, and with its
     learning counted in), learning seconds per request, and its drafter's own tau (the mean over the requests)."""
@@ -148,7 +152,8 @@ def windows(runs: list[dict], names: list[str], window: int) -> list[dict]:
         rows = runs[start:start + window]
         out.append({"start": start, "end": start + len(rows),
                     "methods": {n: _totals(rows, n) for n in names if "seconds" in rows[0].get(n, {})},
-                    "frozen_alone_tau": _totals(rows, "frozen")["alone_tau"] if "frozen" in rows[0] else None})
+                    "frozen_alone_tau": _mean([r["frozen"]["alone_tau"] for r in rows
+                                               if "alone_tau" in r.get("frozen", {})])})
     return out
 
 

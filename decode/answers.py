@@ -100,6 +100,14 @@ def summarize(turn_stats: list[dict]) -> dict:
     return out
 
 
+def session_summary(session: Session, turn_stats: list[dict]) -> dict:
+    """:func:`summarize` of a run's turns, with what its heads learned (learn=true)."""
+    summary = summarize(turn_stats)
+    if session.learner is not None:
+        summary["learned"] = session.learner.summary()
+    return summary
+
+
 def format_summary(summary: dict) -> str:
     timed = summary["prefill_s"] + summary["draft_s"] + summary["verify_s"]
     share = (lambda x: 100 * x / timed) if timed else (lambda x: 0.0)
@@ -153,9 +161,7 @@ def _answer(session: Session, c: dict, cfg: Any, out: TextIO) -> dict:
                                  out if stream else None)
         if not stream:
             out.write(record["answers"][0] + "\n")
-        summary = summarize(record["turns"])
-        if session.learner is not None:
-            summary["learned"] = session.learner.summary()
+        summary = session_summary(session, record["turns"])
         out.write(format_summary(summary) + "\n")
         return summary
 
@@ -176,9 +182,7 @@ def _answer(session: Session, c: dict, cfg: Any, out: TextIO) -> dict:
             f.write(json.dumps(record) + "\n")
             f.flush()
             turn_stats.extend(record["turns"])
-    summary = summarize(turn_stats)
-    if session.learner is not None:
-        summary["learned"] = session.learner.summary()
+    summary = session_summary(session, turn_stats)
     (answers_path.parent / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     out.write(f"\n{len(questions)} questions -> {answers_path}\n" + format_summary(summary) + "\n")
     return summary

@@ -174,9 +174,8 @@ def load_session(cfg: Any) -> Session:
     session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
                       heads=module, heads_config=heads_config)
     if settings.learn:
-        from train.online import LearnSettings, OnlineLearner, check_learnable
+        from train.online import LearnSettings, OnlineLearner
 
-        check_learnable(chosen.name)
         session.learner = OnlineLearner(module, chosen.name, heads_config or {}, target,
                                         LearnSettings.from_dict(settings.learner))
     return session

@@ -268,16 +268,16 @@ def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.
         "eos_token_id": d.get("eos_token_id"),
         "pad_token_id": d.get("pad_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
-        **_whole_context_fields(drafter.target.config, 1),
+        **_whole_context_fields(drafter.target.config),
     }
 
 
-def _whole_context_fields(target_config, num_layers: int) -> dict:
-    """The Llama config fields that keep a drafter's layers attending to the whole context on a target whose every
-    layer slides (:func:`whole_context_window`; vLLM's ``llama.py`` takes a layer's window from ``sliding_window``
-    where ``layer_types`` marks it sliding); none elsewhere."""
+def _whole_context_fields(target_config) -> dict:
+    """The one-layer Llama config fields that keep a drafter's layer attending to the whole context on a target whose
+    every layer slides (:func:`whole_context_window`; vLLM's ``llama.py`` takes a layer's window from
+    ``sliding_window`` where ``layer_types`` marks it sliding); none elsewhere."""
     window = whole_context_window(target_config)
-    return {} if window is None else {"layer_types": ["sliding_attention"] * num_layers, "sliding_window": window}
+    return {} if window is None else {"layer_types": ["sliding_attention"], "sliding_window": window}
 
 
 def served_layer_ids(layer_ids: list[int]) -> list[int]:

@@ -223,8 +223,9 @@ class OnlineLearner:
     def __init__(self, heads: torch.nn.Module, head_type: str, heads_config: dict, target: Any,
                  settings: LearnSettings):
         if head_type not in LEARNING_FAMILIES:
-            raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; these are {head_type} "
-                                   "heads. Decode with learn=false, or train heads of one of those families.")
+            raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; the session's drafter is "
+                                  f"{head_type}. Give heads=FOLDER of one of those families (heads=random with "
+                                  "drafter=eagle3 or dflash: untrained heads), or decode with learn=false.")
         self.heads, self.head_type, self.target, self.settings = heads, head_type, target, settings
         self.heads_config = heads_config
         model = target.model
@@ -240,10 +241,10 @@ class OnlineLearner:
             raise LearnSetupError(f"learn=true cannot train these {head_type} heads: {err} (Medusa-2's heads fit "
                                   "the target with its adapter). Decode with learn=false.") from err
         self.core = getattr(self.module, "drafter", self.module)  # the heads inside the training module
-        self.params = [p for g in self.method.param_groups(self.module, settings.learning_rate) for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(self.method.param_groups(self.module, settings.learning_rate),
-                                           lr=settings.learning_rate, weight_decay=0.0)
-        self.layers = list(self._store_layers(model))
+        groups = self.method.param_groups(self.module, settings.learning_rate)
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
+        self.layers = self._store_layers()
         self.dtype = next(model.parameters()).dtype
         self.buffer = ReplayBuffer(settings.buffer_tokens)
         self.holdout = ReplayBuffer(max(settings.buffer_tokens // settings.holdout_every, 1))
@@ -259,7 +260,7 @@ class OnlineLearner:
         if settings.resume and (self.dir / STATE_FILE).is_file():
             self._resume()
 
-    def _store_layers(self, model) -> list[int]:
+    def _store_layers(self) -> list[int]:
         """The layers the family's feature store keeps beside the last (EAGLE-3's fused inputs, DFlash's context)."""
         core = self.core
         if self.head_type == "dflash":
@@ -435,13 +436,5 @@ class OnlineLearner:
                 "buffer_bytes": self.buffer.nbytes() + self.holdout.nbytes(), "memory_bound": self.memory_bound()}
 
 
-def check_learnable(family: str) -> None:
-    """A clear refusal for ``learn=true`` where there is nothing it can train."""
-    if family not in LEARNING_FAMILIES:
-        raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; the session's drafter is "
-                               f"{family}. Give heads=FOLDER of one of those families (heads=random with "
-                               "drafter=eagle3 or dflash: untrained heads), or decode with learn=false.")
-
-
-__all__ = ["LearnSettings", "LearnSetupError", "OnlineLearner", "Recorder", "ReplayBuffer", "check_learnable", "training_method",
+__all__ = ["LearnSettings", "LearnSetupError", "OnlineLearner", "Recorder", "ReplayBuffer", "training_method",
            "bytes_per_position"]

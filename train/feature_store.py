@@ -179,8 +179,8 @@ class VllmHiddenStates:
         self.calls = 0
 
     def _start(self, max_model_len: int) -> None:
-        from core.vllm_env import PLUGINS_DIR, VllmSession, hidden_states_engine, served_model
-        from core.vllm_env import VllmSettings, llm_kwargs, replica_env, visible_gpus
+        from core.vllm_env import (PLUGINS_DIR, VllmSession, VllmSettings, hidden_states_engine, llm_kwargs,
+                                   replica_env, served_model, visible_gpus)
 
         settings = VllmSettings.from_config({"batch_size": 1, **self.settings})
         path, _ = served_model(self.model_cfg)

@@ -246,6 +246,19 @@ def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
 def ensure_smollm2(cache: Path | None = None) -> Path:
     """Return a local safetensors folder of SmolLM2-135M-Instruct, fetching and converting it on first use."""
     folder = (cache or cache_dir()) / "models" / "SmolLM2-135M-Instruct"
+    with cache_lock(folder):  # several processes at once (pytest -n, two runs): one converts, the others wait
+        return _convert_smollm2(folder)
+
+
+def cache_lock(folder: Path):
+    """A lock file beside ``folder`` of a shared cache, held while one process makes it and others wait for it."""
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder.parent / f".{folder.name}.lock"))
+
+
+def _convert_smollm2(folder: Path) -> Path:
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         _drop_quantization_config(folder)  # a folder converted before that was done at conversion
         return folder

@@ -83,7 +83,7 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
 def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
     a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
-    from core.target import SMOLLM2_ID, cache_dir, ensure_smollm2, fingerprint
+    from core.target import SMOLLM2_ID, cache_dir, cache_lock, ensure_smollm2, fingerprint
 
     if target.name == SMOLLM2_ID:
         return ensure_smollm2()
@@ -98,16 +98,16 @@ def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     name = (f"{str(target.name).replace('/', '--')}-h{fp['hidden_size']}-l{fp['num_hidden_layers']}-{fp['digest']}"
             f"-{shape}")
     folder = (cache or cache_dir()) / "served" / name
-    if (folder / "config.json").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    target.model.save_pretrained(tmp)
-    target.tokenizer.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    os.replace(tmp, folder)
+    with cache_lock(folder):  # another process saving the same target: this one waits and reads its folder
+        if (folder / "config.json").exists():
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        target.model.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.replace(tmp, folder)
     return folder
 
 

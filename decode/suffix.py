@@ -31,6 +31,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -126,9 +128,10 @@ class SuffixArray:
         return cls(tokens=tokens, order=suffix_array(tokens))
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=self.tokens, order=self.order)
-        tmp.replace(path)
+        fd, name = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".npz", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:  # a name of its own: two processes saving one index at once both finish
+            np.savez(f, tokens=self.tokens, order=self.order)
+        os.replace(name, path)
 
     @classmethod
     def load(cls, path: Path) -> "SuffixArray":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,9 @@ def pytest_configure(config):
     """Under ``--device``, tiny targets are built on that device: ``core.target.build_tiny`` gets it as its default
     before the test modules import it."""
     global TEST_DEVICE
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+    if workers:  # pytest -n N: the workers share the cores
+        torch.set_num_threads(max(1, _cores() // workers))
     device = TEST_DEVICE = config.getoption("--device")
     if device == "cpu":
         return
@@ -34,8 +38,6 @@ def pytest_configure(config):
         if not torch.cuda.is_available():
             raise pytest.UsageError(f"--device {device}: this torch sees no CUDA device; run on a GPU machine or drop it")
         # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made (fixture below)
-        import os
-
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import functools
 
@@ -44,9 +46,27 @@ def pytest_configure(config):
     target.build_tiny = functools.partial(target.build_tiny, device=device)
 
 
+# The files whose module fixtures take minutes (training heads, then vLLM engines): first, so that under
+# ``pytest -n`` (the default, pyproject.toml) the other files fill the other workers meanwhile instead of the suite
+# ending on one of these alone.
+SLOW_FILES = ("test_serving_archs.py", "test_serving.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: a worker per core, at most 4 (each holds its own targets, and the vLLM tests start engines of
+    their own beside it)."""
+    return min(_cores(), 4)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``vllm_archs`` (the rest of the vLLM architecture matrix, minutes) run only when ``-m`` names the
-    marker (``pytest -m vllm_archs``); otherwise they skip, saying so."""
+    """The slow files first (``SLOW_FILES``). Tests marked ``vllm_archs`` (the rest of the vLLM architecture matrix,
+    minutes) run only when ``-m`` names the marker (``pytest -m vllm_archs``); otherwise they skip, saying so."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order
     if "vllm_archs" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="the rest of the vLLM architecture matrix (about a minute an architecture): "

@@ -58,6 +58,8 @@ def reference(arch: str, model, i: int) -> tuple[list[int], int]:
     """HF greedy new tokens for prompt i, and the EOS id used. Every third prompt gets an EOS id taken from the
     middle of its own continuation, so decoding must stop inside a run of tokens the oracle drafts."""
     key = (arch, i)
+    if key in _REFERENCES and _REFERENCES[key][0] is not model:  # another model under this name: compute anew
+        del _REFERENCES[key]
     if key not in _REFERENCES:
         ids = prompts()[i].to(model.device)
         eos = 2
@@ -66,8 +68,8 @@ def reference(arch: str, model, i: int) -> tuple[list[int], int]:
                                   pad_token_id=0)[0, len(ids):].tolist()
             eos = free[5 + i % 7]
         out = model.generate(ids[None], do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=0)
-        _REFERENCES[key] = (out[0, len(ids):].tolist(), eos)
-    return _REFERENCES[key]
+        _REFERENCES[key] = (model, out[0, len(ids):].tolist(), eos)
+    return _REFERENCES[key][1:]
 
 
 def random_heads(model, num_heads: int = 6, seed: int = 0) -> MedusaHeads:

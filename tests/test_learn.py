@@ -91,7 +91,8 @@ def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp
     heads = random_dflash_heads(model, seed=0)
     settings = LearnSettings.from_dict({
         "dir": str(tmp_path / "learned"), "resume": False, "buffer_tokens": 256, "holdout_every": 1000, "steps": 1,
-        "batch_size": 8, "learning_rate": 3e-3, "min_tokens": 1, "guard": False, "save_every": 0, "max_length": 64,
+        "batch_size": 8, "learning_rate": 3e-3, "min_tokens": 1, "guard": False, "guard_z": 2.0, "save_every": 0,
+        "max_length": 64,
         "mixed_precision": "no", "seed": 0})
     learner = OnlineLearner(heads, "dflash", {}, Target(model=model, tokenizer=SimpleNamespace(pad_token_id=0), name="small"),
                             settings)
@@ -136,6 +137,22 @@ def test_the_guard_rolls_back_an_update_that_lowers_held_out_acceptance(tmp_path
         group["lr"] = 10.0
     unguarded.generate(PROMPTS[0])
     assert not same_weights(kept, weights(unguarded.heads))  # without the guard the same update lands
+
+
+def test_the_guard_keeps_a_fall_within_its_noise_and_rolls_back_one_beyond_it():
+    """The guard's test: the per-request changes d = after - before of a held-out set, mean m and standard error
+    se = sd / sqrt(n). It rolls back when m < -z se; z=0 rolls back any fall of the mean."""
+    from train.online import significantly_lower
+
+    before = [0.5, 0.5, 0.5, 0.5]
+    noisy = [0.7, 0.3, 0.6, 0.3]  # d = .2 -.2 .1 -.2: m = -0.025, sd = 0.206, se = 0.103
+    assert not significantly_lower(before, noisy, 2.0)  # -0.025 > -0.206
+    assert significantly_lower(before, noisy, 0.0)
+    assert significantly_lower(before, noisy, 0.24) and not significantly_lower(before, noisy, 0.25)  # |m| / se = 0.243
+    steady = [0.4, 0.41, 0.39, 0.4]  # d = -.1 -.09 -.11 -.1: m = -0.1, se = 0.0041: far beyond 2 se
+    assert significantly_lower(before, steady, 2.0)
+    assert significantly_lower([0.5], [0.49], 2.0)  # one example: any fall
+    assert not significantly_lower(before, [0.5, 0.6, 0.5, 0.5], 0.0)  # a rise is never rolled back
 
 
 def test_a_killed_session_resumes_where_its_last_save_left_off(tmp_path):

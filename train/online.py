@@ -60,6 +60,7 @@ class LearnSettings:
     learning_rate: float
     min_tokens: int
     guard: bool
+    guard_z: float
     save_every: int
     max_length: int
     mixed_precision: str
@@ -76,7 +77,8 @@ class LearnSettings:
         s = cls(dir=str(values["dir"]), resume=bool(values["resume"]), buffer_tokens=int(values["buffer_tokens"]),
                 holdout_every=int(values["holdout_every"]), steps=int(values["steps"]),
                 batch_size=int(values["batch_size"]), learning_rate=float(values["learning_rate"]),
-                min_tokens=int(values["min_tokens"]), guard=bool(values["guard"]), save_every=int(values["save_every"]),
+                min_tokens=int(values["min_tokens"]), guard=bool(values["guard"]), guard_z=float(values["guard_z"]),
+                save_every=int(values["save_every"]),
                 max_length=int(values["max_length"]), mixed_precision=str(values["mixed_precision"]),
                 seed=int(values["seed"]))
         problems = [f"learner.{k}={getattr(s, k)} must be >= {lo}" for k, lo in
@@ -84,6 +86,8 @@ class LearnSettings:
                      ("save_every", 0), ("max_length", 2)) if getattr(s, k) < lo]
         if s.learning_rate <= 0:
             problems.append(f"learner.learning_rate={s.learning_rate} must be > 0")
+        if s.guard_z < 0:
+            problems.append(f"learner.guard_z={s.guard_z} must be >= 0")
         if s.mixed_precision not in ("auto", "bf16", "no"):
             problems.append(f"learner.mixed_precision={s.mixed_precision!r}: use auto, bf16 or no")
         if problems:
@@ -199,6 +203,23 @@ class _OneProcess:
         return tensor
 
 
+def _mean(values: list[float] | None) -> float | None:
+    return None if values is None else sum(values) / max(len(values), 1)
+
+
+def significantly_lower(before: list[float], after: list[float], z: float) -> bool:
+    """Whether the held-out acceptance fell by more than ``z`` standard errors: the per-example differences
+    ``after - before`` (the same examples, so paired) have a mean below ``-z`` times its standard error. With one
+    example, or all differences equal, any fall counts; ``z=0``: any fall of the mean."""
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    if n < 2:
+        return mean < 0
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+    return mean < -z * se
+
+
 def training_method(head_type: str, heads_config: dict):
     """The family's training method, configured as these heads were trained (their saved ``heads`` settings over the
     family's entry config)."""
@@ -253,9 +274,9 @@ class OnlineLearner:
         self.torch_rng = torch.Generator().manual_seed(settings.seed).get_state()
         self.requests = 0  # requests learned from (held out ones included)
         self.updates = self.rollbacks = self.steps = 0
-        # the held-out acceptance of the weights the session has, and the held-out set it was measured on: the next
-        # update's "before" while that set is unchanged
-        self._guarded: tuple[int, float] | None = None
+        # the held-out acceptance (per example) of the weights the session has, and the held-out set it was measured
+        # on: the next update's "before" while that set is unchanged
+        self._guarded: tuple[int, list[float]] | None = None
         self.dir = Path(settings.dir)
         if settings.resume and (self.dir / STATE_FILE).is_file():
             self._resume()
@@ -307,11 +328,11 @@ class OnlineLearner:
         guard = self.settings.guard
         held_out = self._held_out_key()
         before = (self._guarded[1] if self._guarded and self._guarded[0] == held_out  # these weights, measured
-                  else self.held_out_acceptance()) if guard else None
+                  else self.held_out_scores()) if guard else None
         losses = [self.train_step() for _ in range(self.settings.steps)]
-        after = self.held_out_acceptance() if guard else None
-        out = {"loss": sum(losses) / len(losses), "before": before, "after": after}
-        if before is not None and after < before:
+        after = self.held_out_scores() if guard else None
+        out = {"loss": sum(losses) / len(losses), "before": _mean(before), "after": _mean(after)}
+        if before is not None and significantly_lower(before, after, self.settings.guard_z):
             self.module.load_state_dict(snapshot[0])
             self.optimizer.load_state_dict(snapshot[1])
             self.rollbacks += 1
@@ -366,16 +387,22 @@ class OnlineLearner:
         return float(loss.detach())
 
     @torch.no_grad()
+    def held_out_scores(self) -> list[float]:
+        """Per held-out example, the chain acceptance the family's evaluation reports (DFlash's
+        ``eval/accept_length_on_path``, EAGLE's ``eval/accept_length_chain``), each under a fixed seed: DFlash draws
+        its evaluation anchors the same way for every call."""
+        scores = []
+        for example in self.holdout.examples:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.settings.seed)
+                metrics = self.method.evaluate([self._batch([example])], self.target, self.module,
+                                               _OneProcess(self.device))
+            scores.append(float(metrics.get("eval/accept_length_on_path", metrics["eval/accept_length_chain"])))
+        return scores
+
     def held_out_acceptance(self) -> float:
-        """The chain acceptance the family's evaluation reports on the held-out examples (a fixed seed: DFlash draws
-        its evaluation anchors the same way for every call)."""
-        examples = list(self.holdout.examples)
-        loader = [self._batch(examples[i:i + self.settings.batch_size])
-                  for i in range(0, len(examples), self.settings.batch_size)]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.settings.seed)
-            metrics = self.method.evaluate(loader, self.target, self.module, _OneProcess(self.device))
-        return float(metrics.get("eval/accept_length_on_path", metrics["eval/accept_length_chain"]))
+        """The mean of :meth:`held_out_scores`."""
+        return _mean(self.held_out_scores())
 
     # --- saving -------------------------------------------------------------------------------------------------
 

@@ -72,6 +72,25 @@ def stream_bench_main() -> None:
         stream_bench()
 
 
+# --- scripts/learn_replay.py ------------------------------------------------------------------------------------------
+
+
+def learn_replay(argv: list[str] | None = None) -> dict:
+    """Learner settings replayed on a recorded stream (conf/decode/learn_replay.yaml with the overrides ``argv``)."""
+    from decode.bench.replay import run_replay
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = compose("learn_replay", argv, config_dir=DECODE_CONF)
+    report = run_replay(cfg, command=shlex.join(["python", "scripts/learn_replay.py", *argv]))
+    print((Path(str(cfg.out)) / "replay.md").read_text())
+    return report
+
+
+def learn_replay_main() -> None:
+    with reported_errors():
+        learn_replay()
+
+
 # --- selfspec-export: scripts/export.py ------------------------------------------------------------------------------
 
 

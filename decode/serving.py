@@ -370,13 +370,16 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
                      vocab=vocab, chain=chain, plain=plain, eos=eos, job=job, out_root=out_root)
 
 
-def finish_check(plan: CheckPlan, vllm: dict) -> dict:
+def finish_check(plan: CheckPlan, vllm: dict, plain_runs: dict | None = None) -> dict:
     """The report of ``plan`` (see :func:`format_report`) from vLLM's results for its job's runs (by name), with
-    selfspec's engine run on the same prompts now. Raises ServingError when vLLM could not decode the target itself."""
+    selfspec's engine run on the same prompts now (``plain_runs``: see :func:`run_ours`). Raises ServingError when
+    vLLM could not decode the target itself."""
     plain = next(r for r in vllm["runs"] if r["name"] == "plain")
     if not plain["loaded"] or plain.get("error"):
         raise ServingError(f"vLLM could not decode the target itself: {plain.get('error')}")
-    ours = run_ours(plan.chain, plan.plain, plan.job["prompts"], plan.settings, warmup=plan.job["warmup"])
+    same_target = None if plain_runs is None else plain_runs.setdefault((plan.job["model"], plan.job["dtype"]), {})
+    ours = run_ours(plan.chain, plan.plain, plan.job["prompts"], plan.settings, warmup=plan.job["warmup"],
+                    plain_runs=same_target)
     return compare(vllm, ours, plan.formats, plan.eos, plan.settings, head_type=plan.head_type, heads=str(plan.heads),
                    vocab=plan.vocab, exports={f: str(p) for f, p in plan.exports.items()})
 
@@ -417,18 +420,22 @@ def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout
     vllm = run_vllm(job, venv, timeout, log_path=log_path, one_process=True)
     by_name = {r["name"]: r for r in vllm["runs"]}
     reports: list[dict | ServingError] = []
+    plain_runs: dict = {}  # HF generate's and selfspec's plain answers, once per target (and dtype) and prompt
     for plan, renamed in zip(plans, names):
         own = [{**by_name[merged], "name": name} for name, merged in renamed.items()]
         try:
-            reports.append(finish_check(plan, {"vllm_version": vllm["vllm_version"], "runs": own}))
+            reports.append(finish_check(plan, {"vllm_version": vllm["vllm_version"], "runs": own}, plain_runs))
         except ServingError as err:
             reports.append(err)
     return reports
 
 
-def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]]) -> list[dict]:
+def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, warmup: list[list[int]],
+             plain_runs: dict | None = None) -> list[dict]:
     """Per prompt: HF generate's tokens and time, selfspec's plain decoding, selfspec's chain of k (the steps vLLM
-    runs counted as vLLM counts them)."""
+    runs counted as vLLM counts them). ``plain_runs``: a dict shared by the checks of one target (the folder vLLM
+    loads, in one dtype) with several heads, where the first keeps HF generate's and plain decoding's answers and
+    times for the others."""
     import dataclasses
 
     import torch
@@ -443,15 +450,21 @@ def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, wa
             chain.decoder.generate(ids, max_new_tokens=n + k)
         rows = []
         for ids in prompts:
-            hf_tokens, hf_s = hf_generate(chain, ids, answer_settings)
-            p = plain.generate(ids, max_new_tokens=n)
+            key = (tuple(ids), n)
+            if plain_runs is None or key not in plain_runs:
+                hf_tokens, hf_s = hf_generate(chain, ids, answer_settings)
+                p = plain.generate(ids, max_new_tokens=n)
+                found = (hf_tokens, hf_s, p.tokens, p.stats.total_s)
+                if plain_runs is not None:
+                    plain_runs[key] = found
+            hf_tokens, hf_s, plain_tokens, plain_s = found if plain_runs is None else plain_runs[key]
             c = chain.decoder.generate(ids, max_new_tokens=n + k)
             st = c.stats
             answer = cut_at_eos(c.tokens, set(chain.decoder.eos_token_ids))[:n]
             counts = acceptance_per_position(st.drafted_per_step, st.accepted_per_step, st.accept_lengths,
                                              len(answer), k)
             # the chain's time for the answer's length: its steps until then, in proportion
-            rows.append({"hf": hf_tokens, "hf_s": hf_s, "plain": p.tokens, "plain_s": p.stats.total_s,
+            rows.append({"hf": hf_tokens, "hf_s": hf_s, "plain": plain_tokens, "plain_s": plain_s,
                          "chain": answer, "chain_s": c.stats.total_s * len(answer) / max(1, len(c.tokens)),
                          **counts})
     return rows

@@ -267,3 +267,44 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
     assert same_weights(weights(load_heads(folder, target=s.target).module), weights(s.heads))
     out, fmt = export_heads(folder, tmp_path / "export", s.target.model)  # vLLM's DFlash form, as for any heads
     assert fmt == "dflash" and (out / "model.safetensors").is_file()
+
+
+def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
+    import json
+
+    import decode.bench.replay as replay
+    from decode.types import DecodeSetupError
+    from heads.io import save_heads
+    from scripts.learn_replay import main
+
+    seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3"]))
+    save_heads(tmp_path / "heads", seed_session.heads, "eagle3", seed_session.heads.config.to_dict(),
+               seed_session.target)
+    prompts = tmp_path / "stream.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def f{i % 2}(x):"]})
+                               + "\n" for i in range(8)))
+    common = [f"heads={tmp_path / 'heads'}", f"prompts={prompts}", f"record={tmp_path / 'stream.pt'}", "window=4",
+              "max_new_tokens=16", "learner.mixed_precision=no", "learner.min_tokens=1", "learner.holdout_every=4",
+              "learner.steps=4", "learner.learning_rate=3e-3"]
+    first = main(common + [f"out={tmp_path / 'a'}"])
+    assert (tmp_path / "stream.pt").is_file() and first["requests"] == 8
+    rows = first["rows"]
+    assert rows[0]["learning"] == rows[0]["frozen"]  # nothing learned before the first request
+    assert first["summary"]["updates"] + first["summary"]["rollbacks"] > 0 and not (tmp_path / "a" / "unused").exists()
+    assert [(w["start"], w["end"]) for w in first["windows"]] == [(0, 4), (4, 8)]
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the recorded stream was decoded again")
+
+    monkeypatch.setattr(replay, "record_stream", no_decoding)
+    again = main(common + [f"out={tmp_path / 'b'}"])  # from the recording: the same examples, the same learner
+    assert [(r["frozen"], r["learning"], r["rolled_back"]) for r in again["rows"]] == \
+        [(r["frozen"], r["learning"], r["rolled_back"]) for r in rows]
+    def but(*changes):
+        keys = {c.split("=")[0] for c in changes}
+        return [c for c in common if c.split("=")[0] not in keys] + list(changes)
+
+    other = main(but(f"out={tmp_path / 'c'}", "learner.steps=0"))  # never learns: the frozen heads' values
+    assert [r["learning"] for r in other["rows"]] == [r["frozen"] for r in rows]
+    with pytest.raises(DecodeSetupError, match="max_new_tokens"):
+        main(but("max_new_tokens=8", f"out={tmp_path / 'd'}"))  # recorded with 16: refused, named

@@ -386,13 +386,17 @@ class OnlineLearner:
         self.module.eval()
         return float(loss.detach())
 
-    @torch.no_grad()
     def held_out_scores(self) -> list[float]:
-        """Per held-out example, the chain acceptance the family's evaluation reports (DFlash's
-        ``eval/accept_length_on_path``, EAGLE's ``eval/accept_length_chain``), each under a fixed seed: DFlash draws
-        its evaluation anchors the same way for every call."""
+        """:meth:`acceptance` of each held-out example."""
+        return self.acceptance(self.holdout.examples)
+
+    @torch.no_grad()
+    def acceptance(self, examples: Iterable[dict[str, torch.Tensor]]) -> list[float]:
+        """Per example, the chain acceptance of the weights being trained, as the family's evaluation reports it
+        (DFlash's ``eval/accept_length_on_path``, EAGLE's ``eval/accept_length_chain``), each under a fixed seed:
+        DFlash draws its evaluation anchors the same way for every call."""
         scores = []
-        for example in self.holdout.examples:
+        for example in examples:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.settings.seed)
                 metrics = self.method.evaluate([self._batch([example])], self.target, self.module,

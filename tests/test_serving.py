@@ -324,7 +324,10 @@ def test_serve_checks_runs_every_engine_in_one_process_and_a_shared_plain_run_on
                                                 "error": "broken" if r["model"] == "b" else None}
                                                for r in job["runs"]]}
 
-    def fake_finish_check(plan, vllm):
+    shared = []
+
+    def fake_finish_check(plan, vllm, plain_runs):
+        shared.append(plain_runs)
         if any(r["error"] for r in vllm["runs"]):
             raise ServingError("vLLM could not decode the target itself: broken")
         return vllm["runs"]
@@ -339,3 +342,4 @@ def test_serve_checks_runs_every_engine_in_one_process_and_a_shared_plain_run_on
     assert [(r["name"], r["model"]) for r in first] == [("plain", "a"), ("medusa", "a")]
     assert [(r["name"], r["model"]) for r in second] == [("plain", "a"), ("dflash", "a")]
     assert isinstance(third, ServingError) and str(third).endswith("broken")
+    assert len(shared) == 3 and shared[0] is shared[1] is shared[2]  # one store of plain answers for all the checks

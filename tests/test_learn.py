@@ -223,18 +223,26 @@ def test_learn_refuses_what_it_cannot_train(tmp_path):
         learning_session(tmp_path, "eagle3", "learner.steps=-1")
 
 
-def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_path):
+def tiny_stream(tmp_path, n: int):
+    """Untrained EAGLE-3 heads of the tiny target saved to ``tmp_path/heads``, and a stream of ``n`` prompts (two
+    alternating) in MT-bench form; returns the stream's file."""
     import json
 
     from heads.io import save_heads
-    from scripts.stream_bench import main
 
     seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3"]))
     save_heads(tmp_path / "heads", seed_session.heads, "eagle3", seed_session.heads.config.to_dict(),
                seed_session.target)
     prompts = tmp_path / "stream.jsonl"
     prompts.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def f{i % 2}(x):"]})
-                               + "\n" for i in range(6)))
+                               + "\n" for i in range(n)))
+    return prompts
+
+
+def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_path):
+    from scripts.stream_bench import main
+
+    prompts = tiny_stream(tmp_path, 6)
     report = main([f"heads={tmp_path / 'heads'}", f"prompts={prompts}", "window=3", "max_new_tokens=16",
                    f"out={tmp_path / 'out'}", "learner.mixed_precision=no", "learner.min_tokens=1",
                    "learner.holdout_every=3", "learner.steps=2", "learner.save_every=0"])
@@ -270,19 +278,11 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
 
 
 def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
-    import json
-
     import decode.bench.replay as replay
     from decode.types import DecodeSetupError
-    from heads.io import save_heads
     from scripts.learn_replay import main
 
-    seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3"]))
-    save_heads(tmp_path / "heads", seed_session.heads, "eagle3", seed_session.heads.config.to_dict(),
-               seed_session.target)
-    prompts = tmp_path / "stream.jsonl"
-    prompts.write_text("".join(json.dumps({"question_id": i, "category": "code", "turns": [f"def f{i % 2}(x):"]})
-                               + "\n" for i in range(8)))
+    prompts = tiny_stream(tmp_path, 8)
     common = [f"heads={tmp_path / 'heads'}", f"prompts={prompts}", f"record={tmp_path / 'stream.pt'}", "window=4",
               "max_new_tokens=16", "learner.mixed_precision=no", "learner.min_tokens=1", "learner.holdout_every=4",
               "learner.steps=4", "learner.learning_rate=3e-3"]

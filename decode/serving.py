@@ -449,15 +449,14 @@ def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, wa
             plain.generate(ids, max_new_tokens=n)
             chain.decoder.generate(ids, max_new_tokens=n + k)
         rows = []
+        plain_runs = {} if plain_runs is None else plain_runs
         for ids in prompts:
             key = (tuple(ids), n)
-            if plain_runs is None or key not in plain_runs:
+            if key not in plain_runs:
                 hf_tokens, hf_s = hf_generate(chain, ids, answer_settings)
                 p = plain.generate(ids, max_new_tokens=n)
-                found = (hf_tokens, hf_s, p.tokens, p.stats.total_s)
-                if plain_runs is not None:
-                    plain_runs[key] = found
-            hf_tokens, hf_s, plain_tokens, plain_s = found if plain_runs is None else plain_runs[key]
+                plain_runs[key] = (hf_tokens, hf_s, p.tokens, p.stats.total_s)
+            hf_tokens, hf_s, plain_tokens, plain_s = plain_runs[key]
             c = chain.decoder.generate(ids, max_new_tokens=n + k)
             st = c.stats
             answer = cut_at_eos(c.tokens, set(chain.decoder.eos_token_ids))[:n]

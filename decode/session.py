@@ -52,14 +52,26 @@ class Session:
         """Decode ``ids`` with the session's decoder under its settings (``overrides``: other ``generate`` keyword
         arguments, e.g. ``max_new_tokens``). With ``learn=true`` in the settings, the heads then learn from this
         request, unless ``learn=False`` here (a request that must not be stored: nothing of it is kept)."""
-        s = self.settings
-        kwargs = {"max_new_tokens": s.max_new_tokens, "sampling": s.sampling, "stop": s.stop, "seed": s.seed,
-                  **overrides}
-        recorder = self.learner.recorder() if self.learner is not None and learn else None
-        result = self.decoder.generate(ids, on_tokens=on_tokens, observer=recorder, **kwargs)
-        if recorder is not None:
-            self.last_learned = self.learner.learn(recorder.example(result.tokens))
+        if self.learner is None or not learn:
+            return self.decoder.generate(ids, on_tokens=on_tokens, **{**self.generate_kwargs, **overrides})
+        result, example = self.record(ids, on_tokens=on_tokens, **overrides)
+        self.last_learned = self.learner.learn(example)
         return result
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The session's settings as ``SpeculativeDecoder.generate`` keyword arguments (any of its decoders)."""
+        s = self.settings
+        return {"max_new_tokens": s.max_new_tokens, "sampling": s.sampling, "stop": s.stop, "seed": s.seed}
+
+    def record(self, ids: list[int], on_tokens: Callable[[list[int]], None] | None = None,
+               **overrides: Any) -> tuple[DecodeResult, dict[str, torch.Tensor]]:
+        """Decode ``ids`` as :meth:`generate` does and return the answer with the example ``learn=true`` keeps of
+        it (train/online.py's Recorder), learning nothing from it yet. Needs the session's learner."""
+        recorder = self.learner.recorder()
+        result = self.decoder.generate(ids, on_tokens=on_tokens, observer=recorder,
+                                       **{**self.generate_kwargs, **overrides})
+        return result, recorder.example(result.tokens)
 
     def close(self) -> None:
         """Save what the heads learned (learn=true); nothing otherwise."""

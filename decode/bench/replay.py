@@ -53,15 +53,12 @@ def record_identity(session, prompts: Any, limit: Any) -> dict:
 def record_stream(session, questions: list[dict], path: Path, identity: dict) -> list[dict[str, torch.Tensor]]:
     """Decode each question with ``session`` (greedy: the answers are the target's) and keep the example
     ``learn=true`` would record from it; saved to ``path`` atomically with ``identity``."""
-    s, learner = session.settings, session.learner
+    s = session.settings
     examples = []
     for q in tqdm(questions, desc="record", unit="prompt"):
         ids = prompt_ids(session.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat,
                          s.system_prompt)
-        recorder = learner.recorder()
-        result = session.decoder.generate(ids, max_new_tokens=s.max_new_tokens, sampling=s.sampling, stop=s.stop,
-                                          seed=s.seed, observer=recorder)
-        examples.append(recorder.example(result.tokens))
+        examples.append(session.record(ids)[1])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     with os.fdopen(fd, "wb") as f:

@@ -79,7 +79,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
     alone = {n: s.decoder_for(draft=ALONE) for n, s in sessions.items()
              if bool(c["alone"]) and (n in names or n == "frozen")}
     s = base.settings
-    as_set = {"max_new_tokens": s.max_new_tokens, "sampling": s.sampling, "stop": s.stop, "seed": s.seed}
+    as_set = base.generate_kwargs
     runs, mismatches = [], []
     warm = prompt_ids(base.target.tokenizer, [{"role": "user", "content": "Hi"}], s.chat)
     for session in sessions.values():  # one-time costs (kernels, allocator) out of the timings; nothing learned

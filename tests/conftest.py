@@ -146,6 +146,7 @@ def load_script(name: str):
 
 
 DECODE_CONFIGS = ("decode", "export", "serve_check", "bench")  # in conf/decode/, the config folder of decoding and export
+NO_DEVICE_CONFIGS = ("serve_check",)  # configs without a device key (the serve check's target is its model config's)
 
 
 def compose(config_name: str, overrides: list[str] | None = None):
@@ -155,7 +156,8 @@ def compose(config_name: str, overrides: list[str] | None = None):
 
     config_dir = CONF / "decode" if config_name in DECODE_CONFIGS else CONF
     overrides = list(overrides or [])
-    if TEST_DEVICE != "cpu":  # under --device, entry configs run their target there too
+    # under --device, entry configs run their target there too
+    if TEST_DEVICE != "cpu" and config_name not in NO_DEVICE_CONFIGS:
         key = "device" if config_name in DECODE_CONFIGS else "model.device"
         if not any(o.split("=")[0].lstrip("+") == key for o in overrides):
             overrides.append(f"{key}={TEST_DEVICE}")

@@ -44,10 +44,10 @@ def test_the_matrix_has_the_architectures_users_bring():
 
 def test_every_tree_node_gets_the_logits_of_its_own_branch(target):
     arch, model = target
-    tree = load_tree("mc_sim_7b_63")
+    tree = load_tree("mc_sim_7b_63").to(model.device)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, 259, (13,), generator=g)  # longer than the sliding window (8)
-    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g)
+    prompt = torch.randint(3, 259, (13,), generator=g).to(model.device)  # longer than the sliding window (8)
+    tokens = torch.randint(3, 259, (tree.num_nodes,), generator=g).to(model.device)
     with torch.no_grad():
         cache = new_cache()
         model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): cache})
@@ -64,7 +64,7 @@ def test_every_tree_node_gets_the_logits_of_its_own_branch(target):
         if arch in SLIDING_ARCHS:  # the same tree under one full-attention mask reads keys outside the window
             crop = new_cache()
             model(input_ids=prompt[None], use_cache=True, **{cache_kwarg(model): crop})
-            allowed = torch.ones(tree.num_nodes, len(prompt) + tree.num_nodes, dtype=torch.bool)
+            allowed = torch.ones(tree.num_nodes, len(prompt) + tree.num_nodes, dtype=torch.bool, device=model.device)
             allowed[:, len(prompt):] = tree.ancestor_mask
             full = model(input_ids=tokens[None], attention_mask=additive_mask(allowed, torch.float32)[None, None],
                          position_ids=(tree.depth + len(prompt))[None], use_cache=True,
@@ -111,12 +111,14 @@ class TopRanksDrafter(DrafterBase):
         return self.orders[key]
 
     def propose(self, state, max_depth):
-        context = torch.cat([state.prompt_ids, torch.tensor(state.new_tokens + [state.next_token], dtype=torch.long)])
+        device = state.prompt_ids.device
+        context = torch.cat([state.prompt_ids,
+                             torch.tensor(state.new_tokens + [state.next_token], dtype=torch.long, device=device)])
         tokens, ranked = [state.next_token], {(): context}
         for path in self.tree.rank_paths:  # nodes 1.. in order, parents before children
             parent = ranked[tuple(path[:-1])]
             token = int(self.order(parent)[path[-1]])
-            ranked[tuple(path)] = torch.cat([parent, torch.tensor([token])])
+            ranked[tuple(path)] = torch.cat([parent, torch.tensor([token], device=device)])
             tokens.append(token)
         return Draft(tokens=torch.tensor(tokens), tree=self.tree)
 

@@ -44,14 +44,19 @@ def test_same_output_as_sdpa_bit_for_bit(queries):
 def _verify_forward(model, queries: int = 4):
     """Logits of a masked forward of ``queries`` tokens over a 6-token cache (the shape of a tree verify)."""
     cache = {cache_kwarg(model): new_cache()}
+    device = model.device
     with torch.no_grad():
-        model(input_ids=torch.arange(10, 16)[None], use_cache=True, **cache)
-        return model(input_ids=torch.arange(20, 20 + queries)[None], attention_mask=_tree_mask(queries, 6),
-                     position_ids=torch.arange(6, 6 + queries)[None], use_cache=True, **cache).logits
+        model(input_ids=torch.arange(10, 16, device=device)[None], use_cache=True, **cache)
+        return model(input_ids=torch.arange(20, 20 + queries, device=device)[None],
+                     attention_mask=_tree_mask(queries, 6).to(device),
+                     position_ids=torch.arange(6, 6 + queries, device=device)[None], use_cache=True, **cache).logits
 
 
 def test_block_skips_repeat_kv_and_keeps_logits(monkeypatch, tiny_llama):
     model, _ = tiny_llama
+    if model.device.type != "cpu":
+        pytest.skip("the copy-free path is a CPU one (decode/attention.py): on CUDA, SDPA with enable_gqa and a mask "
+                    "falls back to its slowest kernel, so the block leaves every call to sdpa's own")
     reference = _verify_forward(model)
     calls = []
     real = sdpa_module.repeat_kv
@@ -92,10 +97,10 @@ def test_config_restored_when_the_block_raises(tiny_llama):
 def test_engine_greedy_equals_generate_through_the_block(request, fixture, monkeypatch):
     # Drafts of 6 nodes are accepted, so every step is a masked forward of several queries through the fast path.
     model, _ = request.getfixturevalue(fixture)
-    prompt = torch.arange(30, 42)
+    prompt = torch.arange(30, 42, device=model.device)
     with torch.no_grad():
-        ref = model.generate(prompt[None], attention_mask=torch.ones(1, 12, dtype=torch.long), do_sample=False,
-                             max_new_tokens=40, eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
+        ref = model.generate(prompt[None], attention_mask=torch.ones(1, 12, dtype=torch.long, device=model.device),
+                             do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
     calls = []
     real = sdpa_module.repeat_kv
     monkeypatch.setattr(sdpa_module, "repeat_kv", lambda *a: calls.append(1) or real(*a))
@@ -104,5 +109,6 @@ def test_engine_greedy_equals_generate_through_the_block(request, fixture, monke
     result = engine.generate(prompt, max_new_tokens=40)
     assert result.tokens == ref
     assert result.stats.tau > 3.0  # the drafts were accepted: a broken fast path would show in the tokens
-    assert calls == []
+    if model.device.type == "cpu":  # elsewhere the block leaves attention to sdpa's own, copies included
+        assert calls == []
     assert model.config._attn_implementation == "sdpa"

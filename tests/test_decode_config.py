@@ -149,16 +149,17 @@ def test_the_benchmark_names_a_missing_key_before_loading_anything():
             run_bench(OmegaConf.create({k: v for k, v in bench.items() if k != key}))
 
 
-def test_medusa_s_default_tree_follows_the_target_s_device():
+def test_medusa_s_default_tree_follows_the_target_s_device(device):
     """tree=auto: the 16-node small_16 on a CPU, Medusa's own mc_sim_7b_63 on an accelerator; a named tree is kept
-    as given; a session on the CPU drafts small_16."""
+    as given; a session on the CPU drafts small_16 (on the test's device, that device's tree)."""
     from decode.drafters import medusa_tree
     from decode.tree import load_tree
 
     assert medusa_tree("auto", "cpu") == "small_16"
     assert medusa_tree("auto", torch.device("cuda", 0)) == "mc_sim_7b_63"
     assert medusa_tree("mc_sim_7b_63", "cpu") == "mc_sim_7b_63" and medusa_tree("chain-3", "cuda") == "chain-3"
-    session = load_session(compose("decode", ["heads=random", "model=tiny"]))  # random Medusa heads, on the CPU
+    session = load_session(compose("decode", ["heads=random", "model=tiny"]))  # random Medusa heads, on `device`
     assert session.draft_settings["tree"] == "auto"
     drafter = getattr(session.decoder.drafter, "inner", session.decoder.drafter)  # the hybrid's Medusa part
-    assert torch.equal(drafter.tree.parents, load_tree("small_16", num_heads=4).parents)
+    expected = "small_16" if device.type == "cpu" else "mc_sim_7b_63"
+    assert torch.equal(drafter.tree.parents.cpu(), load_tree(expected, num_heads=4).parents)

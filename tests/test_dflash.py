@@ -216,13 +216,14 @@ def test_the_decode_form_computes_the_modules_block(trained):
     model, heads, _ = trained
     g = torch.Generator().manual_seed(0)
     n = 600  # the cache buffers start at 256 rows and grow
-    ids = torch.randint(3, 200, (1, n), generator=g)
+    device = model.device
+    ids = torch.randint(3, 200, (1, n), generator=g).to(device)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
         features = heads.target_features(hs)[0]  # [n, layers * H]
-        kv = heads.context_kv(heads.context(features[None]), torch.arange(n)[None])
-        block = heads.block_inputs(torch.tensor([[7]]))
-        ref = heads.logits(heads(block, torch.arange(n, n + heads.block_size)[None], kv, None)[0, 1:])
+        kv = heads.context_kv(heads.context(features[None]), torch.arange(n, device=device)[None])
+        block = heads.block_inputs(torch.tensor([[7]], device=device))
+        ref = heads.logits(heads(block, torch.arange(n, n + heads.block_size, device=device)[None], kv, None)[0, 1:])
         for dtype in (torch.float32, torch.bfloat16):
             form = BlockForward(heads, dtype)
             for start, end in ((0, 100), (100, 101), (101, 350), (350, n)):  # commits of several sizes

@@ -100,7 +100,8 @@ def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
     from train.dflash_method import DFlashMethod
 
     t = tiny_target()
-    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 4]] * 2)  # repeats: many positions copyable
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 4]] * 2,  # repeats: many positions copyable
+                       device=t.model.device)
     labels = ids.clone()
     labels[:, :3] = -100
     batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
@@ -116,7 +117,7 @@ def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
     n_weighted = weighted.count_items(batch)
     assert torch.equal(batch["anchors"], anchors)  # the same anchors: the weighting draws no random numbers
     b, a, k = block_targets(anchors, labels, plain.settings.block_size)
-    base = position_weights(plain.settings.block_size, plain.gamma)[k]
+    base = position_weights(plain.settings.block_size, plain.gamma, k.device)[k]
     copied = hits[b, anchors[b, a] + k]
     assert 0 < int(copied.sum()) < copied.numel()  # both kinds of position are scored
     assert torch.isclose(n_plain, base.sum())
@@ -172,7 +173,7 @@ def test_earlier_all_and_the_on_path_chain_count_as_a_loop_over_each_block():
 def off_path_batch(target):
     """The tiny target's own greedy continuation of one prompt, twice: the second row's text leaves the greedy path
     at a few answer positions, so some blocks there are off the path and the rest on it."""
-    prompt = torch.tensor([[5, 17, 40, 9, 23, 61]])
+    prompt = torch.tensor([[5, 17, 40, 9, 23, 61]], device=target.model.device)
     out = target.model.generate(prompt, do_sample=False, max_new_tokens=26, min_new_tokens=26, pad_token_id=0,
                                 eos_token_id=None)
     ids = torch.cat([out, out]).clone()
@@ -204,13 +205,13 @@ def test_off_path_weight_scales_exactly_the_positions_after_the_text_leaves_the_
         torch.manual_seed(0)
         assert torch.equal(method.count_items(dict(batch)), n)
     b, a, k = block_targets(anchors, batch["labels"], methods[1].settings.block_size)
-    base = position_weights(methods[1].settings.block_size, methods[1].gamma)[k]
+    base = position_weights(methods[1].settings.block_size, methods[1].gamma, k.device)[k]
     with torch.no_grad():  # the target's greedy token after every prefix of the text, by a plain forward
-        greedy_next = torch.cat([torch.zeros(2, 1, dtype=torch.long),
+        greedy_next = torch.cat([torch.zeros(2, 1, dtype=torch.long, device=ids.device),
                                  t.model(input_ids=ids).logits.argmax(-1)[:, :-1]], dim=1)
         assert torch.equal(greedy_next[0, 6:], ids[0, 6:])  # row 0 is the target's own continuation
     on = torch.tensor([all(int(ids[bb, p + j]) == int(greedy_next[bb, p + j]) for j in range(1, kk))
-                       for bb, p, kk in zip(b.tolist(), anchors[b, a].tolist(), k.tolist())])
+                       for bb, p, kk in zip(b.tolist(), anchors[b, a].tolist(), k.tolist())], device=b.device)
     assert on[b == 0].all() and 0 < int((~on).sum()) and int((on & (b == 1) & (k >= 2)).sum()) > 0
     with torch.no_grad():
         losses = {w: m.compute_loss(dict(batch, anchors=anchors), t, module, n)[0] for w, m in methods.items()}
@@ -251,10 +252,10 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
     def oracle(batch, target, drafter, anchors):  # the draft's token: the greedy one where the pattern says right
         blocks = scored_blocks(batch, target, drafter, anchors)
         greedy = target_greedy(target.model, blocks.target_rows)
-        right = torch.rand(greedy.shape, generator=pattern) < 0.7
+        right = torch.rand(greedy.shape, generator=pattern).to(greedy.device) < 0.7
         tokens = torch.where(right, greedy, (greedy + 1) % vocab)
         logits = torch.full_like(blocks.logits, -10.0)
-        logits[torch.arange(tokens.numel()), tokens] = 10.0
+        logits[torch.arange(tokens.numel(), device=tokens.device), tokens] = 10.0
         for i, (b, a, k) in enumerate(zip(*(x.tolist() for x in blocks.scored))):
             seen[(b, int(anchors[b, a]), k)] = bool(right[i])
         return dataclasses.replace(blocks, logits=logits)
@@ -262,7 +263,7 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
     monkeypatch.setattr(method, "_scored_blocks", oracle)
 
     class Acc:
-        device = torch.device("cpu")
+        device = t.model.device
 
         @staticmethod
         def reduce(x, reduction):
@@ -467,7 +468,7 @@ def test_a_frozen_lm_head_stays_the_targets_rows_through_a_killed_and_resumed_ru
     train(frozen_cfg, DFlashMethod(frozen_cfg), target=tiny_target(), datasets=data)
     free, frozen = heads_weights(tmp_path / "free"), heads_weights(tmp_path / "frozen")
     assert torch.equal(free["d2t"], frozen["d2t"])
-    rows = tiny_target().model.get_output_embeddings().weight.detach()[torch.arange(64) + frozen["d2t"]]
+    rows = tiny_target().model.get_output_embeddings().weight.detach().cpu()[torch.arange(64) + frozen["d2t"]]
     assert torch.equal(frozen["lm_head.weight"], rows)  # the target's rows of the draft vocabulary, untouched
     assert not torch.equal(free["lm_head.weight"], rows)  # the same run with the head free moves it
     assert not torch.equal(free["fc.weight"], frozen["fc.weight"])  # and trains the rest differently

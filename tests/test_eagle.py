@@ -211,7 +211,7 @@ class SavedBefore(torch.nn.Module):
             if self.variant == "eagle3" else hidden_states[-1]
         emb = model.get_input_embeddings()(ids)
         pe = model.model.rotary_emb(feats, positions)
-        mask = causal_mask(ids.shape[1], 0, feats.dtype)
+        mask = causal_mask(ids.shape[1], 0, feats.dtype, device=feats.device)
         if self.layout == "midlayer":
             x = torch.cat([self.embed_norm(emb), self.feature_norm(feats)], -1)
             h = feats + self.layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=mask)[0]
@@ -249,7 +249,7 @@ def test_heads_saved_with_the_targets_own_layer(tmp_path, tiny_llama, tiny_qwen2
     assert loaded.config.draft_layer["intermediate_size"] == model.config.intermediate_size
     if variant == "eagle":
         qwen, _ = tiny_qwen2
-        old = SavedBefore(qwen, variant)
+        old = SavedBefore(qwen, variant).to(qwen.device)
         save_heads(tmp_path / "qwen", old, "eagle", old.head_config, qwen)
         with pytest.raises(OldDraftLayerError, match="Qwen2DecoderLayer.*Retrain them"):
             heads.load(tmp_path / "qwen", qwen)

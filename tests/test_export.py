@@ -440,16 +440,19 @@ def test_dflash_export_computes_the_drafter(tmp_path, tiny_llama):
     assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": cfg.target_layer_ids}
     assert "t2d" not in w and not any(k.startswith(("model.", "embed_tokens")) for k in w)
 
-    ids = torch.randint(3, 300, (1, 12))
+    device = model.device
+    ids = torch.randint(3, 300, (1, 12)).to(device)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
         features = torch.cat([hs[i][0] for i in drafter.feature_layers], -1)
         ctx_pos, block_pos = torch.arange(12), torch.arange(12, 16)
-        kv = drafter.context_kv(drafter.context(features)[None], ctx_pos[None])
-        first = torch.tensor([[int(ids[0, -1])]])
-        mine = drafter.logits(drafter(drafter.block_inputs(first), block_pos[None], kv, None))[0]
+        kv = drafter.context_kv(drafter.context(features)[None], ctx_pos[None].to(device))
+        first = torch.tensor([[int(ids[0, -1])]], device=device)
+        mine = drafter.logits(drafter(drafter.block_inputs(first), block_pos[None].to(device), kv, None))[0].cpu()
         block_ids = torch.tensor([int(ids[0, -1])] + [7] * 3)
-        ref = vllm_dflash_logits(out, model.get_input_embeddings().weight, features, ctx_pos, block_ids, block_pos)
+        # the reference reads the exported files on the CPU
+        ref = vllm_dflash_logits(out, model.get_input_embeddings().weight.cpu(), features.cpu(), ctx_pos, block_ids,
+                                 block_pos)
     targets = torch.arange(96) + d2t
     torch.testing.assert_close(ref[:, targets], mine, rtol=1e-4, atol=1e-4)
     assert torch.isinf(ref[:, [t for t in range(model.config.vocab_size) if t not in set(targets.tolist())]]).all()

@@ -93,6 +93,9 @@ def test_a_non_finite_hidden_state_takes_the_float32_head():
     assert torch.equal(out.argmax(dim=1), F.linear(hidden, weight).argmax(dim=1))
 
 
+CPU_ONLY = "the bfloat16 greedy head is made for a CPU's float32 LM head only (decode/greedy_head.py: greedy_head)"
+
+
 @pytest.fixture
 def fresh_heads(monkeypatch):
     """No head kept from another test (the tiny targets are shared); every head pays (timing aside)."""
@@ -111,6 +114,8 @@ def reference(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
 def test_engine_greedy_with_the_head_equals_generate(request, fixture, fresh_heads):
     # Random tiny targets have logits close together: many positions where bfloat16 alone would pick another token.
     model, _ = request.getfixturevalue(fixture)
+    if model.device.type != "cpu":
+        pytest.skip(CPU_ONLY)
     prompt = torch.arange(30, 42)
     ref = reference(model, prompt, 48)
     engine = SpeculativeDecoder(model, OracleDrafter(ref, depth=5), eos_token_ids=[], linear_kernel="small_batch")
@@ -135,7 +140,9 @@ def test_the_engine_leaves_the_head_alone_where_it_does_not_apply(tiny_llama, fr
     assert greedy_module._HEADS.get(model) is None
 
 
-def test_a_model_whose_logits_are_not_its_head_keeps_its_own(fresh_heads):
+def test_a_model_whose_logits_are_not_its_head_keeps_its_own(fresh_heads, device):
+    if device.type != "cpu":
+        pytest.skip(CPU_ONLY)
     model, _ = build_tiny("llama", seed=3)
     model.register_forward_hook(lambda module, args, out: out.__setitem__("logits", out.logits * 2.0) or out)
     prompt = torch.arange(30, 42)

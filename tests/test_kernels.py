@@ -220,7 +220,7 @@ def test_grouped_projections_compute_the_same_forward_with_fewer_products(monkey
     views of one tensor per group, reused on the next entry."""
     from core.target import build_tiny
 
-    model, _ = build_tiny(arch)
+    model, _ = build_tiny(arch, device="cpu")  # the small-batch linears are CPU kernels (any other device: F.linear)
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = RowPlan(tuple([2] + list(range(2, MAX_ROWS + 1))))  # every row count through (W @ x.T).T
@@ -362,7 +362,7 @@ def test_grouped_projections_take_the_packed_product_of_the_group(monkeypatch, a
     and the logits equal PyTorch's own within float32 rounding (each a dot product of at most 128 terms)."""
     from core.target import build_tiny
 
-    model, _ = build_tiny(arch)
+    model, _ = build_tiny(arch, device="cpu")  # the small-batch linears are CPU kernels (any other device: F.linear)
     model.eval()
     ids = torch.tensor([[5, 9, 40, 7, 3]])
     with torch.no_grad():
@@ -412,7 +412,7 @@ def test_a_block_entered_inside_another_leaves_the_outer_one_s_groups(monkeypatc
     nothing again, and on exit leaves the outer block's groups and packed weights in place."""
     from core.target import build_tiny
 
-    model, _ = build_tiny("llama")
+    model, _ = build_tiny("llama", device="cpu")  # the small-batch linears are CPU kernels (any other device: F.linear)
     model.eval()
     plan = RowPlan((PACKED,) * MAX_ROWS)
     ids = torch.tensor([[5, 9, 40, 7, 3]])

@@ -46,7 +46,8 @@ def test_the_recorded_example_is_the_targets_own_forward(tmp_path, family):
     assert example["input_ids"].tolist() == ids
     assert example["labels"].tolist() == [-100] * len(PROMPTS[0]) + result.tokens[:-1]
     with torch.no_grad():
-        hs = s.target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        model = s.target.model
+        hs = [h.cpu() for h in model(torch.tensor([ids], device=model.device), output_hidden_states=True).hidden_states]
     config = s.target.model.config
     # float32 rounding of a tree-masked forward over a cache against one plain forward: a few ulps per dot product of
     # hidden_size terms, compounded over the layers (the bound of tests/test_feature_store_vllm.py)

@@ -5,12 +5,13 @@ vLLM release starts running one this fails and the table in docs/serving.md gets
 
 The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
 heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
-recipe). Every vLLM engine the selected cells need starts in one vLLM worker process
-(``decode.serving.serve_checks``), so vLLM's imports are paid once.
+recipe). Every vLLM engine a file's cells need starts in one vLLM worker process (``decode.serving.serve_checks``), so
+vLLM's imports are paid once a file.
 
-By default the cells of :data:`DEFAULT_ARCHS` run (every refusal among them; ~140 s on 2 cores, gpt_oss ~60 s of it);
-``pytest -m vllm_archs tests/test_serving_archs.py`` runs the other seven architectures (about a minute each on a quiet
-machine, half of it training the four families' heads).
+The matrix is split over three files of about equal time, so that ``pytest -n`` runs them side by side: this one
+(:data:`ARCHS`: the MLA targets, Gemma 3 and gpt-oss: every refusal), tests/test_serving_archs_qwen.py and
+tests/test_serving_archs_more.py. Each architecture takes about a minute on 2 cores, half of it training the four
+families' heads. Llama's cells are tests/test_serving.py's. ``pytest -m "not vllm_archs"`` leaves the matrix out.
 """
 
 from __future__ import annotations
@@ -46,16 +47,25 @@ REFUSED = {("gemma3", "dflash"): NO_AUX, ("gemma3", "eagle3"): NO_AUX, ("gemma3"
 # attention for the drafter multiples of 32, and the two must share one block size.
 NO_BLOCK = "ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])."
 REFUSED |= {(arch, fmt): NO_BLOCK for arch in DIFFERS_FROM_HF for fmt in ("eagle", "eagle3", "speculators", "dflash")}
-# The default suite: a target vLLM decodes otherwise than HF (MLA), one whose intermediate layers it cannot read (so
-# DFlash and EAGLE-3 are refused, Medusa and EAGLE-1 served), and the most unlike Llama of those it serves fully (MoE,
-# attention sinks, alternating sliding layers, YaRN rope). Llama itself is tests/test_serving.py's.
-DEFAULT_ARCHS = ("deepseek_v3", "gemma3", "gpt_oss")
+# This file's architectures: the targets vLLM decodes otherwise than HF (MLA), one whose intermediate layers it cannot
+# read (so DFlash and EAGLE-3 are refused, Medusa and EAGLE-1 served), and the most unlike Llama of those it serves
+# fully (MoE, attention sinks, alternating sliding layers, YaRN rope). The other files set their own ARCHS.
+ARCHS = ("deepseek_v2", "deepseek_v3", "gemma3", "gpt_oss")
+COVERED_ELSEWHERE = {"llama": "tests/test_serving.py"}  # the same checks on the same tiny shape
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.vllm_archs]
 
 
-def arch_marks(arch: str) -> list:
-    return [] if arch in DEFAULT_ARCHS else [pytest.mark.vllm_archs]
+def pytest_generate_tests(metafunc):
+    """A test of the matrix runs for the architectures of the file it is collected in (its ``ARCHS``)."""
+    if "arch" not in metafunc.fixturenames:
+        return
+    archs = metafunc.module.ARCHS
+    if "fmt" in metafunc.fixturenames:
+        metafunc.parametrize("arch,fmt", [(a, f) for a in archs for f in FORMATS],
+                             ids=[f"{a}-{f}" for a in archs for f in FORMATS])
+    else:
+        metafunc.parametrize("arch", archs)
 
 
 def tiny_target(arch: str) -> Target:
@@ -140,7 +150,6 @@ def served(request, tmp_path_factory) -> dict:
     return outcomes
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=arch_marks(a)) for a in TINY_ARCHS])
 def test_vllm_decodes_each_target_as_hf_does_or_says_why_not(served, arch):
     outcome = served[arch, "medusa"]  # every family's check decodes the target plain first
     assert not isinstance(outcome, Exception), outcome
@@ -151,8 +160,6 @@ def test_vllm_decodes_each_target_as_hf_does_or_says_why_not(served, arch):
     assert not plain, outcome["mismatches"]
 
 
-@pytest.mark.parametrize("arch,fmt", [pytest.param(a, f, marks=arch_marks(a), id=f"{a}-{f}")
-                                      for a in TINY_ARCHS for f in FORMATS])
 def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(served, arch, fmt):
     outcome = served[arch, FAMILY[fmt]]
     if isinstance(outcome, Exception):
@@ -171,3 +178,13 @@ def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(s
     for p in entry["prompts"]:
         assert p["vllm"]["drafts"] == p["selfspec"]["drafts"]
         assert p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"]
+
+
+def test_every_architecture_has_its_serving_cells_in_one_file():
+    """A new row of core/archs.py needs a place in one file's ARCHS: no architecture is left out of the matrix, and
+    none runs twice."""
+    import test_serving_archs_more
+    import test_serving_archs_qwen
+
+    placed = [*ARCHS, *test_serving_archs_qwen.ARCHS, *test_serving_archs_more.ARCHS, *COVERED_ELSEWHERE]
+    assert sorted(placed) == sorted(TINY_ARCHS)

@@ -160,7 +160,8 @@ class AdaptiveDepth:
     of ``prior_steps`` steps at ``prior_accept ** j`` keeps the first steps hopeful), node counts are the ones the
     drafter proposed at each depth (first estimated from a deeper tree's levels), and the drafting cost is the
     measured seconds per drafted step over one forward's, kept per depth drafted (a chain drafter such as layer-skip
-    pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion). Every
+    pays per level: a depth not drafted yet is estimated from the nearest one measured, in proportion; the first
+    draft's time is not counted, as it runs cold). Every
     ``explore_every`` steps a depth one level deeper than the best is verified, so the estimates follow the text;
     while those looks do not pay, they come half as often (down to one in ``32 * explore_every`` steps). A depth that
     could not beat the best even if every level were accepted is never looked at (the next deeper one that could is
@@ -188,6 +189,7 @@ class AdaptiveDepth:
     draft_s: float = 0.0  # moving average of seconds spent drafting a step, any depth (the estimate before any
     # depth was measured)
     draft_by_depth: dict[int, float] = field(default_factory=dict)  # depth drafted -> moving average of its seconds
+    cold: bool = True  # no draft timed yet: the first one's time is not counted (below)
     since_explore: int = 0  # steps since the last look one level deeper than the best
     interval: int = 0  # steps between such looks (explore_every at first); doubles while they do not pay
     last_best: int = 0
@@ -282,6 +284,9 @@ class AdaptiveDepth:
             for level in range(1, depth + 1):
                 self.tried[level] = self.tried.get(level, 0.0) + 1.0
                 self.reached[level] = self.reached.get(level, 0.0) + float(accepted >= level)
+        if self.cold:  # the first draft runs cold (kernels chosen, buffers made on first use): on a GPU it took many
+            self.cold = False  # forwards' time, an estimate no later draft came to correct, as none was drafted
+            return
         known = bool(self.draft_by_depth) or self.draft_s > 0
         before = self.draft_seconds(depth)
         self.draft_by_depth[depth] = 0.9 * before + 0.1 * draft_seconds if known else draft_seconds

@@ -75,6 +75,24 @@ def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
     assert policy.draft_seconds(3) == pytest.approx(3 * policy.draft_seconds(1), rel=0.3)  # scaled from a neighbour
 
 
+def test_a_cold_first_draft_does_not_switch_off_a_drafter_that_pays():
+    # DFlash-like: one drafted block of 2 costs 7% of a forward, and its levels are accepted 3/4 and 1/2 of the time,
+    # so it pays ((1 + 0.75 + 0.5) / (1 + 0.07) > 1). Its first draft runs cold, 50 forwards' time (kernels chosen, buffers
+    # made on first use; on a GPU). Counted, that time would price every depth far above what it can give, no depth
+    # would be drafted again, and no warm time would ever replace it.
+    policy = AdaptiveDepth(CPU_LIKE, measure_draft=True)
+    tree = load_tree("chain-2", num_heads=2)
+    chosen = []
+    for step in range(60):
+        depth = policy.choose(100)
+        chosen.append(depth)
+        cut = tree.truncate(min(depth, tree.max_depth))
+        accepted = min(cut.max_depth, (0, 1, 2, 2)[step % 4])
+        policy.observe(depth, draft_of(cut), accepted, 0.050 if step == 0 else 0.00007)  # forward: 1 ms
+    assert chosen[0] == 100 and chosen[10:].count(2) >= 0.9 * len(chosen[10:])
+    assert policy.draft_seconds(2) == pytest.approx(0.00007)
+
+
 def test_unlucky_first_drafts_do_not_switch_off_a_drafter_that_pays():
     # layer-skip-like again: one level accepted a third of the time pays ((1 + 1/3) / (1 + 0.2) > 1). Its first
     # ten drafts are all rejected (a 2% chance at that rate). On the estimate alone (optimism 0) depth 1 then looks

@@ -117,7 +117,9 @@ def run_stream(cfg: Any, command: str = "") -> dict:
               "command": command, "machine": machine_info(base.target.model), "heads": c["heads"],
               "family": base.family, "dtype": str(next(base.target.model.parameters()).dtype).removeprefix("torch."),
               "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
-              "max_new_tokens": s.max_new_tokens, "learner": to_dict(cfg.learner), "methods": names, "runs": runs,
+              "max_new_tokens": s.max_new_tokens, "methods": names, "runs": runs,
+              # as the learning methods ran: from their start heads, into learned/ and learned-untrained/ under out
+              "learner": {**to_dict(cfg.learner), "resume": False, "dir": str(out)},
               "windows": windows(runs, names, window), "aims": aims(runs, names), "mismatches": mismatches,
               "learned": {n: sessions[n].learner.summary() for n in LEARNING if n in sessions}}
     (out / "stream.json").write_text(json.dumps(report, indent=1))

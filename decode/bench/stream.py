@@ -16,6 +16,7 @@ request; its seconds are reported apart, and counted into a second tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import time
@@ -24,8 +25,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from core.config import to_dict
-from decode.bench.prompts import load_prompts
+from decode.bench.prompts import first_turn_ids, load_prompts
 from decode.bench.report import machine_info
 from decode.bench.run import first_difference
 from decode.prompts import prompt_ids
@@ -85,7 +85,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
     for session in sessions.values():  # one-time costs (kernels, allocator) out of the timings; nothing learned
         session.generate(warm, learn=False, max_new_tokens=4)
     for i, q in enumerate(tqdm(questions, desc="stream", unit="prompt")):
-        ids = prompt_ids(base.target.tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat, s.system_prompt)
+        ids = first_turn_ids(base, q)
         reference, hf_s = hf_generate(base, ids)
         row: dict[str, Any] = {"index": i, "question_id": q.get("question_id"), "hf": {"seconds": hf_s,
                                                                                        "new_tokens": len(reference)}}
@@ -118,8 +118,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
               "family": base.family, "dtype": str(next(base.target.model.parameters()).dtype).removeprefix("torch."),
               "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
               "max_new_tokens": s.max_new_tokens, "methods": names, "runs": runs,
-              # as the learning methods ran: from their start heads, into learned/ and learned-untrained/ under out
-              "learner": {**to_dict(cfg.learner), "resume": False, "dir": str(out)},
+              "learner": {n: dataclasses.asdict(sessions[n].learner.settings) for n in LEARNING if n in sessions},
               "windows": windows(runs, names, window), "aims": aims(runs, names), "mismatches": mismatches,
               "learned": {n: sessions[n].learner.summary() for n in LEARNING if n in sessions}}
     (out / "stream.json").write_text(json.dumps(report, indent=1))

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import compose
+from conftest import compose, load_script
 from decode.session import hf_generate, load_session
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -241,7 +241,7 @@ def tiny_stream(tmp_path, n: int):
 
 
 def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_path):
-    from scripts.stream_bench import main
+    main = load_script("stream_bench").main
 
     prompts = tiny_stream(tmp_path, 6)
     report = main([f"heads={tmp_path / 'heads'}", f"prompts={prompts}", "window=3", "max_new_tokens=16",
@@ -281,7 +281,7 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
 def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
     import decode.bench.replay as replay
     from decode.types import DecodeSetupError
-    from scripts.learn_replay import main
+    main = load_script("learn_replay").main
 
     prompts = tiny_stream(tmp_path, 8)
     common = [f"heads={tmp_path / 'heads'}", f"prompts={prompts}", f"record={tmp_path / 'stream.pt'}", "window=4",

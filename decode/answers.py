@@ -90,6 +90,7 @@ def summarize(turn_stats: list[dict]) -> dict:
         "tokens_per_s": new / total_s if total_s else 0.0, "total_s": total_s,
         "prefill_s": sum(t["prefill_s"] for t in turn_stats), "draft_s": sum(t["draft_s"] for t in turn_stats),
         "verify_s": sum(t["verify_s"] for t in turn_stats),
+        "learn_s": sum(t.get("learn_s", 0.0) for t in turn_stats),
     }
     hf = [t["hf"] for t in turn_stats if "hf" in t]
     if hf:
@@ -116,7 +117,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['tokens_per_s']:.1f} tokens/s",
         f"time: prefill {summary['prefill_s']:.2f}s ({share(summary['prefill_s']):.0f}%)  drafting "
         f"{summary['draft_s']:.2f}s ({share(summary['draft_s']):.0f}%)  verifying {summary['verify_s']:.2f}s "
-        f"({share(summary['verify_s']):.0f}%)",
+        f"({share(summary['verify_s']):.0f}%)"
+        + (f"  learning mid-answer {summary['learn_s']:.2f}s" if summary.get("learn_s") else ""),
     ]
     if "hf_tokens_per_s" in summary:
         lines.append(

@@ -45,7 +45,9 @@ TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a dec
 
 class Observer(Protocol):
     """What :meth:`SpeculativeDecoder.generate` shows an observer (train/online.py:Recorder): the prompt ids and the
-    prefill's output, then each step's draft, verdict and verify output after the commit."""
+    prefill's output, then each step's draft, verdict and verify output after the commit. An observer may also have
+    ``between_steps()``, called after each step once its tokens are emitted and its drafting time is observed: work
+    there (train/online.py's learning every N tokens) counts in ``DecodeStats.learn_s``, not as drafting."""
 
     def start(self, prompt_ids: torch.Tensor, out: ForwardOutput) -> None: ...
 
@@ -66,6 +68,7 @@ class DecodeStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0  # drafter: propose + commit hooks
     verify_s: float = 0.0  # target forward + acceptance + KV commit
+    learn_s: float = 0.0  # an observer's work between steps (learning every N tokens), inside total_s
     total_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted by each step (bonus included)
     drafted_per_step: list[int] = field(default_factory=list)  # drafted nodes each step verified
@@ -322,7 +325,8 @@ class SpeculativeDecoder:
         ``timings``: the stats' split between prefill, drafting and verifying is measured after the device's queued
         work (on a GPU a wait per split; without it the split is a host-side reading and only ``total_s`` is
         exact). ``observer``: sees the prefill's and every commit's forward output (train/online.py's recorder keeps
-        the committed positions' hidden states); its time counts as drafting."""
+        the committed positions' hidden states); its time counts as drafting, but for its ``between_steps``
+        (``stats.learn_s``)."""
         clock = StepClock(self.device, sync=timings or self.depth_policy is not None)
         with decoding_kernels(self.model, *self.drafter.modules(), plan=self.row_plan, plans=self.row_plans):
             head = self._head(sampling)
@@ -371,6 +375,7 @@ class SpeculativeDecoder:
         if on_tokens and kept:
             on_tokens(kept)
 
+        between_steps = getattr(observer, "between_steps", None)
         fits = head is not None and head.fits(self.model, out.hidden[-1:], out.logits)  # logits = lm_head(h)?
         verify_forward = self._verify_forward(head if fits else None)
         while not state.done:
@@ -403,6 +408,10 @@ class SpeculativeDecoder:
             stats.accepted_per_step.append(len(verdict.path) - 1)
             if on_tokens and kept:
                 on_tokens(kept)
+            if between_steps is not None and not state.done:
+                t4 = clock()
+                between_steps()
+                stats.learn_s += clock() - t4
 
         synchronize(self.device)
         stats.total_s = time.perf_counter() - t_start

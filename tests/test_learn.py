@@ -77,9 +77,12 @@ def test_greedy_answers_stay_the_targets_while_the_heads_learn(tmp_path, family)
     assert late_accepted > 0  # and drafts of the changed weights were accepted
 
 
-def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp_path):
+@pytest.mark.parametrize("every_tokens", [0, 1])
+def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp_path, every_tokens):
     """The first three sampled tokens of the 12-token target over many seeds, the DFlash heads learning from every
-    request (one step each, unguarded, so the weights change every request), follow the target's own distribution."""
+    request (one step each, unguarded, so the weights change every request), follow the target's own distribution.
+    With ``every_tokens=1`` the weights also change in the middle of an answer, after its first step, whenever that
+    step did not end it."""
     from test_engine import SAMPLING, exact_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
 
@@ -93,23 +96,23 @@ def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp
     settings = LearnSettings.from_dict({
         "dir": str(tmp_path / "learned"), "resume": False, "buffer_tokens": 256, "holdout_every": 1000, "steps": 1,
         "batch_size": 8, "learning_rate": 3e-3, "min_tokens": 1, "guard": False, "guard_z": 2.0, "save_every": 0,
-        "max_length": 64,
-        "mixed_precision": "no", "seed": 0})
+        "every_tokens": every_tokens, "max_length": 64, "mixed_precision": "no", "seed": 0})
     learner = OnlineLearner(heads, "dflash", {}, Target(model=model, tokenizer=SimpleNamespace(pad_token_id=0), name="small"),
                             settings)
     decoder = SpeculativeDecoder(model, DFlashBlockDrafter(heads, top_k=1, dtype=torch.float32), eos_token_ids=[])
     prompt = torch.tensor([3, 5, 7, 1])
     v = model.config.vocab_size
-    counts, accepted, seeds = torch.zeros(v ** 3), 0, 1000
+    counts, accepted, seeds, during = torch.zeros(v ** 3), 0, 1000, 0
     for seed in range(seeds):
         recorder = learner.recorder()
         res = decoder.generate(prompt, max_new_tokens=3, sampling=SAMPLING, seed=seed, observer=recorder)
-        learner.learn(recorder.example(res.tokens))
+        during += len(learner.learn(recorder.example(res.tokens)).get("during", ()))
         a, b, c = res.tokens
         counts[(a * v + b) * v + c] += 1
         accepted += res.stats.accepted
     exact = exact_first_three(model, prompt).reshape(-1)
     assert learner.updates > seeds // 2  # the weights changed on most requests
+    assert (during > seeds // 10) if every_tokens else during == 0  # ...and mid-answer with every_tokens
     assert accepted / seeds > 0.2  # drafts were accepted often enough for the test to mean something
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
     assert chi_square_pvalue(counts, exact) > 1e-3
@@ -309,3 +312,58 @@ def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, 
     assert [r["learning"] for r in other["rows"]] == [r["frozen"] for r in rows]
     with pytest.raises(DecodeSetupError, match="max_new_tokens"):
         main(but("max_new_tokens=8", f"out={tmp_path / 'd'}"))  # recorded with 16: refused, named
+    # learning every 4 answer tokens replays the same record: each trained request also hands over its prefixes
+    mid = main(but(f"out={tmp_path / 'e'}", "learner.every_tokens=4"))
+    tried = [r["updates"] + r["rollbacks"] for r in rows]
+    assert all(m["updates"] + m["rollbacks"] >= t for m, t in zip(mid["rows"], tried, strict=True))
+    assert sum(m["updates"] + m["rollbacks"] for m in mid["rows"]) > sum(tried)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_learning_every_n_tokens_updates_mid_answer_and_answers_stay_the_targets(tmp_path, family):
+    """With ``every_tokens`` the heads take updates in the middle of an answer, on the buffer and the answer so far
+    (an exact prefix of what the finished request buffers); greedy answers stay the target's, with drafts of the
+    changed weights accepted; the time goes to ``stats.learn_s``."""
+    from train.online import prefixes
+
+    s = learning_session(tmp_path, family, "learner.every_tokens=4", "learner.guard=false")
+    handed = []
+    learn_partial = s.learner.learn_partial
+
+    def spy(example):
+        report = learn_partial(example)
+        if report is not None:
+            handed.append(example)
+        return report
+
+    s.learner.learn_partial = spy
+    refs, late_accepted, mid = {}, 0, 0
+    for i in range(8):
+        ids = PROMPTS[i % len(PROMPTS)]
+        before = weights(s.heads)
+        handed.clear()
+        result = s.generate(ids)
+        if tuple(ids) not in refs:
+            refs[tuple(ids)] = hf_generate(s, ids)[0]
+        assert result.tokens == refs[tuple(ids)], f"request {i}"
+        during = s.last_learned.get("during", [])
+        if i % 4 == 0:  # held out (holdout_every=4): never trained on, not even mid-answer
+            assert handed == [] and during == []
+            continue
+        assert len(during) == len(handed) >= 1 and result.stats.learn_s > 0
+        assert all(d["rolled_back"] is False for d in during)
+        assert not same_weights(before, weights(s.heads))
+        final = s.learner.buffer.examples[-1]  # the finished request, buffered whole
+        for part in handed:  # each answer so far is the final example cut short, labels and all
+            n = len(part["input_ids"])
+            assert n < len(final["input_ids"])
+            assert all(torch.equal(part[k], final[k][:n]) for k in final)
+        mid += len(during)
+        if i >= 4:
+            late_accepted += result.stats.accepted
+    assert mid >= 6 and late_accepted > 0
+    # the replay hands over the same prefixes, each cut exactly at a multiple of every_tokens answer positions
+    cuts = prefixes(final, 4)
+    prompt = int((final["labels"] < 0).sum())
+    assert [len(c["input_ids"]) - prompt for c in cuts] == list(range(4, len(final["input_ids"]) - prompt, 4))
+    assert all(torch.equal(c["hidden"], final["hidden"][: len(c["hidden"])]) for c in cuts)

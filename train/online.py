@@ -62,6 +62,7 @@ class LearnSettings:
     guard: bool
     guard_z: float
     save_every: int
+    every_tokens: int
     max_length: int
     mixed_precision: str
     seed: int
@@ -78,12 +79,12 @@ class LearnSettings:
                 holdout_every=int(values["holdout_every"]), steps=int(values["steps"]),
                 batch_size=int(values["batch_size"]), learning_rate=float(values["learning_rate"]),
                 min_tokens=int(values["min_tokens"]), guard=bool(values["guard"]), guard_z=float(values["guard_z"]),
-                save_every=int(values["save_every"]),
+                save_every=int(values["save_every"]), every_tokens=int(values["every_tokens"]),
                 max_length=int(values["max_length"]), mixed_precision=str(values["mixed_precision"]),
                 seed=int(values["seed"]))
         problems = [f"learner.{k}={getattr(s, k)} must be >= {lo}" for k, lo in
                     (("buffer_tokens", 1), ("holdout_every", 2), ("steps", 0), ("batch_size", 1), ("min_tokens", 1),
-                     ("save_every", 0), ("max_length", 2)) if getattr(s, k) < lo]
+                     ("save_every", 0), ("every_tokens", 0), ("max_length", 2)) if getattr(s, k) < lo]
         if s.learning_rate <= 0:
             problems.append(f"learner.learning_rate={s.learning_rate} must be > 0")
         if s.guard_z < 0:
@@ -129,13 +130,26 @@ class Recorder:
         path = torch.tensor(verdict.path, device=draft.tokens.device)
         self._keep(draft.tokens[path], out.hidden_states, path.to(out.hidden.device))
 
+    @property
+    def answer_length(self) -> int:
+        """Answer positions kept so far: each committed token but the newest (its hidden states come with the next
+        forward)."""
+        return self.length - self.prompt_length
+
+    def partial(self) -> dict[str, torch.Tensor] | None:
+        """The answer so far as an example (:meth:`example` of a request that ended here): every kept position."""
+        return self._example(self.length)
+
     def example(self, new_tokens: list[int]) -> dict[str, torch.Tensor] | None:
         """The answer as a feature-store example: the positions whose hidden states the target computed (the prompt
         and every answer token but the last, which no forward read), at most ``max_length``; labels on the answer
         tokens only (-100 on the prompt). None when no position has a label (an answer of one token)."""
+        return self._example(self.prompt_length + len(new_tokens) - 1)
+
+    def _example(self, n: int) -> dict[str, torch.Tensor] | None:
         from train.data.chat import IGNORE_INDEX
 
-        n = min(self.prompt_length + len(new_tokens) - 1, self.length, self.max_length)
+        n = min(n, self.length, self.max_length)
         if n <= self.prompt_length:
             return None
         ids = torch.cat(self.tokens)[:n].long()
@@ -146,6 +160,32 @@ class Recorder:
         if self.layers:
             example["aux"] = rows[:, :-1].contiguous()
         return example
+
+
+class LearningRecorder(Recorder):
+    """A :class:`Recorder` that also has its learner train in the middle of the request (``learner.every_tokens``):
+    once every ``every`` answer positions, between the engine's steps, on the buffer and this answer so far
+    (:meth:`OnlineLearner.learn_partial`). The next draft reads the new weights; verification is untouched."""
+
+    def __init__(self, learner: "OnlineLearner", every: int):
+        super().__init__(learner.layers, learner.dtype, learner.settings.max_length)
+        self.learner, self.every, self.mark = learner, int(every), int(every)
+
+    def between_steps(self) -> None:
+        if self.answer_length < self.mark:
+            return
+        # past max_length nothing more is kept: the answer so far would not change
+        self.mark = self.answer_length + self.every if self.length < self.max_length else float("inf")
+        self.learner.learn_partial(self.partial())
+
+
+def prefixes(example: dict[str, torch.Tensor], every: int) -> list[dict[str, torch.Tensor]]:
+    """What a :class:`LearningRecorder` hands its learner during the request that made ``example``: the example cut
+    after every ``every``-th answer position, shorter than the whole (the engine's steps can pass a mark by a few
+    positions; here each cut is exact)."""
+    prompt = int((example["labels"] < 0).sum())
+    return [{k: v[: prompt + n] for k, v in example.items()}
+            for n in range(every, len(example["input_ids"]) - prompt, every)]
 
 
 class ReplayBuffer:
@@ -273,6 +313,7 @@ class OnlineLearner:
         # the CPU RNG a family's loss draws from (DFlash's anchors), kept apart from decoding's and saved with the rest
         self.torch_rng = torch.Generator().manual_seed(settings.seed).get_state()
         self.requests = 0  # requests learned from (held out ones included)
+        self._during: list[dict] = []  # the current request's updates in its middle (every_tokens)
         self.updates = self.rollbacks = self.steps = 0
         # the held-out acceptance (per example) of the weights the session has, and the held-out set it was measured
         # on: the next update's "before" while that set is unchanged
@@ -299,6 +340,10 @@ class OnlineLearner:
         return positions * self.bytes_per_position() + params + 2 * trainable
 
     def recorder(self) -> Recorder:
+        """What follows the next request: a :class:`LearningRecorder` with ``every_tokens``, else a plain one."""
+        self._during = []
+        if self.settings.every_tokens:
+            return LearningRecorder(self, self.settings.every_tokens)
         return Recorder(self.layers, self.dtype, self.settings.max_length)
 
     # --- after a request ----------------------------------------------------------------------------------------
@@ -308,6 +353,8 @@ class OnlineLearner:
         tokens and there is a held-out example) ``steps`` optimizer steps, guarded; saved every ``save_every``.
         Returns what happened."""
         report: dict[str, Any] = {"request": self.requests}
+        if self._during:
+            report["during"], self._during = self._during, []
         if example is None:
             return report
         held_out = self.requests % self.settings.holdout_every == 0
@@ -321,15 +368,28 @@ class OnlineLearner:
             self.save()
         return report
 
-    def update(self) -> dict:
-        """``steps`` optimizer steps on the buffer; kept (and copied into the session's heads) unless the guard sees
-        the held-out acceptance fall, else rolled back."""
+    def learn_partial(self, example: dict[str, torch.Tensor] | None) -> dict | None:
+        """In the middle of a request (``every_tokens``): :meth:`update` on the buffer and ``example``, this answer
+        so far, which is not buffered (the finished request's :meth:`learn` buffers the whole). Nothing when the
+        request is one to hold out, or :meth:`learn` would not update yet. Returns what happened, or None."""
+        s = self.settings
+        if (example is None or not s.steps or self.requests % s.holdout_every == 0
+                or (s.guard and not self.holdout.examples)
+                or self.buffer.answer_tokens + int((example["labels"] >= 0).sum()) < s.min_tokens):
+            return None
+        report = self.update(extra=example)
+        self._during.append(report)
+        return report
+
+    def update(self, extra: dict[str, torch.Tensor] | None = None) -> dict:
+        """``steps`` optimizer steps on the buffer (and ``extra``, drawn as one more example of it); kept (and
+        copied into the session's heads) unless the guard sees the held-out acceptance fall, else rolled back."""
         snapshot = (copy.deepcopy(self.module.state_dict()), copy.deepcopy(self.optimizer.state_dict()))
         guard = self.settings.guard
         held_out = self._held_out_key()
         before = (self._guarded[1] if self._guarded and self._guarded[0] == held_out  # these weights, measured
                   else self.held_out_scores()) if guard else None
-        losses = [self.train_step() for _ in range(self.settings.steps)]
+        losses = [self.train_step(extra) for _ in range(self.settings.steps)]
         after = self.held_out_scores() if guard else None
         out = {"loss": sum(losses) / len(losses), "before": _mean(before), "after": _mean(after)}
         if before is not None and significantly_lower(before, after, self.settings.guard_z):
@@ -368,9 +428,9 @@ class OnlineLearner:
         batch = collate_features(examples, 0 if pad is None else int(pad))
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def train_step(self) -> float:
-        """One optimizer step on ``batch_size`` examples drawn from the buffer, with replacement."""
-        examples = list(self.buffer.examples)
+    def train_step(self, extra: dict[str, torch.Tensor] | None = None) -> float:
+        """One optimizer step on ``batch_size`` examples drawn from the buffer (and ``extra``), with replacement."""
+        examples = list(self.buffer.examples) + ([extra] if extra is not None else [])
         picks = [examples[self.rng.randrange(len(examples))] for _ in range(self.settings.batch_size)]
         batch = self._batch(picks)
         self.module.train()
@@ -467,5 +527,5 @@ class OnlineLearner:
                 "buffer_bytes": self.buffer.nbytes() + self.holdout.nbytes(), "memory_bound": self.memory_bound()}
 
 
-__all__ = ["LearnSettings", "LearnSetupError", "OnlineLearner", "Recorder", "ReplayBuffer", "training_method",
-           "bytes_per_position"]
+__all__ = ["LearnSettings", "LearnSetupError", "LearningRecorder", "OnlineLearner", "Recorder", "ReplayBuffer",
+           "training_method", "bytes_per_position", "prefixes"]

@@ -11,6 +11,11 @@ setting then replays them in order through :class:`train.online.OnlineLearner`:
   ``eval/accept_length_chain``; the request is not trained on yet);
 - the same for the frozen heads, on the same examples, so each window's gain is paired.
 
+With ``learner.every_tokens`` the learner also gets each request's answer cut after every N answer positions, before
+the whole, as a live decode hands it over (there a step can pass the mark by a few positions). A request's
+acceptance is measured before all of them: what the later part of an answer gains from its own first part is not
+counted.
+
 Per window: both acceptances, the gain, updates and rollbacks, and the learner's seconds per request.
 """
 
@@ -33,6 +38,7 @@ from decode.bench.report import machine_info
 from decode.session import load_session
 from decode.settings import required
 from decode.types import DecodeSetupError
+from train.online import prefixes
 
 REPLAY_KEYS = ("heads", "prompts", "limit", "record", "window", "out")
 RECORD_FORMAT = 1
@@ -96,14 +102,20 @@ def run_replay(cfg: Any, command: str = "") -> dict:
     else:
         examples = record_stream(session, load_prompts(c["prompts"], c["limit"]), record, identity)
     learner = session.learner
+    every = learner.settings.every_tokens
     frozen = learner.acceptance(examples)  # the heads as loaded, before anything is learned
     rows, start = [], time.perf_counter()
     for i, example in enumerate(tqdm(examples, desc="replay", unit="request")):
         [before] = learner.acceptance([example])
         t0 = time.perf_counter()
+        for part in prefixes(example, every) if every else ():  # what learning every N tokens hands the learner
+            learner.learn_partial(part)
         report = learner.learn(example)
+        updates = [*report.get("during", ()), *([report] if "rolled_back" in report else [])]
         rows.append({"index": i, "frozen": frozen[i], "learning": before, "seconds": time.perf_counter() - t0,
-                     "held_out": bool(report.get("held_out")), "rolled_back": report.get("rolled_back")})
+                     "held_out": bool(report.get("held_out")), "rolled_back": report.get("rolled_back"),
+                     "updates": sum(not u["rolled_back"] for u in updates),
+                     "rollbacks": sum(bool(u["rolled_back"]) for u in updates)})
     window = int(c["window"])
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": command, "machine": machine_info(session.target.model), "heads": c["heads"],
@@ -123,8 +135,7 @@ def replay_windows(rows: list[dict], window: int) -> list[dict]:
         w = rows[a:a + window]
         frozen, learning = (sum(r[k] for r in w) / len(w) for k in ("frozen", "learning"))
         out.append({"start": a, "end": a + len(w), "frozen": frozen, "learning": learning, "gain": learning - frozen,
-                    "updates": sum(r["rolled_back"] is False for r in w),
-                    "rollbacks": sum(r["rolled_back"] is True for r in w),
+                    "updates": sum(r["updates"] for r in w), "rollbacks": sum(r["rollbacks"] for r in w),
                     "seconds_per_request": sum(r["seconds"] for r in w) / len(w)})
     return out
 

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from decode.bench.prompts import first_turn_ids, load_prompts
 from decode.bench.report import machine_info
 from decode.bench.run import first_difference
-from decode.prompts import prompt_ids
 from decode.session import Session, hf_generate, load_session
 from decode.settings import required
 from decode.types import DecodeSetupError
@@ -82,7 +81,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
     s = base.settings
     as_set = base.generate_kwargs
     runs, mismatches = [], []
-    warm = prompt_ids(base.target.tokenizer, [{"role": "user", "content": "Hi"}], s.chat)
+    warm = first_turn_ids(base, {"turns": ["Hi"]})
     for session in sessions.values():  # one-time costs (kernels, allocator) out of the timings; nothing learned
         session.generate(warm, learn=False, max_new_tokens=4)
     for i, q in enumerate(tqdm(questions, desc="stream", unit="prompt")):

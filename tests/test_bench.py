@@ -380,35 +380,3 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
     assert "alternating in 2 rounds" in (tmp_path / "bench" / "bench.md").read_text()
     with pytest.raises(DecodeSetupError, match="vllm_rounds"):
         bench_main()([*FAST, f"prompts={path}", "methods=[hf,vllm]", "vllm_rounds=0", f"out={tmp_path / 'b0'}"])
-
-
-def test_a_sharegpt_stream_in_one_writing_system(tmp_path, monkeypatch):
-    """``prompts=sharegpt:SCRIPT``: the first user turns, past the records the recipes read, whose letters are mostly
-    in that script; a mixed or too short turn is left out."""
-    import json
-
-    import decode.bench.prompts as prompts
-    import train.data.conversations as conversations
-
-    def record(i, text):
-        return {"id": f"r{i}", "conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}
-
-    texts = ["请写一首关于秋天的诗，诗里要有月亮、桂花和远方的家。",  # before SHAREGPT_FROM: left out
-             "Write a poem about autumn with the moon.",
-             "请写一首关于秋天的诗，诗里要有月亮、桂花和远方的家。",
-             "Translate 秋天 into English, and explain the word in a few sentences please.",  # mostly Latin letters
-             "你好",  # too short
-             "用Python写一个函数，计算斐波那契数列的第n项，并解释时间复杂度。",
-             "한국어로 가을에 대한 짧은 시를 써 주세요. 달과 바람이 나오게."]
-    data = tmp_path / "sharegpt.json"
-    data.write_text(json.dumps([record(i, t) for i, t in enumerate(texts)], ensure_ascii=False))
-    monkeypatch.setattr(conversations, "sharegpt_path", lambda: data)
-    monkeypatch.setattr(prompts, "SHAREGPT_FROM", 1)
-    han = load_prompts("sharegpt:han")
-    assert [q["question_id"] for q in han] == ["r2", "r5"]
-    assert {q["category"] for q in han} == {"han"} and {q["source"] for q in han} == {"sharegpt:han"}
-    assert [q["question_id"] for q in load_prompts("sharegpt:han", limit=1)] == ["r2"]
-    assert [q["question_id"] for q in load_prompts("sharegpt:hangul")] == ["r6"]
-    assert prompts.script_share("Translate 秋天 into English", "han") == pytest.approx(2 / 22)
-    with pytest.raises(DecodeSetupError, match="sharegpt:klingon: no such script; choose from han"):
-        load_prompts("sharegpt:klingon")

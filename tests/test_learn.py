@@ -367,3 +367,30 @@ def test_learning_every_n_tokens_updates_mid_answer_and_answers_stay_the_targets
     prompt = int((final["labels"] < 0).sum())
     assert [len(c["input_ids"]) - prompt for c in cuts] == list(range(4, len(final["input_ids"]) - prompt, 4))
     assert all(torch.equal(c["hidden"], final["hidden"][: len(c["hidden"])]) for c in cuts)
+
+
+def test_untrained_heads_of_the_same_make_keep_shape_and_buffers_but_no_learned_weight(tmp_path):
+    """The stream's untrained control: a loaded heads folder's weights replaced by those its family builds before
+    training (the same as a fresh build under the seed), shapes and buffers (a draft vocabulary's map) kept."""
+    from heads.io import head_builder, load_heads, save_heads
+    from train.online import reinitialize
+
+    seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=dflash"]))
+    target = seed_session.target
+    save_heads(tmp_path / "heads", seed_session.heads, "dflash", seed_session.heads.config.to_dict(), target)
+    loaded = load_heads(tmp_path / "heads", target=target)
+    heads, config = loaded.module, loaded.config
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.5)  # "trained"
+    buffers = {k: v.clone() for k, v in heads.named_buffers()}
+    trained = weights(heads)
+    reinitialize(heads, config, target.model, seed=3)
+    torch.manual_seed(3)
+    fresh = head_builder("dflash")(config["head_config"], target.model)
+    after = weights(heads)
+    assert after.keys() == trained.keys() and all(after[k].shape == trained[k].shape for k in after)
+    own = {n for n, _ in heads.named_parameters()}
+    assert own and all(torch.equal(after[k], fresh.state_dict()[k].to(after[k].dtype)) for k in own)
+    assert all(not torch.equal(after[k], trained[k]) for k in own)
+    assert all(torch.equal(v, dict(heads.named_buffers())[k]) for k, v in buffers.items())

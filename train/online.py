@@ -260,6 +260,24 @@ def significantly_lower(before: list[float], after: list[float], z: float) -> bo
     return mean < -z * se
 
 
+def reinitialize(heads: torch.nn.Module, heads_config: dict, target: torch.nn.Module, seed: int = 0) -> None:
+    """Give ``heads`` (a loaded heads folder's module) the weights its family builds them with before any training,
+    in place: the same shape, layers and draft vocabulary (buffers such as a draft-to-target token map are kept, and a
+    draft LM head starts from the target's rows of that vocabulary, as training starts it), no learned weight. What a
+    learner started "from untrained heads" of the same make starts from."""
+    from heads.io import head_builder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = head_builder(heads_config["head_type"])(heads_config.get("head_config", {}), target)
+    params = {name for name, _ in heads.named_parameters()}
+    state = {k: v for k, v in fresh.state_dict().items() if k in params}
+    with torch.no_grad():
+        heads.load_state_dict(state, strict=False)
+        if hasattr(heads, "set_draft_vocab") and hasattr(heads, "d2t"):  # its LM head from the target's rows of the
+            heads.set_draft_vocab(heads.d2t.clone(), init_lm_head_from=target.get_output_embeddings())  # kept vocab
+
+
 def training_method(head_type: str, heads_config: dict):
     """The family's training method, configured as these heads were trained (their saved ``heads`` settings over the
     family's entry config)."""
@@ -528,4 +546,4 @@ class OnlineLearner:
 
 
 __all__ = ["LearnSettings", "LearnSetupError", "LearningRecorder", "OnlineLearner", "Recorder", "ReplayBuffer",
-           "training_method", "bytes_per_position", "prefixes"]
+           "reinitialize", "training_method", "bytes_per_position", "prefixes"]

@@ -7,10 +7,12 @@ Methods (``methods=``; HF generate always runs, the reference):
   training-free way to adapt);
 - ``frozen``: the heads' default decoder (with the suffix drafter, adaptive depth), never trained;
 - ``learn``: the same decoder from the same heads, learning from every request (train/online.py);
-- ``learn_untrained``: that, from untrained heads of the same family (``heads=random``).
+- ``learn_untrained``: that, from untrained heads of the same make (the heads' shape, layers and draft vocabulary,
+  with the weights their family builds them with: train/online.py:reinitialize).
 
 For ``frozen`` and the learning methods the heads also decode each prompt alone at full depth (no suffix drafter,
-no adaptive depth, nothing learned from it): the drafter's own tau as its weights change. Learning runs after each
+no adaptive depth, nothing learned from it), before the request is decoded and learned from: the drafter's own tau
+with the weights it meets the request with. Learning runs after each
 request (with ``learner.every_tokens``, also in its middle); its seconds are reported apart, and counted into a second
 tokens/s. Learning in the middle of an answer delays that answer: for it the second figure is the one a user sees.
 """
@@ -51,13 +53,15 @@ def load_stream_sessions(cfg: Any, names: list[str], out: Path) -> dict[str, Ses
     if "learn" in names:
         sessions["learn"] = load_session(OmegaConf.create(
             {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned")}}))
-    if "learn_untrained" in names:
-        from decode.settings import target_config_from_heads
+    if "learn_untrained" in names:  # the same heads' make (shape, layers, draft vocabulary), none of their training
+        from train.online import LearnSettings, OnlineLearner, reinitialize
 
-        model = plain["model"] or target_config_from_heads(sessions["frozen"].heads_config)  # the heads' target
-        sessions["learn_untrained"] = load_session(OmegaConf.create(
-            {**plain, "heads": "random", "drafter": family, "learn": True, "model": model,
-             "learner": {**learner, "dir": str(out / "learned-untrained")}}))
+        untrained = load_session(OmegaConf.create({**plain, "learn": False}))
+        reinitialize(untrained.heads, untrained.heads_config, untrained.target.model, seed=int(learner["seed"]))
+        made = {**untrained.heads_config, "learned_from": f"untrained (the make of {plain['heads']})"}
+        untrained.learner = OnlineLearner(untrained.heads, family, made, untrained.target,
+                                          LearnSettings.from_dict({**learner, "dir": str(out / "learned-untrained")}))
+        sessions["learn_untrained"] = untrained
     return sessions
 
 
@@ -89,6 +93,13 @@ def run_stream(cfg: Any, command: str = "") -> dict:
         reference, hf_s = hf_generate(base, ids)
         row: dict[str, Any] = {"index": i, "question_id": q.get("question_id"), "hf": {"seconds": hf_s,
                                                                                        "new_tokens": len(reference)}}
+        # each drafter alone first: with the weights the request is decoded with, before anything is learned from it
+        alone_tau = {}
+        for name, decoder in alone.items():
+            result = decoder.generate(ids, **as_set)
+            if first_difference(reference, result.tokens) is not None:
+                mismatches.append({"method": f"{name} alone", "index": i})
+            alone_tau[name] = result.stats.tau
         for name in names:
             t0 = time.perf_counter()
             if name == "suffix":
@@ -106,11 +117,8 @@ def run_stream(cfg: Any, command: str = "") -> dict:
             if diff is not None:
                 mismatches.append({"method": name, "index": i, "position": diff})
             row[name] = record
-        for name, decoder in alone.items():
-            result = decoder.generate(ids, **as_set)
-            if first_difference(reference, result.tokens) is not None:
-                mismatches.append({"method": f"{name} alone", "index": i})
-            row.setdefault(name, {})["alone_tau"] = result.stats.tau
+        for name, tau in alone_tau.items():
+            row.setdefault(name, {})["alone_tau"] = tau
         runs.append(row)
     for session in sessions.values():
         session.close()

@@ -171,8 +171,10 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
-def load_session(cfg: Any) -> Session:
-    """The session of a composed ``conf/decode/decode.yaml`` (its settings read once: :class:`DecodeSettings`)."""
+def load_session(cfg: Any, untrained: bool = False) -> Session:
+    """The session of a composed ``conf/decode/decode.yaml`` (its settings read once: :class:`DecodeSettings`).
+    ``untrained``: its heads re-initialised as their family builds them before training, their make kept
+    (train/online.py:reinitialize, under ``random_heads.seed``): the stream benchmark's untrained control."""
     settings = DecodeSettings.from_config(cfg)
     heads_config = None
     if settings.heads not in (None, "random"):
@@ -183,6 +185,11 @@ def load_session(cfg: Any) -> Session:
     draft_settings = chosen.settings(heads_config, settings.draft)
     target = load_target(settings.target_config(heads_config))
     target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads)
+    if untrained and module is not None and heads_config is not None:
+        from train.online import reinitialize
+
+        reinitialize(module, heads_config, target.model, seed=int(settings.random_heads.get("seed", 0)))
+        heads_config = {**heads_config, "learned_from": f"untrained (the make of {settings.heads})"}
     session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
                       heads=module, heads_config=heads_config)
     if settings.learn:

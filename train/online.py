@@ -182,7 +182,7 @@ class LearningRecorder(Recorder):
 def prefixes(example: dict[str, torch.Tensor], every: int) -> list[dict[str, torch.Tensor]]:
     """What a :class:`LearningRecorder` hands its learner during the request that made ``example``: the example cut
     after every ``every``-th answer position, shorter than the whole (the engine's steps can pass a mark by a few
-    positions; here each cut is exact)."""
+    positions; here each cut is exact). :meth:`OnlineLearner.prefixes` under its ``every_tokens``."""
     prompt = int((example["labels"] < 0).sum())
     return [{k: v[: prompt + n] for k, v in example.items()}
             for n in range(every, len(example["input_ids"]) - prompt, every)]
@@ -385,6 +385,12 @@ class OnlineLearner:
         if self.settings.save_every and self.requests % self.settings.save_every == 0:
             self.save()
         return report
+
+    def prefixes(self, example: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """:func:`prefixes` of ``example`` under ``every_tokens`` (none when it is 0): what learning every N tokens
+        hands :meth:`learn_partial` during the request that made it."""
+        every = self.settings.every_tokens
+        return prefixes(example, every) if every else []
 
     def learn_partial(self, example: dict[str, torch.Tensor] | None) -> dict | None:
         """In the middle of a request (``every_tokens``): :meth:`update` on the buffer and ``example``, this answer

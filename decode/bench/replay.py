@@ -38,7 +38,6 @@ from decode.bench.report import machine_info
 from decode.session import load_session
 from decode.settings import required
 from decode.types import DecodeSetupError
-from train.online import prefixes
 
 REPLAY_KEYS = ("heads", "prompts", "limit", "record", "window", "out")
 RECORD_FORMAT = 1
@@ -102,13 +101,12 @@ def run_replay(cfg: Any, command: str = "") -> dict:
     else:
         examples = record_stream(session, load_prompts(c["prompts"], c["limit"]), record, identity)
     learner = session.learner
-    every = learner.settings.every_tokens
     frozen = learner.acceptance(examples)  # the heads as loaded, before anything is learned
     rows, start = [], time.perf_counter()
     for i, example in enumerate(tqdm(examples, desc="replay", unit="request")):
         [before] = learner.acceptance([example])
         t0 = time.perf_counter()
-        for part in prefixes(example, every) if every else ():  # what learning every N tokens hands the learner
+        for part in learner.prefixes(example):  # what learning every N tokens hands the learner mid-answer
             learner.learn_partial(part)
         report = learner.learn(example)
         updates = [*report.get("during", ()), *([report] if "rolled_back" in report else [])]

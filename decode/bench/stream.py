@@ -48,20 +48,13 @@ def load_stream_sessions(cfg: Any, names: list[str], out: Path) -> dict[str, Ses
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     sessions = {"frozen": load_session(OmegaConf.create({**plain, "learn": False}))}
-    family = sessions["frozen"].family
     learner = dict(plain["learner"], resume=False)
     if "learn" in names:
         sessions["learn"] = load_session(OmegaConf.create(
             {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned")}}))
     if "learn_untrained" in names:  # the same heads' make (shape, layers, draft vocabulary), none of their training
-        from train.online import LearnSettings, OnlineLearner, reinitialize
-
-        untrained = load_session(OmegaConf.create({**plain, "learn": False}))
-        reinitialize(untrained.heads, untrained.heads_config, untrained.target.model, seed=int(learner["seed"]))
-        made = {**untrained.heads_config, "learned_from": f"untrained (the make of {plain['heads']})"}
-        untrained.learner = OnlineLearner(untrained.heads, family, made, untrained.target,
-                                          LearnSettings.from_dict({**learner, "dir": str(out / "learned-untrained")}))
-        sessions["learn_untrained"] = untrained
+        sessions["learn_untrained"] = load_session(OmegaConf.create(
+            {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned-untrained")}}), untrained=True)
     return sessions
 
 

@@ -144,8 +144,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
 def _warm_up(methods: list[Method], base: Session, questions: list[dict], c: dict) -> dict | None:
     """One short run of each method before timing, hf_early_exit's after its layer is chosen (swept on the first
     ``early_exit_sweep_prompts`` prompts unless given); returns that choice (None without hf_early_exit)."""
-    s = base.settings
-    warm = prompt_ids(base.target.tokenizer, [{"role": "user", "content": "Hi"}], s.chat, s.system_prompt)
+    warm = first_turn_ids(base, {"turns": ["Hi"]})
     early_exit = None
     for m in methods:
         if m.name == "hf_early_exit":

@@ -12,9 +12,8 @@ Methods (``methods=``; HF generate always runs, the reference):
 
 For ``frozen`` and the learning methods the heads also decode each prompt alone at full depth (no suffix drafter,
 no adaptive depth, nothing learned from it), before the request is decoded and learned from: the drafter's own tau
-with the weights it meets the request with. Learning runs after each
-request (with ``learner.every_tokens``, also in its middle); its seconds are reported apart, and counted into a second
-tokens/s. Learning in the middle of an answer delays that answer: for it the second figure is the one a user sees.
+with the weights it meets the request with. Learning runs after each request (with ``learner.every_tokens``, also in
+its middle); its seconds are reported apart, and counted into a second tokens/s. Learning in the middle of an answer delays that answer: for it the second figure is the one a user sees.
 """
 
 from __future__ import annotations

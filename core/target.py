@@ -246,8 +246,17 @@ def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
 def ensure_smollm2(cache: Path | None = None) -> Path:
     """Return a local safetensors folder of SmolLM2-135M-Instruct, fetching and converting it on first use."""
     folder = (cache or cache_dir()) / "models" / "SmolLM2-135M-Instruct"
+    if _converted(folder):  # made before: read without taking the lock (every load after the first)
+        return folder
     with cache_lock(folder):  # several processes at once (pytest -n, two runs): one converts, the others wait
         return _convert_smollm2(folder)
+
+
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` is a whole conversion with nothing left to mend (both files are written atomically)."""
+    if not ((folder / "config.json").exists() and (folder / "model.safetensors").exists()):
+        return False
+    return "quantization_config" not in json.loads((folder / "config.json").read_text())
 
 
 def cache_lock(folder: Path):

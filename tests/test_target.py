@@ -132,3 +132,21 @@ def test_smollm2_loads_from_cache_and_is_the_real_model(smollm2):
                                   add_generation_prompt=True, return_dict=False)
     out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, len(ids):])
+
+
+def test_a_converted_smollm2_folder_is_read_without_the_lock_and_a_stale_config_is_mended(tmp_path, monkeypatch):
+    import json
+
+    import core.target as target
+
+    monkeypatch.setattr(target, "_find_smollm2_gguf", lambda: pytest.fail("a converted folder was converted again"))
+    folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"x": 1}}))
+    assert target.ensure_smollm2(tmp_path) == folder  # the stale config needs the lock: it is mended under it
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
+    lock = tmp_path / "models" / ".SmolLM2-135M-Instruct.lock"
+    lock.unlink(missing_ok=True)
+    assert target.ensure_smollm2(tmp_path) == folder
+    assert not lock.exists()  # whole and mended: returned without taking (or making) the lock file

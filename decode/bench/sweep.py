@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
+from decode.bench.prompts import first_turn_ids
 from decode.engine import SpeculativeDecoder
-from decode.prompts import prompt_ids
 from decode.session import Session
 
 
@@ -16,18 +16,18 @@ def sweep_decoders(session: Session, decoders: dict[str, SpeculativeDecoder], qu
     :meth:`Session.decoder_for`: e.g. one set of heads under several trees), prompt by prompt: tau, tokens/s,
     draft/verify seconds per decoder, and on how many prompts its tokens equal the first decoder's (all of them under
     greedy acceptance: trees change speed, never the output). What scripts/sweep_trees.py prints to choose a tree."""
-    s, tokenizer = session.settings, session.target.tokenizer
+    s = session.settings
     if not decoders:
         raise ValueError("Give at least one decoder to sweep.")
     if warmup:
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], s.chat)
+        ids = first_turn_ids(session, {"turns": ["Hi"]})
         for decoder in decoders.values():
             decoder.generate(ids, max_new_tokens=4, sampling=s.sampling)
     ways = {name: {"new_tokens": 0, "total_s": 0.0, "steps": 0, "step_tokens": 0, "draft_s": 0.0, "verify_s": 0.0,
                    "same_as_first": 0} for name in decoders}
     first = next(iter(decoders))
     for q in tqdm(questions, desc="prompts", unit="prompt", disable=not progress):
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": q["turns"][0]}], s.chat, s.system_prompt)
+        ids = first_turn_ids(session, q)
         reference = None
         for name, decoder in decoders.items():
             res = decoder.generate(ids, max_new_tokens=s.max_new_tokens, sampling=s.sampling, stop=s.stop, seed=s.seed,

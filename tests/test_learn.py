@@ -261,6 +261,7 @@ def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_pa
     assert sum(r["learn"]["learn_seconds"] for r in report["runs"]) > 0
     assert "learn_vs_suffix_second_half" in report["aims"]
     assert all((tmp_path / "out" / f).is_file() for f in ("stream.json", "stream.md", "stream.png"))
+    assert report["machine"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # not the model's repr
 
 
 def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path):
@@ -292,6 +293,7 @@ def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, 
               "learner.steps=4", "learner.learning_rate=3e-3"]
     first = main(common + [f"out={tmp_path / 'a'}"])
     assert (tmp_path / "stream.pt").is_file() and first["requests"] == 8
+    assert first["machine"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     rows = first["rows"]
     assert rows[0]["learning"] == rows[0]["frozen"]  # nothing learned before the first request
     assert first["summary"]["updates"] + first["summary"]["rollbacks"] > 0 and not (tmp_path / "a" / "unused").exists()

@@ -115,7 +115,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
     for session in sessions.values():
         session.close()
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": command, "machine": machine_info(base.target.model), "heads": c["heads"],
+              "command": command, "machine": machine_info(next(base.target.model.parameters()).device), "heads": c["heads"],
               "family": base.family, "dtype": str(next(base.target.model.parameters()).dtype).removeprefix("torch."),
               "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
               "max_new_tokens": s.max_new_tokens, "methods": names, "runs": runs,

@@ -274,8 +274,9 @@ def reinitialize(heads: torch.nn.Module, heads_config: dict, target: torch.nn.Mo
     state = {k: v for k, v in fresh.state_dict().items() if k in params}
     with torch.no_grad():
         heads.load_state_dict(state, strict=False)
-        if hasattr(heads, "set_draft_vocab") and hasattr(heads, "d2t"):  # its LM head from the target's rows of the
-            heads.set_draft_vocab(heads.d2t.clone(), init_lm_head_from=target.get_output_embeddings())  # kept vocab
+        # a reduced draft vocabulary is kept, and its LM head restarts from the target's rows of it
+        if hasattr(heads, "set_draft_vocab") and hasattr(heads, "d2t"):
+            heads.set_draft_vocab(heads.d2t.clone(), init_lm_head_from=target.get_output_embeddings())
 
 
 def training_method(head_type: str, heads_config: dict):

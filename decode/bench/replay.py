@@ -115,8 +115,9 @@ def run_replay(cfg: Any, command: str = "") -> dict:
                      "updates": sum(not u["rolled_back"] for u in updates),
                      "rollbacks": sum(bool(u["rolled_back"]) for u in updates)})
     window = int(c["window"])
+    device = next(session.target.model.parameters()).device
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": command, "machine": machine_info(next(session.target.model.parameters()).device), "heads": c["heads"],
+              "command": command, "machine": machine_info(device), "heads": c["heads"],
               "family": session.family, "prompts": str(c["prompts"]), "requests": len(rows), "window": window,
               "learner": dataclasses.asdict(learner.settings), "seconds": time.perf_counter() - start,
               "windows": replay_windows(rows, window), "summary": learner.summary(), "rows": rows}

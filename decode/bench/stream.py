@@ -13,7 +13,8 @@ Methods (``methods=``; HF generate always runs, the reference):
 For ``frozen`` and the learning methods the heads also decode each prompt alone at full depth (no suffix drafter,
 no adaptive depth, nothing learned from it), before the request is decoded and learned from: the drafter's own tau
 with the weights it meets the request with. Learning runs after each request (with ``learner.every_tokens``, also in
-its middle); its seconds are reported apart, and counted into a second tokens/s. Learning in the middle of an answer delays that answer: for it the second figure is the one a user sees.
+its middle); its seconds are reported apart, and counted into a second tokens/s. Learning in the middle of an answer
+delays that answer: for it the second figure is the one a user sees.
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def run_stream(cfg: Any, command: str = "") -> dict:
         runs.append(row)
     for session in sessions.values():
         session.close()
+    param = next(base.target.model.parameters())
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": command, "machine": machine_info(next(base.target.model.parameters()).device), "heads": c["heads"],
-              "family": base.family, "dtype": str(next(base.target.model.parameters()).dtype).removeprefix("torch."),
+              "command": command, "machine": machine_info(param.device), "heads": c["heads"],
+              "family": base.family, "dtype": str(param.dtype).removeprefix("torch."),
               "prompts": str(c["prompts"]), "questions": len(questions), "window": window,
               "max_new_tokens": s.max_new_tokens, "methods": names, "runs": runs,
               "learner": {n: dataclasses.asdict(sessions[n].learner.settings) for n in LEARNING if n in sessions},

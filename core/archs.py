@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from core.kv import additive_mask
-from core.layers import decoder_of
+from selfspec.core.kv import additive_mask
+from selfspec.core.layers import decoder_of
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 MISSING = "???"  # Hydra's mark for a value with no default
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the configs, beside the packages (an editable install)
+# the configs: the package selfspec.conf, the repository's conf/ in an editable install, package data in a wheel's
+CONF_DIR = Path(str(importlib.resources.files("selfspec.conf")))
 
 
 def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:

@@ -10,7 +10,7 @@ A family's name is the ``head_type`` its heads folder records and the ``drafter=
 
 - ``summary``: one line on how it drafts (decode/run.py and the benchmark print it);
 - ``drafter``: ``build(heads, target, settings) -> Drafter``, the engine's drafter from the loaded heads module (None
-  for a training-free family), the target (``core.target.Target``) and its decode settings (decode/registry.py);
+  for a training-free family), the target (``selfspec.core.target.Target``) and its decode settings (decode/registry.py);
 - ``draft``: its decode settings (``draft.KEY=`` at decode) and their defaults, the only place they are written;
 - ``heads``: ``build(head_config, target_model) -> nn.Module``, which rebuilds saved heads (heads/io.py); absent: the
   family trains nothing;
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import CONF_DIR
-from core.errors import SelfspecError
+from selfspec.core.config import CONF_DIR
+from selfspec.core.errors import SelfspecError
 
 PARTS = ("drafter", "heads", "method", "random_heads")  # the fields that name code in another package
 BLOCK = "families"  # the block of a conf file that declares families

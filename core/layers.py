@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.kv import additive_mask
+from selfspec.core.kv import additive_mask
 
 
 def init_linears(module: nn.Module, std: float) -> None:

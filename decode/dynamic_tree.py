@@ -15,7 +15,7 @@ score, so the engine's sibling order is the draft's preference order.
 
 The draft itself is reached only through an ``expand`` callback (frontier ids -> top-k children), so the selection
 logic is a small pure function tested against a brute-force reference. :class:`DraftTreeExpander` is the callback
-for an :class:`heads.eagle.EagleHeads`: it appends the frontier's entries to the draft's own KV cache and lets each
+for an :class:`selfspec.heads.eagle.EagleHeads`: it appends the frontier's entries to the draft's own KV cache and lets each
 node attend to the committed prefix, its tree ancestors and itself (an additive 4D mask), at position
 ``past_length + depth - 1`` (a depth-d node reads the feature its parent predicted for position past + d - 1).
 """
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from decode.tree import Tree
-from core.kv import additive_mask
+from selfspec.decode.tree import Tree
+from selfspec.core.kv import additive_mask
 
 
 @dataclass

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from decode.cache import Backlog, new_cache
-from decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dynamic_tree, topk_children
-from decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
-from decode.verify import Verdict
-from heads.eagle import EagleConfig, EagleHeads
-from core.errors import SettingError
-from core.kv import crop_cache
+from selfspec.decode.cache import Backlog, new_cache
+from selfspec.decode.dynamic_tree import DraftTreeExpander, dynamic_tree_nodes, grow_dynamic_tree, topk_children
+from selfspec.decode.types import DecodeState, Draft, DrafterBase, ForwardOutput, root_only
+from selfspec.decode.verify import Verdict
+from selfspec.heads.eagle import EagleConfig, EagleHeads
+from selfspec.core.errors import SettingError
+from selfspec.core.kv import crop_cache
 
 
 class EagleTreeDrafter(DrafterBase):
@@ -43,7 +43,7 @@ class EagleTreeDrafter(DrafterBase):
             raise SettingError(f"EAGLE tree needs depth >= 0, top_k >= 1, total_tokens >= 0 "
                              f"(got depth={depth}, top_k={top_k}, total_tokens={total_tokens}).")
         if not isinstance(heads, EagleHeads):
-            raise TypeError(f"EagleTreeDrafter drafts with EAGLE heads (heads.eagle.EagleHeads), got "
+            raise TypeError(f"EagleTreeDrafter drafts with EAGLE heads (selfspec.heads.eagle.EagleHeads), got "
                             f"{type(heads).__name__}; train some with train/eagle.py.")
         self.drafter = heads.eval()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens

@@ -29,16 +29,16 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from decode.attention import GQA_SDPA
-from decode.cache import commit_kv, new_cache
-from decode.greedy_head import GreedyHead, greedy_head
-from decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
-from decode.step import DepthControl, StepClock, synchronize, tree_forward
-from decode.tree import Tree, single_node_tree
-from decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
-from decode.verify import Sampling, Verdict, verify
-from core.errors import SelfspecError, SettingError
-from core.target import cache_kwarg
+from selfspec.decode.attention import GQA_SDPA
+from selfspec.decode.cache import commit_kv, new_cache
+from selfspec.decode.greedy_head import GreedyHead, greedy_head
+from selfspec.decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
+from selfspec.decode.step import DepthControl, StepClock, synchronize, tree_forward
+from selfspec.decode.tree import Tree, single_node_tree
+from selfspec.decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
+from selfspec.decode.verify import Sampling, Verdict, verify
+from selfspec.core.errors import SelfspecError, SettingError
+from selfspec.core.target import cache_kwarg
 
 TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (decode/attention.py)
 
@@ -252,12 +252,12 @@ class SpeculativeDecoder:
     """Decode with a drafter and one tree-verify forward of the target per step. Batch size 1.
 
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
-    :class:`decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
+    :class:`selfspec.decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
-    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`decode.linear_kernels` on a CPU, PyTorch's own
+    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`selfspec.decode.linear_kernels` on a CPU, PyTorch's own
     elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding
-    rows as this machine's measured plan says (:func:`decode.linear_kernels.measured_row_plan`; the drafter's weights
-    in another dtype, as its plan for them says: :func:`decode.linear_kernels.measured_row_plans`).
+    rows as this machine's measured plan says (:func:`selfspec.decode.linear_kernels.measured_row_plan`; the drafter's weights
+    in another dtype, as its plan for them says: :func:`selfspec.decode.linear_kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     The engine applies it to every draft, or hands it to a drafter that applies it to a part of its draft

@@ -25,7 +25,7 @@ the argmax:
   kernels; greedy output stays the target's (the engine's tests compare with HF ``generate``).
 
 Only the argmax is exact: the other logits are not the model's, so the head serves greedy verification only
-(sampling needs the whole distribution) and the engine's own tree forward only (:func:`decode.step.tree_forward`,
+(sampling needs the whole distribution) and the engine's own tree forward only (:func:`selfspec.decode.step.tree_forward`,
 not a drafter's own verify forward). It is used where it pays: the first time a model's head is read on a machine,
 one bfloat16 product (with its bound) is timed against the float32 one, and taken only if clearly faster
 (``SPEEDUP``), as on a CPU with native bfloat16 products (AVX-512 BF16, AMX). A model whose logits are not its
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode.linear_kernels import _packed_product, can_pack, pack_weight
+from selfspec.decode.linear_kernels import _packed_product, can_pack, pack_weight
 
 BF16_UNIT = 2.0 ** -8  # bfloat16's unit roundoff, round to nearest (8 significant bits)
 FP32_UNIT = 2.0 ** -24

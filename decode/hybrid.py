@@ -4,11 +4,11 @@ Each step (:class:`HybridDrafter`):
 
 1. the suffix drafter (decode/suffix.py) ranks its candidates; the trained drafter (Medusa, EAGLE, DFlash, ...)
    drafts as deep as the engine's adaptive depth policy says pays beside the nodes the suffix would verify alone
-   (:class:`decode.adaptive.AdaptiveDepth` with a :class:`decode.types.Beside`: its tokens count where the suffix's
+   (:class:`selfspec.decode.adaptive.AdaptiveDepth` with a :class:`selfspec.decode.types.Beside`: its tokens count where the suffix's
    first level misses; the whole tree with ``adaptive: false``). The engine owns the policy and hands it over with
    its step clock (:meth:`HybridDrafter.depth_control`); the engine then verifies the merged tree whole;
 2. the suffix drafter keeps those of its candidates whose expected tokens pay for what they add to the cost of the
-   *whole* tree, the trained drafter's nodes included (:func:`decode.adaptive.best_size` with that tree as its
+   *whole* tree, the trained drafter's nodes included (:func:`selfspec.decode.adaptive.best_size` with that tree as its
    base);
 3. :func:`merge_drafts` merges both into one tree under one node budget (``merged_nodes``): a node's token under the
    same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
@@ -33,12 +33,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from decode import registry
-from decode.step import DepthControl
-from decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
-from decode.tree import Tree
-from decode.types import ROOT, Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
-from decode.verify import Verdict
+from selfspec.decode import registry
+from selfspec.decode.step import DepthControl
+from selfspec.decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
+from selfspec.decode.tree import Tree
+from selfspec.decode.types import ROOT, Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
+from selfspec.decode.verify import Verdict
 
 
 def merge_drafts(drafts: Sequence[Draft], max_nodes: int) -> tuple[Draft, list[set[int]]]:
@@ -178,7 +178,7 @@ class HybridDrafter(DrafterBase):
 def build_hybrid(target, inner: Drafter, settings: dict) -> HybridDrafter:
     """``inner`` (built under ``settings``, a registry entry's with ``hybrid`` on) merged with a suffix drafter: the
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
-    them; ``merged_nodes`` and ``marginal`` from ``settings``. ``target``: the ``core.target.Target`` decoded with."""
+    them; ``merged_nodes`` and ``marginal`` from ``settings``. ``target``: the ``selfspec.core.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
     passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k in registry.defaults_of("suffix")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))

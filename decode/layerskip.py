@@ -38,14 +38,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from decode.cache import Backlog, layer_lengths, new_cache
-from decode.step import synchronize, tree_forward
-from decode.tree import chain_tree, tree_position_ids
-from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
-from decode.verify import Verdict
-from core.archs import (attention_mask_for, layer_position_embeddings, mask_of_layer, output_logits, sliding_window,
+from selfspec.decode.cache import Backlog, layer_lengths, new_cache
+from selfspec.decode.step import synchronize, tree_forward
+from selfspec.decode.tree import chain_tree, tree_position_ids
+from selfspec.decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
+from selfspec.decode.verify import Verdict
+from selfspec.core.archs import (attention_mask_for, layer_position_embeddings, mask_of_layer, output_logits, sliding_window,
                         text_config)
-from core.kv import cache_length, crop_cache
+from selfspec.core.kv import cache_length, crop_cache
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the stack runs of the target's decoder
 
@@ -256,7 +256,7 @@ class LayerSkipDrafter(DrafterBase):
     @torch.no_grad()
     def verify_forward(self, model: nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
         """The verify forward over a tree whose first nodes are the chain this step drafted (more nodes may follow:
-        a hybrid's suffix proposals, :mod:`decode.hybrid`), running layers 0..E-1 only on the nodes the draft did not
+        a hybrid's suffix proposals, :mod:`selfspec.decode.hybrid`), running layers 0..E-1 only on the nodes the draft did not
         run them on: layers 0..E-1 on those, under the tree's mask over the chain rows already cached; then layers
         E..L-1 on every node from its layer-E state; the final norm and LM head give the verifier's logits."""
         n, done = draft.tree.num_nodes, len(self._rows)
@@ -349,9 +349,9 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
-    (``linear_kernel``, decode.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
+    (``linear_kernel``, selfspec.decode.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
     "draft": {E: (layers + exit) / forward}}."""
-    from decode.linear_kernels import measured_decoding_kernels
+    from selfspec.decode.linear_kernels import measured_decoding_kernels
 
     with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
@@ -361,7 +361,7 @@ def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_le
     import statistics
     import time
 
-    from core.target import cache_kwarg
+    from selfspec.core.target import cache_kwarg
 
     stack = LayerStack(model)
     device = stack.lm_head.weight.device

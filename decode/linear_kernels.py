@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode.attention import grouped_query_attention
-from core.errors import SettingError
+from selfspec.decode.attention import grouped_query_attention
+from selfspec.core.errors import SettingError
 
 MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
 KERNELS = ("auto", "torch", "small_batch")
@@ -281,7 +281,7 @@ def sample_weights(weights: Sequence[torch.Tensor], max_bytes: int = 192 << 20) 
 
 
 def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
-    from core.target import cache_dir
+    from selfspec.core.target import cache_dir
 
     key = json.dumps({"shapes": [list(w.shape) for w in weights], "dtype": str(weights[0].dtype),
                       "device": str(weights[0].device), "threads": torch.get_num_threads(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decode.types import DecodeSetupError
+from selfspec.decode.types import DecodeSetupError
 
 
 def prompt_ids(tokenizer, messages: list[dict], chat: bool = True, system_prompt: str | None = None) -> list[int]:

@@ -6,7 +6,7 @@ registry turns the module into a drafter). A training-free family (``vanilla``, 
 Each entry (:class:`DrafterEntry`) reads its family's row:
 
 - ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
-  training-free family), the target (``core.target.Target``: model and tokenizer) and its decode settings;
+  training-free family), the target (``selfspec.core.target.Target``: model and tokenizer) and its decode settings;
 - ``needs_heads``: it drafts with trained heads (a heads folder, or ``heads=random``); ``optional_heads``: it runs
   without heads or with a folder of its type;
 - ``hybrid``: it also takes the ``hybrid`` settings (merge the suffix drafter's proposals into its drafts:
@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from core.config import CONF_DIR
-from core.families import FAMILIES, Family
-from decode.types import DecodeSetupError, Drafter
+from selfspec.core.config import CONF_DIR
+from selfspec.core.families import FAMILIES, Family
+from selfspec.decode.types import DecodeSetupError, Drafter
 
 HYBRID_FILE = CONF_DIR / "decode" / "hybrid.yaml"
 

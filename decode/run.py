@@ -27,9 +27,9 @@ distribution); acceptance=typical is Medusa's typical acceptance and changes it 
 
 from omegaconf import DictConfig
 
-from core.config import CONF_DIR, hydra_app
-from core.errors import reported_errors
-from decode.answers import run
+from selfspec.core.config import CONF_DIR, hydra_app
+from selfspec.core.errors import reported_errors
+from selfspec.decode.answers import run
 
 
 def decode(cfg: DictConfig) -> None:

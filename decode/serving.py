@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
+from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
     ENGINE_DEFAULTS,
     REPO,
     ServingError,
@@ -39,7 +39,7 @@ from core.vllm_env import (  # noqa: F401 - the venv's names, used from here by 
     vllm_python,
     worker_env,
 )
-from heads.export import VLLM_TOKEN_MAP_FLAG
+from selfspec.heads.export import VLLM_TOKEN_MAP_FLAG
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 
@@ -223,7 +223,7 @@ class CheckSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> "CheckSettings":
         """The settings of a composed conf/decode/serve_check.yaml."""
-        from decode.settings import required
+        from selfspec.decode.settings import required
 
         c = required(cfg, ("k", "max_new_tokens", "model", "out", "warmup", "tolerance", "vocab", "serving"))
         serving = required(c["serving"], ("vllm_venv", "timeout"))
@@ -236,9 +236,9 @@ class CheckSettings:
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
     """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
     Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
-    from decode.session import load_session
-    from decode.settings import decode_config
-    from heads.export import medusa_vocab
+    from selfspec.decode.session import load_session
+    from selfspec.decode.settings import decode_config
+    from selfspec.heads.export import medusa_vocab
 
     base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
             "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
@@ -324,8 +324,8 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
                settings: CheckSettings) -> CheckPlan:
     """Export the heads in every vLLM format (or ``formats``) and write the vLLM job that decodes ``prompts`` (token
     ids, or texts put through the target's chat template) plain and with each export."""
-    from heads.export import export_heads
-    from heads.io import heads_dir, read_heads_config
+    from selfspec.heads.export import export_heads
+    from selfspec.heads.io import heads_dir, read_heads_config
 
     heads_path = heads_dir(str(heads_path))
     meta = read_heads_config(heads_path)
@@ -335,7 +335,7 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
     if prompts and isinstance(prompts[0], str):
-        from decode.prompts import prompt_ids
+        from selfspec.decode.prompts import prompt_ids
 
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
@@ -440,7 +440,7 @@ def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, wa
 
     import torch
 
-    from decode.session import hf_generate
+    from selfspec.decode.session import hf_generate
 
     n, k = settings.max_new_tokens, settings.k
     answer_settings = dataclasses.replace(chain.settings, max_new_tokens=n)

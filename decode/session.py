@@ -18,16 +18,16 @@ from typing import Any, Callable
 
 import torch
 
-from core.target import Target, load_target
-from decode import registry
-from decode.adaptive import AdaptiveDepth, measured_cost_curve
-from decode.engine import DecodeResult, SpeculativeDecoder
-from decode.linear_kernels import use_small_batch
-from decode.registry import DrafterEntry
-from decode.settings import DecodeSettings
-from decode.step import synchronize
-from decode.types import DecodeSetupError, Drafter
-from decode.verify import Sampling
+from selfspec.core.target import Target, load_target
+from selfspec.decode import registry
+from selfspec.decode.adaptive import AdaptiveDepth, measured_cost_curve
+from selfspec.decode.engine import DecodeResult, SpeculativeDecoder
+from selfspec.decode.linear_kernels import use_small_batch
+from selfspec.decode.registry import DrafterEntry
+from selfspec.decode.settings import DecodeSettings
+from selfspec.decode.step import synchronize
+from selfspec.decode.types import DecodeSetupError, Drafter
+from selfspec.decode.verify import Sampling
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Session:
     heads: torch.nn.Module | None  # the module the family's drafter runs (None: a training-free family)
     heads_config: dict | None  # the heads folder's config.json (None: random heads or none)
     decoder: SpeculativeDecoder = field(init=False)
-    learner: Any = field(default=None, init=False)  # learn=true: the train.online.OnlineLearner training ``heads``
+    learner: Any = field(default=None, init=False)  # learn=true: the selfspec.train.online.OnlineLearner training ``heads``
     last_learned: dict | None = field(default=None, init=False)  # what the last request's update did
 
     def __post_init__(self) -> None:
@@ -120,7 +120,7 @@ def _engine(target: Target, drafter: Drafter, settings: dict, kernel: str) -> Sp
     policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share, drafter)
               if settings.get("adaptive") else None)
     if settings.get("suffix"):
-        from decode.hybrid import build_hybrid
+        from selfspec.decode.hybrid import build_hybrid
 
         drafter = build_hybrid(target, drafter, settings)
     return SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel,
@@ -165,7 +165,7 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
         return target, None
     if heads_config is None:
         return target, chosen.random_heads(target.model, **random_options)
-    from heads.io import load_heads
+    from selfspec.heads.io import load_heads
 
     loaded = load_heads(heads, target=target)  # refuses heads trained for another target
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
@@ -178,7 +178,7 @@ def load_session(cfg: Any, untrained: bool = False) -> Session:
     settings = DecodeSettings.from_config(cfg)
     heads_config = None
     if settings.heads not in (None, "random"):
-        from heads.io import read_heads_config
+        from selfspec.heads.io import read_heads_config
 
         heads_config = read_heads_config(settings.heads)
     chosen = choose_family(settings.family, settings.heads, heads_config)
@@ -186,14 +186,14 @@ def load_session(cfg: Any, untrained: bool = False) -> Session:
     target = load_target(settings.target_config(heads_config))
     target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads)
     if untrained and module is not None and heads_config is not None:
-        from train.online import reinitialize
+        from selfspec.train.online import reinitialize
 
         reinitialize(module, heads_config, target.model, seed=int(settings.random_heads.get("seed", 0)))
         heads_config = {**heads_config, "learned_from": f"untrained (the make of {settings.heads})"}
     session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
                       heads=module, heads_config=heads_config)
     if settings.learn:
-        from train.online import LearnSettings, OnlineLearner
+        from selfspec.train.online import LearnSettings, OnlineLearner
 
         session.learner = OnlineLearner(module, chosen.name, heads_config or {}, target,
                                         LearnSettings.from_dict(settings.learner))

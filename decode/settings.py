@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
-from core.target import SMOLLM2_ID
-from decode.linear_kernels import KERNELS
-from decode.types import DecodeSetupError
-from decode.verify import Sampling
+from selfspec.core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
+from selfspec.core.target import SMOLLM2_ID
+from selfspec.decode.linear_kernels import KERNELS
+from selfspec.decode.types import DecodeSetupError
+from selfspec.decode.verify import Sampling
 
 MODEL_CONFIGS = CONF_DIR / "model"
 DECODE_CONFIGS = CONF_DIR / "decode"
@@ -28,7 +28,7 @@ def required(cfg: Any, keys: Sequence[str]) -> dict:
     missing = [k for k, v in values.items() if isinstance(v, str) and v == MISSING]
     if missing:
         raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose the config from conf/decode/ "
-                               "(decode.yaml, or bench.yaml for the benchmark; decode.settings.decode_config() in "
+                               "(decode.yaml, or bench.yaml for the benchmark; selfspec.decode.settings.decode_config() in "
                                "code) rather than writing one of its own.")
     return {k: to_plain(v) for k, v in values.items()}
 
@@ -65,7 +65,7 @@ class DecodeSettings:
     chat: bool
     system_prompt: str | None
     learn: bool  # the heads learn from the requests they decode (train/online.py)
-    learner: dict  # learn=true's settings (train.online.LearnSettings)
+    learner: dict  # learn=true's settings (selfspec.train.online.LearnSettings)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "DecodeSettings":

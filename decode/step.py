@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from decode.tree import tree_attention_mask, tree_position_ids
-from decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
-from core.target import cache_kwarg
+from selfspec.decode.tree import tree_attention_mask, tree_position_ids
+from selfspec.decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
+from selfspec.core.target import cache_kwarg
 
 if TYPE_CHECKING:
-    from decode.greedy_head import GreedyHead
+    from selfspec.decode.greedy_head import GreedyHead
 
 
 def synchronize(device: torch.device) -> None:

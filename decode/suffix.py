@@ -18,7 +18,7 @@ Each step the context is prompt + emitted tokens, ending with the root (``state.
   trie. A node's score is the share of occurrences whose continuation starts with its path (so a child never scores
   above its parent); the sources (context, corpus, history) are combined by taking each node's larger score.
 - **How many to verify** (``budget=auto``): scores are scaled into acceptance probabilities per match length and
-  depth from what was accepted so far (:class:`decode.adaptive.Calibration`: a single earlier occurrence scores
+  depth from what was accepted so far (:class:`selfspec.decode.adaptive.Calibration`: a single earlier occurrence scores
   every token of its continuation alike, but the deeper a node the less often its whole branch is accepted), and
   nodes are verified best probability first, as many as maximise expected tokens per second under this machine's
   verify cost curve; no node (plain decoding) when nothing is worth it. A number instead of ``auto`` verifies the best ``budget`` nodes every step.
@@ -40,10 +40,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from decode.adaptive import Calibration, CostCurve, best_size, measured_cost_curve
-from decode.tree import Tree
-from decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
-from decode.verify import Verdict
+from selfspec.decode.adaptive import Calibration, CostCurve, best_size, measured_cost_curve
+from selfspec.decode.tree import Tree
+from selfspec.decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
+from selfspec.decode.verify import Verdict
 
 SORT_DEPTH = 64  # the corpus suffix array is sorted on this many leading tokens; longer matches are not needed
 SEPARATOR = -1  # between corpus documents: never matched, never proposed
@@ -392,7 +392,7 @@ class SuffixDrafter(DrafterBase):
     def choose(self, ranking: SuffixRanking, base_nodes: int = 1, base_expected: float = 1.0,
                final: bool = True) -> SuffixPlan:
         """The plan from ``ranking``: with ``budget=auto`` the ranked candidates that pay on top of ``base_nodes``
-        nodes expected to yield ``base_expected`` tokens (:func:`decode.adaptive.best_size`); else all of them.
+        nodes expected to yield ``base_expected`` tokens (:func:`selfspec.decode.adaptive.best_size`); else all of them.
         ``final`` False: a what-if (a hybrid weighing its other drafter), which leaves the idle count alone."""
         ranked, probs = ranking.ranked, ranking.probs
         if self.budget == "auto":
@@ -447,7 +447,7 @@ def corpus_documents(path: Path) -> list[str]:
     default data, scripts/regenerate.py's output), the answers of decode/run.py's answers.jsonl, or a text file."""
     if path.suffix not in (".json", ".jsonl"):
         return [path.read_text(errors="replace")]
-    from core.records import parse_turns, read_records  # the tolerant reader the training data uses (cut-off files too)
+    from selfspec.core.records import parse_turns, read_records  # the tolerant reader the training data uses (cut-off files too)
 
     texts: list[str] = []
     for record in read_records(path):
@@ -464,7 +464,7 @@ def corpus_documents(path: Path) -> list[str]:
 def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArray:
     """A corpus file as a suffix array, built once and cached (keyed by the file's path, size, time and the
     tokenizer's vocabulary size and name)."""
-    from core.target import cache_dir
+    from selfspec.core.target import cache_dir
 
     path = Path(path).expanduser()
     if not path.is_file():

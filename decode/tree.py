@@ -22,10 +22,10 @@ from typing import Sequence
 
 import torch
 
-from core.config import CONF_DIR
-from core.errors import SelfspecError
-from core.archs import attention_mask_for
-from core.kv import additive_mask
+from selfspec.core.config import CONF_DIR
+from selfspec.core.errors import SelfspecError
+from selfspec.core.archs import attention_mask_for
+from selfspec.core.kv import additive_mask
 
 TREES_DIR = CONF_DIR / "trees"
 

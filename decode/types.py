@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
-from decode.tree import Tree, single_node_tree
-from decode.verify import Verdict
-from core.errors import SelfspecError
+from selfspec.decode.tree import Tree, single_node_tree
+from selfspec.decode.verify import Verdict
+from selfspec.core.errors import SelfspecError
 
 if TYPE_CHECKING:
-    from decode.step import DepthControl
+    from selfspec.decode.step import DepthControl
 
 
 class DecodeSetupError(SelfspecError, ValueError):
@@ -86,7 +86,7 @@ ROOT = Beside()
 
 
 class DepthPolicy(Protocol):
-    """How deep the next draft may go (decode/adaptive.py: :class:`~decode.adaptive.AdaptiveDepth`); 0 skips drafting
+    """How deep the next draft may go (decode/adaptive.py: :class:`~selfspec.decode.adaptive.AdaptiveDepth`); 0 skips drafting
     and runs a plain step. Every step is reported back. decode/step.py:DepthControl is what calls it."""
 
     def choose(self, max_depth: int, beside: Beside = ROOT) -> int:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.tree import Tree
-from core.errors import SettingError
+from selfspec.decode.tree import Tree
+from selfspec.core.errors import SettingError
 
 ACCEPTANCE_RULES = ("greedy", "sample", "typical")
 

@@ -1,6 +1,6 @@
 """selfspec's suffix drafter as a vLLM proposer, through vLLM's ``custom_class`` method:
 
-    LLM(model, speculative_config={"method": "custom_class", "model": "decode.vllm_suffix.SuffixProposer",
+    LLM(model, speculative_config={"method": "custom_class", "model": "selfspec.decode.vllm_suffix.SuffixProposer",
                                    "num_speculative_tokens": 8})
 
 with this repository on vLLM's ``PYTHONPATH`` (vLLM's venv runs it; decode/suffix.py needs only torch, numpy and
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from decode.adaptive import CostCurve
-from decode.suffix import SuffixDrafter, SuffixPlan
+from selfspec.decode.adaptive import CostCurve
+from selfspec.decode.suffix import SuffixDrafter, SuffixPlan
 
 COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
 
@@ -62,7 +62,7 @@ class _Row:
 
 
 class SuffixProposer:
-    """One :class:`decode.suffix.SuffixDrafter` per batch row, sharing what the rows answered before."""
+    """One :class:`selfspec.decode.suffix.SuffixDrafter` per batch row, sharing what the rows answered before."""
 
     def __init__(self, vllm_config: Any, remember: int = 200_000, max_match: int = 24):
         spec = vllm_config.speculative_config

@@ -14,7 +14,7 @@ once (DFlash, z-lab 2026; the layout of their checkpoints and of vLLM's ``DFlash
   sees every context position before p and all of its own positions (non-causal inside the block): one forward
   drafts the block.
 - **Output.** ``lm_head(norm(h))`` over the reduced draft vocabulary (``d2t`` / ``t2d`` as EAGLE-3's:
-  :func:`heads.vocab.build_draft_vocab`), initialised from the target's LM head rows.
+  :func:`selfspec.heads.vocab.build_draft_vocab`), initialised from the target's LM head rows.
 
 Used, not owned: the target's token embedding, reached through a reference kept out of ``state_dict()``.
 
@@ -33,11 +33,11 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from core.archs import rope_parameters, text_config
-from core.layers import init_linears
-from heads.eagle import default_layer_ids
-from core.errors import SettingError
-from heads.vocab import install_draft_vocab
+from selfspec.core.archs import rope_parameters, text_config
+from selfspec.core.layers import init_linears
+from selfspec.heads.eagle import default_layer_ids
+from selfspec.core.errors import SettingError
+from selfspec.heads.vocab import install_draft_vocab
 
 
 @dataclass
@@ -87,7 +87,7 @@ class DFlashConfig:
 
     @classmethod
     def from_target(cls, target: nn.Module, **kwargs) -> "DFlashConfig":
-        """A config for ``target``: its sizes, rope (its full-attention layers', core.archs.rope_parameters) and norm
+        """A config for ``target``: its sizes, rope (its full-attention layers', selfspec.core.archs.rope_parameters) and norm
         eps; ``target_layer_ids`` defaulted from its depth."""
         t = text_config(target.config)
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -112,7 +112,7 @@ class DFlashConfig:
 
 def default_target_layer_ids(num_layers: int) -> list[int]:
     """Low, middle and high features: the outputs of the layers just before EAGLE-3's three reads
-    (:func:`heads.eagle.default_layer_ids`, the inputs of layers 2, L//2 and L-3), so one feature store serves both
+    (:func:`selfspec.heads.eagle.default_layer_ids`, the inputs of layers 2, L//2 and L-3), so one feature store serves both
     families. SmolLM2 (30 layers): [1, 14, 26]. The last layer is never among them (vLLM does not capture it)."""
     if num_layers <= 3:
         return list(range(max(num_layers - 1, 1)))
@@ -231,7 +231,7 @@ class DFlashHeads(nn.Module):
         return self.config.block_size
 
     def set_draft_vocab(self, d2t: torch.Tensor, init_lm_head_from: nn.Module | None = None) -> None:
-        """Install a draft vocabulary (``d2t`` from :func:`heads.vocab.build_draft_vocab`; zeros: the first ids),
+        """Install a draft vocabulary (``d2t`` from :func:`selfspec.heads.vocab.build_draft_vocab`; zeros: the first ids),
         optionally copying the matching rows of the target's LM head into the draft LM head."""
         install_draft_vocab(self, d2t, init_lm_head_from)
 
@@ -274,7 +274,7 @@ class DFlashHeads(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of block hidden states [..., H] -> [..., Vd]. Training, which gathers a different
-        number of rows every step, pads them (:func:`core.runtime.rows_through`); decoding's few rows are not."""
+        number of rows every step, pads them (:func:`selfspec.core.runtime.rows_through`); decoding's few rows are not."""
         return self.lm_head(self.norm(hidden))
 
 
@@ -426,7 +426,7 @@ def dflash_block_loss(logits: torch.Tensor, teacher: torch.Tensor, weights: torc
 
 
 def build_dflash_heads(head_config: dict, target_model: nn.Module | None) -> DFlashHeads:
-    """heads.io builder for head type ``dflash``: rebuild the module from its saved config."""
+    """selfspec.heads.io builder for head type ``dflash``: rebuild the module from its saved config."""
     if target_model is None:
         raise ValueError("DFlash heads read the target's embeddings: load them with the target, "
                          "heads.load(path, target=...).")

@@ -14,16 +14,16 @@ Two variants share one module, :class:`EagleHeads`:
     default ``[2, L//2, L-3]``, index i = ``out.hidden_states[i]``, the input of layer i) through ``fuse`` (3H -> H,
     no bias). The draft has its own final ``norm`` and its own ``lm_head`` over a reduced draft vocabulary (the most
     frequent tokens of the training data; ``d2t`` / ``t2d`` buffers with SGLang's convention, see
-    :func:`heads.vocab.build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
+    :func:`selfspec.heads.vocab.build_draft_vocab`). No feature regression: trained only on tokens, with unrolled test-time steps in which
     the draft reads its own previous output feature.
 
 The draft layer is ONE transformers ``LlamaDecoderLayer`` whatever the target, as SGLang, vLLM and SpecForge build
 EAGLE drafters: the target's hidden size, attention heads and head dim, RMS-norm eps and rope, a dense SiLU MLP (for
 a mixture-of-experts target as wide as the experts a token passes through) and no biases; the fields are
-:func:`core.archs.llama_layer_fields` of the target, saved in ``EagleConfig.draft_layer``. It attends to everything
+:func:`selfspec.core.archs.llama_layer_fields` of the target, saved in ``EagleConfig.draft_layer``. It attends to everything
 the drafter's own masks allow (no sliding window) and has its own rotary embedding from those fields (float32
 whatever the drafter's dtype). Its norms and the eagle3 ``embed_norm``, ``feature_norm`` and ``norm`` are Llama RMS
-norms, the last three starting from the scale of the target's final norm (:func:`core.layers.rms_norm_scale`). Heads
+norms, the last three starting from the scale of the target's final norm (:func:`selfspec.core.layers.rms_norm_scale`). Heads
 saved before the draft layer was a Llama layer had a layer of the target's own class: for a Llama target that is the
 same layer and they load unchanged (:func:`build_eagle_heads`), for any other they are refused with what to retrain.
 Two layouts put the token embedding and the feature into the layer (``EagleConfig.layout``):
@@ -32,14 +32,14 @@ Two layouts put the token embedding and the feature into the layer (``EagleConfi
     ``fc`` over ``[embedding, feature]`` (2H -> H, the order EAGLE uses) feeds the unmodified layer (its own input
     norm, attention, residual over the projected input). eagle3 first normalises embedding and feature separately
     (``embed_norm``, ``feature_norm``). EAGLE-1 with ``input_norm=False`` drops the layer's input norm (EAGLE-1 as
-    published, and vLLM's ``EagleLlamaForCausalLM`` with ``fc_bias=False``: :mod:`heads.export`).
+    published, and vLLM's ``EagleLlamaForCausalLM`` with ``fc_bias=False``: :mod:`selfspec.heads.export`).
 
 ``midlayer`` (eagle3 only: EAGLE-3 as published, SGLang's ``LlamaForCausalLMEagle3``, vLLM speculators'
 ``Eagle3Speculator``)
     The layer's q/k/v projections are widened to read ``[embed_norm(embedding), feature_norm(feature)]`` (2H) and the
     residual stream is the feature itself: ``h = feature + attn(...)``, ``out = h + mlp(post_attention_layernorm(h))``
     (the layer's own input norm is dropped: ``embed_norm`` and ``feature_norm`` take its place). Weights map one to
-    one onto those implementations' checkpoints (:mod:`heads.export`). Not the default: with the same steps it has
+    one onto those implementations' checkpoints (:mod:`selfspec.heads.export`). Not the default: with the same steps it has
     learned more slowly than ``fc``, above all on the unrolled steps (SmolLM2: docs/journal/; the tests' tiny
     models likewise), so it is the layout to choose when the heads must be served by SGLang or vLLM.
 
@@ -48,8 +48,8 @@ output, Gemma's, is read unscaled, as the engines' drafters read it) and (``eagl
 reference kept out of ``state_dict()`` and ``parameters()``.
 
 The draft has its own KV cache (a transformers ``DynamicCache``, layer 0). Every call takes explicit position ids and
-an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`core.layers.causal_mask`
-builds the plain one. The losses are pure functions in :mod:`heads.eagle_loss`.
+an additive float 4D mask ``[B, 1, q, past + q]`` (0 = may attend, dtype minimum elsewhere); :func:`selfspec.core.layers.causal_mask`
+builds the plain one. The losses are pure functions in :mod:`selfspec.heads.eagle_loss`.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from core.archs import llama_layer_fields, output_logits, text_config
-from core.errors import SelfspecError, SettingError
-from core.kv import additive_mask, cache_length
-from core.layers import causal_mask, decoder_of, init_linears, rms_norm_scale, shift_left
-from core.target import cache_kwarg
-from heads.vocab import install_draft_vocab
+from selfspec.core.archs import llama_layer_fields, output_logits, text_config
+from selfspec.core.errors import SelfspecError, SettingError
+from selfspec.core.kv import additive_mask, cache_length
+from selfspec.core.layers import causal_mask, decoder_of, init_linears, rms_norm_scale, shift_left
+from selfspec.core.target import cache_kwarg
+from selfspec.heads.vocab import install_draft_vocab
 
 VARIANTS = ("eagle", "eagle3")
 LAYOUTS = ("fc", "midlayer")
@@ -84,7 +84,7 @@ class EagleConfig:
     init_layer_from: int | None = None  # copy the weights of this target layer into the draft layer (None = random)
     layout: str = "fc"  # "fc" | "midlayer" (eagle3 only): how embedding and feature enter the layer
     input_norm: bool = True  # fc layout: the layer's own input norm over the projected input (False: none, EAGLE-1's)
-    draft_layer: dict | None = None  # the draft layer's LlamaConfig fields (core.archs.llama_layer_fields of the target)
+    draft_layer: dict | None = None  # the draft layer's LlamaConfig fields (selfspec.core.archs.llama_layer_fields of the target)
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -157,7 +157,7 @@ def unrolled_step_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype,
     Step 0's keys are the real prefix: query t sees keys s <= t (not padding). Each later step's keys at index t are
     the draft's own earlier guesses on the path of t, so query t sees only index t in those blocks (a chain through
     the steps, exactly what the dynamic tree shows the draft at test time). With ``segment_ids`` [B, T] (a packed
-    batch, train.data.collate_packed) step 0's keys are further limited to query t's own example.
+    batch, selfspec.train.data.collate_packed) step 0's keys are further limited to query t's own example.
     """
     bsz, length = key_padding.shape
     idx = torch.arange(length, device=key_padding.device)
@@ -201,7 +201,7 @@ class EagleHeads(nn.Module):
     """One draft decoder layer over (feature, next-token embedding); see the module docstring.
 
     ``target``: the frozen Hugging Face CausalLM it drafts for (its embedding, rotary embedding and, for ``eagle``,
-    LM head are used in place). ``d2t``: eagle3's draft vocabulary (:func:`heads.vocab.build_draft_vocab`); None keeps the first
+    LM head are used in place). ``d2t``: eagle3's draft vocabulary (:func:`selfspec.heads.vocab.build_draft_vocab`); None keeps the first
     ``draft_vocab_size`` ids until :meth:`set_draft_vocab` (or a loaded state dict) sets one.
     """
 
@@ -317,7 +317,7 @@ class EagleHeads(nn.Module):
         return [-1] if self.variant == "eagle" else list(self.config.layer_ids)
 
     def set_draft_vocab(self, d2t: torch.Tensor, init_lm_head_from: nn.Module | None = None) -> None:
-        """eagle3: install a draft vocabulary (``d2t`` from :func:`heads.vocab.build_draft_vocab`), optionally copying the
+        """eagle3: install a draft vocabulary (``d2t`` from :func:`selfspec.heads.vocab.build_draft_vocab`), optionally copying the
         matching rows of the target's LM head into the draft LM head."""
         if self.variant != "eagle3":
             raise ValueError("only eagle3 drafters have a reduced draft vocabulary")
@@ -414,7 +414,7 @@ class EagleHeads(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle: the target's LM
-        head, soft-capped where the target's logits are, :func:`core.archs.output_logits`)."""
+        head, soft-capped where the target's logits are, :func:`selfspec.core.archs.output_logits`)."""
         if self.variant == "eagle":
             lm_head = self.target.get_output_embeddings()
             return output_logits(self.target.config, lm_head(features.to(lm_head.weight.dtype)))
@@ -435,7 +435,7 @@ class EagleHeads(nn.Module):
         input_ids [B, T]: the sequence x_0..x_{T-1}. Index t of step j reads token x_{t+j+1} at position t+j
         (the draft's guess of feature t+j for j > 0) and returns [B, T, H] per step, predicting feature t+j+1 /
         token t+j+2. Inputs past the sequence end read token 0; their losses are masked by the loss functions.
-        A packed batch gives ``segment_ids`` and ``position_ids`` [B, T] (train.data.collate_packed): attention stays
+        A packed batch gives ``segment_ids`` and ``position_ids`` [B, T] (selfspec.train.data.collate_packed): attention stays
         within each example and positions restart in each; an index whose tokens run into the next example is not
         trained on (see :func:`drafter_loss`).
         """
@@ -462,7 +462,7 @@ class EagleHeads(nn.Module):
 
 
 def build_eagle_heads(head_config: dict, target_model: nn.Module | None) -> EagleHeads:
-    """heads.io builder for head types ``eagle`` and ``eagle3``: rebuild the module from its saved config. Heads saved
+    """selfspec.heads.io builder for head types ``eagle`` and ``eagle3``: rebuild the module from its saved config. Heads saved
     without ``layout`` are fc; heads saved without ``draft_layer`` had a layer of the target's own class
     (:func:`saved_draft_layer`)."""
     if target_model is None:

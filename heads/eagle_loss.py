@@ -11,10 +11,10 @@ from typing import Union
 import torch
 from torch.nn import functional as F
 
-from core.layers import shift_left
-from heads.eagle import EagleHeads
-from core.errors import SettingError
-from core.runtime import rows_through
+from selfspec.core.layers import shift_left
+from selfspec.heads.eagle import EagleHeads
+from selfspec.core.errors import SettingError
+from selfspec.core.runtime import rows_through
 
 def add_uniform_noise(x: torch.Tensor, scale: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """x + U(-scale, scale) noise (EAGLE's input-feature noise for robustness to its own errors)."""
@@ -207,7 +207,7 @@ def drafter_loss(
     token_loss='kl'): the target's logits [B, T, V], or a function (b, p) -> [N, V] computing rows (b, p) only
     (e.g. the target's LM head over stored last hidden states); input_ids / labels / attention_mask [B, T] as
     collated (labels -100 off the assistant's tokens). Noise goes on the step-0 input features only; regression
-    targets stay clean. A packed batch (train.data.collate_packed) passes its ``segment_ids`` and ``position_ids``:
+    targets stay clean. A packed batch (selfspec.train.data.collate_packed) passes its ``segment_ids`` and ``position_ids``:
     the loss then equals the padded batch's over the same examples. ``num_items`` [unroll_steps]: the step's global
     :func:`step_counts` (summed over the optimizer step's micro-batches and ranks), which each step's loss terms are
     normalised by; a batch that is a whole step passes its own :func:`step_counts`.

@@ -17,7 +17,7 @@ DFlash heads and refuses the rest, naming the format that fits (the DFlash mappi
 heads/export_dflash.py). Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
 
 The EAGLE formats are for heads of any target: the draft layer is a Llama layer whatever the target
-(:mod:`heads.eagle`), and its config is written from the fields saved with the heads (``draft_layer``: heads, head
+(:mod:`selfspec.heads.eagle`), and its config is written from the fields saved with the heads (``draft_layer``: heads, head
 dim, MLP width, norm eps, rope), beside the target's vocabulary and token ids. Whether an engine serves the target is
 that engine's matter: vLLM 0.32 captures EAGLE-3 features only from targets that implement its ``SupportsEagle3``
 (Llama and the models built on its code such as Mistral and Phi-3, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3, gpt-oss and
@@ -79,8 +79,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.errors import SelfspecError
-from heads.export_dflash import dflash_to_vllm
+from selfspec.core.errors import SelfspecError
+from selfspec.heads.export_dflash import dflash_to_vllm
 
 FORMATS = ("auto", "vllm", "eagle", "eagle3", "speculators", "dflash", "selfspec")
 
@@ -222,7 +222,7 @@ def whole_context_window(target_config) -> int | None:
     first, else the cache config's), the drafter's too. A drafter layer that declares itself sliding over a window as
     long as any context (the target's ``max_position_embeddings``, which bounds vLLM's ``max_model_len``) keeps its own,
     and so attends to every position, as it was trained to."""
-    from core.archs import SLIDING, layer_kinds, text_config
+    from selfspec.core.archs import SLIDING, layer_kinds, text_config
 
     if set(layer_kinds(target_config)) != {SLIDING}:
         return None
@@ -232,7 +232,7 @@ def whole_context_window(target_config) -> int | None:
 def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.dtype) -> dict:
     """The draft layer's Llama config, one layer, from the fields saved with the heads (``draft_layer``), with the rope
     fields both transformers 4 and 5 readers understand; vocabulary and token ids are the target's."""
-    from core.archs import text_config
+    from selfspec.core.archs import text_config
 
     tc = text_config(drafter.target.config)
     layer = drafter.config.draft_layer
@@ -329,8 +329,8 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
     The two engines read the fused layers' ids differently: vLLM reads a top-level ``eagle_aux_hidden_state_layer_ids``
     first, as the input of layer j (ours), and SGLang ``eagle_config.eagle_aux_hidden_state_layer_ids`` as the output
     of layer j (ours minus one; vLLM reads that key too, but only without the top-level one). Both are written when
-    the layers are not the ones the engines assume without them (heads.eagle.engine_layer_ids)."""
-    from heads.eagle import engine_layer_ids
+    the layers are not the ones the engines assume without them (selfspec.heads.eagle.engine_layer_ids)."""
+    from selfspec.heads.eagle import engine_layer_ids
 
     tc = drafter.target.config
     config = {"architectures": ["LlamaForCausalLMEagle3"],
@@ -347,7 +347,7 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
 def eagle_to_vllm(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
     """An EAGLE-1 drafter with an fc without bias and a layer without input norm -> (config, state) of vLLM's
     ``EagleLlamaForCausalLM``."""
-    from core.archs import text_config
+    from selfspec.core.archs import text_config
 
     if drafter.config.variant != "eagle" or drafter.config.fc_bias or drafter.config.input_norm:
         raise ExportError("Only EAGLE-1 drafters with fc_bias=false and input_norm=false have vLLM's EAGLE-1 form.")
@@ -408,13 +408,13 @@ def export_heads(
     verifier: str | None = None,
     speculative_tokens: int | None = None,
 ) -> tuple[Path, str]:
-    """Export the heads folder ``heads_path`` (trained for ``target``, a ``core.target.Target`` or HF model) into
+    """Export the heads folder ``heads_path`` (trained for ``target``, a ``selfspec.core.target.Target`` or HF model) into
     ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
     commands); returns (the folder, the format used). Heads of another target are refused. ``vocab``: the Medusa
     export's vocabulary (:func:`medusa_vocab`). ``speculators`` only: ``verifier``, the target's hub id or folder
     written for ``vllm serve <folder>`` to load (default: the one the heads record), and ``speculative_tokens``
     (default: the EAGLE tree depth saved with the heads)."""
-    from heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
+    from selfspec.heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
 
     heads_path = heads_dir(heads_path)
     meta = read_heads_config(heads_path)
@@ -517,7 +517,7 @@ python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE
 
 def _write(out_dir: str | os.PathLike, fill) -> Path:
     """Fill a temporary sibling of ``out_dir`` and move it into place (a reader never sees half a folder)."""
-    from heads.io import _replace_dir
+    from selfspec.heads.io import _replace_dir
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ A heads folder holds:
 
 - ``config.json``: ``head_type`` (a family of core/families.py that has heads), ``head_config`` (what the builder
   needs to rebuild the module), the target it was trained on (``base_model`` and ``target_fingerprint`` from
-  ``core.target.fingerprint``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
+  ``selfspec.core.target.fingerprint``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
   whatever the trainer adds (``data``, ``steps``, ``eval`` metrics, ...); ``weights_sha256`` guards the weights file.
 - ``model.safetensors``: the module's ``state_dict``.
 - ``adapter/`` (Medusa-2 only): a peft LoRA adapter of the target, trained jointly with the heads. Loading with a
@@ -31,10 +31,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from core.config import to_plain
-from core.errors import SelfspecError
-from core.families import FAMILIES
-from core.target import Target, TargetMismatchError, check_fingerprint, fingerprint
+from selfspec.core.config import to_plain
+from selfspec.core.errors import SelfspecError
+from selfspec.core.families import FAMILIES
+from selfspec.core.target import Target, TargetMismatchError, check_fingerprint, fingerprint
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -68,7 +68,7 @@ class LoadedHeads:
 
 
 def _unwrap_target(target: Any) -> tuple[nn.Module | None, str | None]:
-    """(model, name) from a core.target.Target, a Hugging Face model or a peft model."""
+    """(model, name) from a selfspec.core.target.Target, a Hugging Face model or a peft model."""
     if target is None:
         return None, None
     if isinstance(target, Target):
@@ -131,7 +131,7 @@ def save_heads(
         "adapter": None,
     }
     tiny = getattr(base, "tiny_spec", None)
-    if tiny is not None:  # a target built in code (core.target.build_tiny): how to build it again
+    if tiny is not None:  # a target built in code (selfspec.core.target.build_tiny): how to build it again
         meta["model"] = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(tiny),
                          "attn_implementation": getattr(base.config, "_attn_implementation", None) or "sdpa"}
     meta.update(extra_meta or {})
@@ -216,7 +216,7 @@ def load_heads(
 ) -> LoadedHeads:
     """Load a heads folder; with ``target`` (``Target`` or HF model) check it is the model they were trained on.
 
-    Raises ``HeadsLoadError`` for a missing or corrupt folder and ``core.target.TargetMismatchError`` for heads of
+    Raises ``HeadsLoadError`` for a missing or corrupt folder and ``selfspec.core.target.TargetMismatchError`` for heads of
     another target. If the folder has a LoRA adapter (Medusa-2) and a target is given, the adapter is applied to
     that target **in place** (merged into its weights when ``merge_adapter``, else left as a peft model) and the
     result is ``LoadedHeads.target``; decode with that model, not the plain target.

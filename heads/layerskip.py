@@ -12,10 +12,10 @@ forms (``form``):
   block attends over every earlier position (in training and decoding alike, whatever the kind of layer E), with
   layer E's rotary embedding, so decoding keeps a small KV cache of its own (decode/layerskip.py).
 
-Both forms give logits as the target does, soft-capped where it is (core.archs.output_logits).
+Both forms give logits as the target does, soft-capped where it is (selfspec.core.archs.output_logits).
 
 A reduced exit vocabulary (``draft_vocab_size``) keeps the LM head rows of the ``token_map`` target ids only, chosen
-by coverage of the training data (train.data.choose_draft_vocab): on a small target the LM head costs as much as
+by coverage of the training data (selfspec.train.data.choose_draft_vocab): on a small target the LM head costs as much as
 several layers, so a full-vocabulary exit would eat the gain of skipping them.
 
 Training (train/layerskip_method.py) fits an exit to the target's final distribution; ``exit_layer=auto`` trains one
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.archs import (RESIDUAL_OUTPUTS, layer_position_embeddings, output_logits, position_embeddings_in,
+from selfspec.core.archs import (RESIDUAL_OUTPUTS, layer_position_embeddings, output_logits, position_embeddings_in,
                          residual_outputs)
-from core.errors import SettingError
-from core.layers import causal_mask, decoder_of
-from core.kv import cache_length
-from core.target import cache_kwarg
+from selfspec.core.errors import SettingError
+from selfspec.core.layers import causal_mask, decoder_of
+from selfspec.core.kv import cache_length
+from selfspec.core.target import cache_kwarg
 
 FORMS = ("head", "adapter")
 
@@ -158,7 +158,7 @@ class LayerSkipExit(nn.Module):
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Exit features [..., H] -> logits [..., K] over the exit vocabulary, soft-capped as the target's own
-        (core.archs.output_logits)."""
+        (selfspec.core.archs.output_logits)."""
         head = self.lm_head if self.lm_head is not None else self._target_head[0]
         return output_logits(self.target.config, head(features.to(head.weight.dtype)))
 
@@ -169,7 +169,7 @@ class LayerSkipExit(nn.Module):
 
 def adapter_block(layer: nn.Module) -> nn.Module:
     """An adapter: a copy of the target's decoder ``layer`` (its class, configuration and weights, experts and all)
-    that caches as layer 0 of a cache of its own, with its residual outputs zeroed (core.archs.residual_outputs),
+    that caches as layer 0 of a cache of its own, with its residual outputs zeroed (selfspec.core.archs.residual_outputs),
     so that it starts as the identity."""
     adapter = copy.deepcopy(layer)
     for module in adapter.modules():
@@ -204,7 +204,7 @@ class ExitSet(nn.Module):
 
 
 def build_layerskip_exit(head_config: dict, target_model: nn.Module | None) -> LayerSkipExit:
-    """heads.io builder for head type ``layerskip``: rebuild the exit from its saved config."""
+    """selfspec.heads.io builder for head type ``layerskip``: rebuild the exit from its saved config."""
     if target_model is None:
         raise ValueError("Layer-skip exits are rebuilt from the target's own norm, LM head and layer class: load them "
                          "with the target, heads.load(path, target=...).")

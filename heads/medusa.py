@@ -75,7 +75,7 @@ class MedusaHeads(nn.Module):
             self.token_map = None
 
     def set_token_map(self, token_map: torch.Tensor) -> None:
-        """The target ids the heads draft from (ascending, ``draft_vocab_size`` of them; train.data.DraftVocab.token_map)."""
+        """The target ids the heads draft from (ascending, ``draft_vocab_size`` of them; selfspec.train.data.DraftVocab.token_map)."""
         token_map = torch.as_tensor(token_map, dtype=torch.long).reshape(-1)
         if self.token_map is None or token_map.shape != self.token_map.shape:
             raise ValueError(f"token_map has {token_map.numel()} ids; these heads take draft_vocab_size="
@@ -249,7 +249,7 @@ def expected_accept_length(accuracy: list[float] | torch.Tensor) -> float:
 
 
 def build_medusa_heads(config: dict, target_model: nn.Module | None = None) -> MedusaHeads:
-    """Build heads from a saved config dict (``MedusaConfig`` fields); the head-type builder used by heads.io."""
+    """Build heads from a saved config dict (``MedusaConfig`` fields); the head-type builder used by selfspec.heads.io."""
     fields = {k: config[k] for k in ("hidden_size", "vocab_size", "num_heads", "num_layers")}
     fields["shared_lm_head"] = bool(config.get("shared_lm_head", False))  # heads saved before the option had their own
     fields["draft_vocab_size"] = config.get("draft_vocab_size")  # heads saved before reduced vocabularies: None

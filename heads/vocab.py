@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from core.errors import SettingError
+from selfspec.core.errors import SettingError
 
 
 def size_for_coverage(token_counts: torch.Tensor, coverage: float) -> int:

@@ -22,8 +22,8 @@ max_new_tokens, acceptance, linear_kernel, ...).
     selfspec-bench model=tiny heads=[random] prompts=../shared/data/mt_bench/question.jsonl limit=2
 """
 
-from decode.cli import bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
-from decode.cli import bench_main
+from selfspec.decode.cli import bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
+from selfspec.decode.cli import bench_main
 
 if __name__ == "__main__":
     bench_main()

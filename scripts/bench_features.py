@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.config import compose
-from core.target import load_target
-from train.data import collate
+from selfspec.core.config import compose
+from selfspec.core.target import load_target
+from selfspec.train.data import collate
 
 DEFAULTS = ["heads=eagle3", "features=store", "data.max_records=256"]
 
@@ -35,8 +35,8 @@ def one_pass(cfg, target, splits, folder: Path) -> dict:
     """Build the store of ``cfg`` for ``splits`` into ``folder``; its seconds and tokens."""
     from accelerate import Accelerator
 
-    from train.eagle_method import EagleMethod
-    from train.feature_store import read_meta
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.feature_store import read_meta
 
     shutil.rmtree(folder, ignore_errors=True)
     cfg.feature_store.dir = str(folder)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = DEFAULTS + args.overrides
     cfg = compose("eagle", overrides)
     target = load_target(cfg.model)
-    from train.data import build_dataset
+    from selfspec.train.data import build_dataset
 
     splits = {"train": build_dataset(cfg.data, target.tokenizer, verbose=False)["train"], "eval": None}
     engines = [(f"hf, batch {b}", ["feature_store.engine=hf", f"feature_store.batch_size={b}"])

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.config import CONF_DIR
+from selfspec.core.config import CONF_DIR
 
 
 def compose(overrides: list[str]):
@@ -39,10 +39,10 @@ def compose(overrides: list[str]):
 
 
 def measure_accuracy(cfg, heads_path: str, split: str, max_examples: int | None, batch_size: int) -> dict:
-    import heads
-    from core.target import load_target
-    from train.data import build_dataset
-    from train.medusa_method import evaluate_heads
+    from selfspec import heads
+    from selfspec.core.target import load_target
+    from selfspec.train.data import build_dataset
+    from selfspec.train.medusa_method import evaluate_heads
 
     target = load_target(cfg.model)
     loaded = heads.load(heads_path, target)  # refuses heads of another target; applies a Medusa-2 adapter
@@ -76,8 +76,8 @@ def measure_training(overrides: list[str], steps: int, skip: int) -> dict:
     import torch
     from omegaconf import open_dict
 
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     with tempfile.TemporaryDirectory(prefix="bench-medusa-") as tmp:
         cfg = compose(overrides + [f"run_dir={tmp}", f"trainer.max_steps={steps}", "trainer.save_every=0",

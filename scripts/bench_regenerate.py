@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.config import compose
-from core.vllm_env import VllmSettings
-from train.data import open_records, read_records
-from train.regenerate import (
+from selfspec.core.config import compose
+from selfspec.core.vllm_env import VllmSettings
+from selfspec.train.data import open_records, read_records
+from selfspec.train.regenerate import (
     AnswerEngine,
     Answering,
     HFEngine,
@@ -81,8 +81,8 @@ def main() -> None:
         if cfg.n is not None and len(prompts) >= int(cfg.n):
             break
 
-    from core.target import load_target
-    from core.vllm_env import served_model
+    from selfspec.core.target import load_target
+    from selfspec.core.vllm_env import served_model
 
     target = load_target(cfg.model)
     answering = answering_of(cfg, usable_length(cfg.data.get("max_length"), getattr(

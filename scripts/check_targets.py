@@ -1,5 +1,5 @@
 """Check entries of conf/model/ without their weights: each target is built from its config.json on the meta device
-(core.target.load_target with model.config_only=true, nothing allocated), and the layers EAGLE-3 and DFlash read
+(selfspec.core.target.load_target with model.config_only=true, nothing allocated), and the layers EAGLE-3 and DFlash read
 are checked against it. Prints one line per entry: its class, parameters, memory in bf16, attention layers and the
 layers the drafters read.
 
@@ -24,19 +24,19 @@ def hub_entries() -> list[str]:
     """The entries of conf/model/ that name a hub checkpoint."""
     from omegaconf import OmegaConf
 
-    from decode.settings import MODEL_CONFIGS
+    from selfspec.decode.settings import MODEL_CONFIGS
 
     return sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml") if OmegaConf.load(p).get("source") == "hub")
 
 
 def check(entry: str, from_hub: bool = False) -> str:
     """One line describing ``entry``'s target built from its config; raises when a drafter's layers do not fit it."""
-    from core.archs import SLIDING, layer_kinds, sliding_window
-    from core.errors import SettingError
-    from core.target import load_target
-    from decode.settings import MODEL_CONFIGS, model_config
-    from heads.dflash import DFlashConfig
-    from heads.eagle import EagleConfig
+    from selfspec.core.archs import SLIDING, layer_kinds, sliding_window
+    from selfspec.core.errors import SettingError
+    from selfspec.core.target import load_target
+    from selfspec.decode.settings import MODEL_CONFIGS, model_config
+    from selfspec.heads.dflash import DFlashConfig
+    from selfspec.heads.eagle import EagleConfig
 
     if entry not in hub_entries():
         raise SettingError(f"{entry!r} is not a hub entry of {MODEL_CONFIGS}: use one of {', '.join(hub_entries())}.")
@@ -61,7 +61,7 @@ def check(entry: str, from_hub: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from core.errors import reported_errors
+    from selfspec.core.errors import reported_errors
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("entries", nargs="*", help="names in conf/model/ (default: every hub entry)")

@@ -52,9 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace):
     """The target the overrides name (a random stand-in with ``--shape``'s shapes under model=tiny)."""
-    from decode.settings import target_config_from_overrides
-    from core.errors import SettingError
-    from core.target import load_target
+    from selfspec.decode.settings import target_config_from_overrides
+    from selfspec.core.errors import SettingError
+    from selfspec.core.target import load_target
 
     model_cfg = target_config_from_overrides(args.overrides)
     if args.shape:
@@ -80,7 +80,7 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
 
 def timed(device, fn):
     """(seconds, fn()) with the device's queued work waited for on both sides."""
-    from decode.step import synchronize
+    from selfspec.decode.step import synchronize
 
     synchronize(device)
     t0 = time.perf_counter()
@@ -92,8 +92,8 @@ def timed(device, fn):
 def run_methods(model, prompts: list[list[int]], depths: list[int], new_tokens: int) -> tuple[dict, list]:
     """Per method (hf, plain, oracle-D), one row per prompt (seconds, tokens, target forwards), and every engine
     answer that differs from HF's."""
-    from decode.drafters import OracleDrafter, VanillaDrafter
-    from decode.engine import SpeculativeDecoder
+    from selfspec.decode.drafters import OracleDrafter, VanillaDrafter
+    from selfspec.decode.engine import SpeculativeDecoder
 
     device = next(model.parameters()).device
     hf_greedy(model, prompts[0], new_tokens)  # warm-up
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from decode.adaptive import CURVE_SIZES, verify_cost_curve
-    from core.errors import reported_errors
+    from selfspec.decode.adaptive import CURVE_SIZES, verify_cost_curve
+    from selfspec.core.errors import reported_errors
 
     with reported_errors():
         target = load(args)

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from core.config import CONF_DIR
+from selfspec.core.config import CONF_DIR
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from hydra import compose, initialize_config_dir
 
-    from decode.layerskip import exit_agreement
-    from core.errors import reported_errors
-    from core.target import load_target
-    from train.data import build_dataset
+    from selfspec.decode.layerskip import exit_agreement
+    from selfspec.core.errors import reported_errors
+    from selfspec.core.target import load_target
+    from selfspec.train.data import build_dataset
 
     with reported_errors():
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

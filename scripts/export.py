@@ -14,7 +14,7 @@ Formats and what each holds: heads/export.py. The target the heads record is loa
 trained for it (and to read the LM head / embedding the formats include); ``model=`` names another copy of it.
 """
 
-from decode.cli import export_main
+from selfspec.decode.cli import export_main
 
 if __name__ == "__main__":
     export_main()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from decode.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights,
+    from selfspec.decode.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights,
                                        packing_offered, sample_weights, time_widths, write_row_plan)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from decode.settings import target_config_from_overrides
-    from core.errors import reported_errors
-    from core.target import load_target
+    from selfspec.decode.settings import target_config_from_overrides
+    from selfspec.core.errors import reported_errors
+    from selfspec.core.target import load_target
 
     with reported_errors():
         target = load_target(target_config_from_overrides(args.overrides))
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{target.name}: one pass over {len(sample)} of its {len(weights)} linear weights, ms (median of "
           f"{args.repeats}); width 0 is PyTorch's own x @ W.T, {PACKED} oneDNN's product on packed weights"
-          + ("" if packing else " (not offered here: see decode.linear_kernels.packing_offered)"))
+          + ("" if packing else " (not offered here: see selfspec.decode.linear_kernels.packing_offered)"))
     print("| rows | PyTorch | packed | padded to: ms | chosen |")
     print("|---|---|---|---|---|")
     names = {0: "PyTorch", PACKED: "packed"}

@@ -11,8 +11,8 @@ Takes the overrides of conf/decode/learn_replay.yaml (which includes conf/decode
         record=outputs/replay/humaneval.pt out=outputs/replay/no-guard learner.guard=false
 """
 
-from decode.cli import learn_replay as main  # main(argv) -> the report, for code that runs it (tests)
-from decode.cli import learn_replay_main
+from selfspec.decode.cli import learn_replay as main  # main(argv) -> the report, for code that runs it (tests)
+from selfspec.decode.cli import learn_replay_main
 
 if __name__ == "__main__":
     learn_replay_main()

@@ -10,7 +10,7 @@ Rerunning the same command resumes: ids already in `out` are skipped. Train on t
 `data=file data.path=outputs/regen/sharegpt.jsonl`.
 """
 
-from train.cli import regenerate_main
+from selfspec.train.cli import regenerate_main
 
 if __name__ == "__main__":
     regenerate_main()

@@ -15,7 +15,7 @@ How it works: decode/serving.py. Exit status 1 also when a format does not load 
 ``tolerance``.
 """
 
-from decode.cli import serve_check_main
+from selfspec.decode.cli import serve_check_main
 
 if __name__ == "__main__":
     serve_check_main()

@@ -30,13 +30,13 @@ import argparse
 import json
 from pathlib import Path
 
-from decode import registry
-from decode.bench import format_sweep, sweep_decoders
-from decode.prompts import read_questions
-from decode.session import load_session
-from decode.types import DecodeSetupError
-from core.config import CONF_DIR, compose, to_dict
-from core.errors import reported_errors
+from selfspec.decode import registry
+from selfspec.decode.bench import format_sweep, sweep_decoders
+from selfspec.decode.prompts import read_questions
+from selfspec.decode.session import load_session
+from selfspec.decode.types import DecodeSetupError
+from selfspec.core.config import CONF_DIR, compose, to_dict
+from selfspec.core.errors import reported_errors
 
 
 def parse_eagle(spec: str) -> dict:
@@ -62,8 +62,8 @@ def exit_heads(session, heads_path, exit_layer: int):
         return None
     if session.heads.exit_layer == exit_layer:
         return session.heads
-    from heads.io import heads_dir, load_heads
-    from heads.layerskip import other_exit_dir
+    from selfspec.heads.io import heads_dir, load_heads
+    from selfspec.heads.layerskip import other_exit_dir
 
     folder = other_exit_dir(heads_dir(heads_path), exit_layer)
     if not folder.is_dir():

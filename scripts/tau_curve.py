@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*",
                         help="keys regeneration and training take (model=..., data.max_length=...)")
     args = parser.parse_args(argv)
-    from core.config import compose
+    from selfspec.core.config import compose
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
     sources, families = args.sources.split(","), args.families.split(",")

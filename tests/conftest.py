@@ -25,7 +25,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """Under ``--device``, tiny targets are built on that device: ``core.target.build_tiny`` gets it as its default
+    """Under ``--device``, tiny targets are built on that device: ``selfspec.core.target.build_tiny`` gets it as its default
     before the test modules import it."""
     global TEST_DEVICE
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
@@ -44,7 +44,7 @@ def pytest_configure(config):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import functools
 
-    import core.target as target
+    import selfspec.core.target as target
 
     target.build_tiny = functools.partial(target.build_tiny, device=device)
 
@@ -111,21 +111,21 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    from core.target import build_tiny
+    from selfspec.core.target import build_tiny
 
     return build_tiny("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2():
-    from core.target import build_tiny
+    from selfspec.core.target import build_tiny
 
     return build_tiny("qwen2")
 
 
 @pytest.fixture(scope="session")
 def smollm2(device):
-    from core.target import load_target
+    from selfspec.core.target import load_target
 
     return load_target({"source": "smollm2", "device": str(device), "dtype": "float32"})
 
@@ -147,7 +147,7 @@ NO_DEVICE_CONFIGS = ("serve_check",)  # configs without a device key (the serve 
 def compose(config_name: str, overrides: list[str] | None = None):
     """Compose a real entry config (from conf/, or conf/decode/ for decoding and export, as the entry scripts do),
     with overrides."""
-    from core.config import compose as config_compose
+    from selfspec.core.config import compose as config_compose
 
     config_dir = CONF / "decode" if config_name in DECODE_CONFIGS else CONF
     overrides = list(overrides or [])

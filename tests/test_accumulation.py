@@ -23,7 +23,7 @@ def _method(family: str, run_dir):
     if family.startswith("medusa"):
         from test_medusa_train import medusa_cfg
 
-        from train.medusa_method import medusa_method
+        from selfspec.train.medusa_method import medusa_method
 
         overrides = {
             "medusa": [],
@@ -36,7 +36,7 @@ def _method(family: str, run_dir):
     if family.startswith("eagle"):
         from test_eagle import eagle_cfg
 
-        from train.eagle_method import EagleMethod
+        from selfspec.train.eagle_method import EagleMethod
 
         eagle3 = ["heads=eagle3", "heads.draft_vocab_size=64"]
         overrides = {"eagle": ["heads.unroll_steps=2"], "eagle3": eagle3,
@@ -47,7 +47,7 @@ def _method(family: str, run_dir):
     if family.startswith("dflash"):
         from test_dflash_train import dflash_cfg
 
-        from train.dflash_method import DFlashMethod
+        from selfspec.train.dflash_method import DFlashMethod
 
         # more anchors than positions: every trained position is an anchor, so the split and the whole batch draft
         # the same blocks (anchors are otherwise drawn per micro-batch)
@@ -56,7 +56,7 @@ def _method(family: str, run_dir):
         return cfg, DFlashMethod(cfg)
     from test_layerskip_train import layerskip_cfg
 
-    from train.layerskip_method import LayerSkipMethod
+    from selfspec.train.layerskip_method import LayerSkipMethod
 
     cfg = layerskip_cfg(run_dir)
     return cfg, LayerSkipMethod(cfg)
@@ -79,7 +79,7 @@ def _step(method, target, drafter, micro_batches: list[dict]) -> tuple[torch.Ten
 def test_two_micro_batches_give_the_loss_and_gradients_of_one_batch(tmp_path, family):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.data import collate, collate_packed
+    from selfspec.train.data import collate, collate_packed
 
     target, datasets = tiny_target(), tiny_datasets()
     cfg, method = _method(family, tmp_path)
@@ -113,7 +113,7 @@ def test_a_step_logs_the_same_loss_with_or_without_accumulation(tmp_path, family
     order) log the same loss."""
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.loop import train
+    from selfspec.train.loop import train
 
     losses = {}
     for batch_size, accum in ((4, 1), (2, 2)):

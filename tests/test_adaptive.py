@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.drafters import MedusaDrafter
-from decode.engine import SpeculativeDecoder
-from decode.tree import load_tree
+from selfspec.decode.adaptive import AdaptiveDepth, CostCurve
+from selfspec.decode.drafters import MedusaDrafter
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.tree import load_tree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -165,7 +165,7 @@ def test_greedy_and_sampling_stay_lossless_while_the_depth_adapts(tiny_llama):
 
 
 def test_the_cached_curve_never_charges_a_smaller_tree_more():
-    from decode.adaptive import monotone
+    from selfspec.decode.adaptive import monotone
 
     assert monotone([70.9, 108.7, 96.2, 103.4, 123.0, 156.2, 225.3]) == (70.9, 96.2, 96.2, 103.4, 123.0, 156.2, 225.3)
     assert monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
@@ -191,13 +191,13 @@ class BusyMachine:
         self.count += 1
 
     def measure(self, sizes, repeats):
-        from decode.adaptive import time_interleaved
+        from selfspec.decode.adaptive import time_interleaved
 
         return time_interleaved(self.forward, sizes, repeats, self.clock)
 
 
 def test_the_fastest_of_interleaved_repeats_recovers_the_curve_through_noise_bursts(tmp_path):
-    from decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
+    from selfspec.decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
 
     sizes = len(CURVE_SIZES)
     # every size loses 4 of its 9 repeats to bursts (the busy forwards are spread over the repeats)
@@ -210,7 +210,7 @@ def test_the_fastest_of_interleaved_repeats_recovers_the_curve_through_noise_bur
 
 
 def test_a_curve_measured_while_the_machine_was_busy_is_not_kept(tmp_path):
-    from decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
+    from selfspec.decode.adaptive import CURVE_REPEATS, CURVE_SIZES, settled_curve
 
     sizes = len(CURVE_SIZES)
     # the one-node forward is busy on all repeats but one: its fastest is not confirmed by a second one
@@ -229,7 +229,7 @@ def test_a_curve_measured_while_the_machine_was_busy_is_not_kept(tmp_path):
 
 
 def test_the_measured_curve_is_checked_once_per_process(tiny_llama, monkeypatch, tmp_path):
-    from decode import adaptive
+    from selfspec.decode import adaptive
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(adaptive, "_SETTLED", {})
@@ -245,7 +245,7 @@ def test_beside_a_confident_suffix_a_drafter_drafts_only_where_it_adds():
     suffix nodes that already yield 3.5 tokens and miss at their first level one step in ten, its tokens count only
     on those steps and its nodes widen the tree: it stops drafting. Beside a suffix that has nearly nothing (one
     node, missed nine times in ten) it drafts as it would alone."""
-    from decode.types import Beside
+    from selfspec.decode.types import Beside
 
     policy = AdaptiveDepth(CPU_LIKE, measure_draft=True, explore_every=1000)
     tree = load_tree("chain-4", num_heads=4)
@@ -262,7 +262,7 @@ def test_beside_a_confident_suffix_a_drafter_drafts_only_where_it_adds():
     assert policy.rate(0, beside=confident) == pytest.approx(3.5 / CPU_LIKE.cost(5))
 
 
-# the SmolLM2-135M verify curve of a 2-core AVX-512 CPU with the padded products (ms, cached by decode.adaptive; the
+# the SmolLM2-135M verify curve of a 2-core AVX-512 CPU with the padded products (ms, cached by selfspec.decode.adaptive; the
 # machine's curve where oneDNN's packed product is not offered): flat to 4 nodes, then steep
 SMOLLM2_CPU = CostCurve(sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
                         ms=(26.65, 27.51, 27.86, 28.17, 41.15, 47.37, 61.04, 62.0, 80.41, 87.66, 134.17))
@@ -303,8 +303,8 @@ class _EveryDepth:
     ("medusa", {}), ("eagle3", {}), ("eagle3", {"top_k": 3, "total_tokens": 10}), ("dflash", {}), ("dflash", {"top_k": 3})])
 def test_each_family_says_how_many_nodes_a_depth_drafts(tiny_llama, family, settings):
     """``draft_nodes(d)`` is the size of the draft the engine verifies when the policy asks depth d."""
-    from decode import registry
-    from core.target import Target
+    from selfspec.decode import registry
+    from selfspec.core.target import Target
 
     model, tokenizer = tiny_llama
     entry = registry.entry(family)

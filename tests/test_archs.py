@@ -15,13 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.archs import SLIDING, TINY_ARCHS, layer_kinds
-from core.kv import additive_mask
-from core.target import build_tiny, cache_kwarg
-from decode.cache import new_cache
-from decode.engine import SpeculativeDecoder, tree_forward
-from decode.tree import Tree, load_tree
-from decode.types import DecodeState, Draft, DrafterBase
+from selfspec.core.archs import SLIDING, TINY_ARCHS, layer_kinds
+from selfspec.core.kv import additive_mask
+from selfspec.core.target import build_tiny, cache_kwarg
+from selfspec.decode.cache import new_cache
+from selfspec.decode.engine import SpeculativeDecoder, tree_forward
+from selfspec.decode.tree import Tree, load_tree
+from selfspec.decode.types import DecodeState, Draft, DrafterBase
 from test_engine import (SAMPLE_TREE, CacheCheck, OracleDrafter, exact_first_three, prompts, reference, run_greedy,
                          sampled_first_three)
 

@@ -1,6 +1,6 @@
 """EAGLE-1 and EAGLE-3 drafters for every target architecture of core/archs.py (``TINY_ARCHS``).
 
-The draft layer is a Llama layer whatever the target (heads.eagle). For each architecture and each drafter (eagle;
+The draft layer is a Llama layer whatever the target (selfspec.heads.eagle). For each architecture and each drafter (eagle;
 eagle3 in the fc and midlayer layouts):
 
 - trained through the real loop on the target's own greedy continuations from the feature store, the loss falls;
@@ -22,10 +22,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.archs import TINY_ARCHS
-from core.target import Target, build_tiny
-from decode.eagle_drafter import EagleTreeDrafter
-from decode.engine import SpeculativeDecoder
+from selfspec.core.archs import TINY_ARCHS
+from selfspec.core.target import Target, build_tiny
+from selfspec.decode.eagle_drafter import EagleTreeDrafter
+from selfspec.decode.engine import SpeculativeDecoder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,13 +38,13 @@ MAX_NEW = 20
 
 
 def test_the_llama_layer_for_a_target():
-    """core.archs.llama_layer_fields on the architectures' default (full-size) configs: a mixture of experts gets a
+    """selfspec.core.archs.llama_layer_fields on the architectures' default (full-size) configs: a mixture of experts gets a
     dense MLP as wide as the experts a token passes through, which for Qwen3-MoE and DeepSeek-V3 is their own dense
     layers' width; DeepSeek-V3's latent attention gets SpecForge's drafter heads (hidden / v_head_dim of them on 8);
     Gemma 3 the full-attention layers' rope; no partial rotation."""
     import transformers
 
-    from core.archs import llama_layer_fields
+    from selfspec.core.archs import llama_layer_fields
 
     for name in ("Qwen3MoeConfig", "DeepseekV3Config"):
         config = getattr(transformers, name)()
@@ -73,7 +73,7 @@ def test_rms_norm_scale_reads_what_the_norm_multiplies_by():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from core.layers import rms_norm_scale
+    from selfspec.core.layers import rms_norm_scale
 
     weight = torch.randn(16, generator=torch.Generator().manual_seed(0))
     llama, gemma = LlamaRMSNorm(16), Gemma3RMSNorm(16)
@@ -122,8 +122,8 @@ def runs(tmp_path_factory):
     first use."""
     import datasets
 
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     def get(arch):
         if arch not in _RUNS:
@@ -163,8 +163,7 @@ def saved_weights(run):
 def test_trains_online_and_from_the_feature_store(runs, arch, variant):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-    import heads
-
+    from selfspec import heads
     target, out, _ = runs(arch)
     online, store = out[variant]
     losses = torch.tensor([h["loss"] for h in store.history])
@@ -187,8 +186,7 @@ def test_trains_online_and_from_the_feature_store(runs, arch, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_decoding_is_lossless_with_accepted_drafts(runs, arch, variant):
-    import heads
-
+    from selfspec import heads
     target, out, answers = runs(arch)
     model = target.model
     drafter = heads.load(out[variant][1].run_dir / "heads", target).module
@@ -214,7 +212,7 @@ def exported(folder):
 def assert_llama_draft_config(config, drafter):
     """The exported layer config is a Llama layer of the fields saved with the heads, attending to the whole context:
     no window, or on a target whose every layer slides (where vLLM would give the drafter the target's window) its
-    own window as long as any context (heads.export.whole_context_window)."""
+    own window as long as any context (selfspec.heads.export.whole_context_window)."""
     layer = drafter.config.draft_layer
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
     for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -222,7 +220,7 @@ def assert_llama_draft_config(config, drafter):
         assert config[key] == layer[key], key
     assert config["hidden_size"] == drafter.config.hidden_size and config["vocab_size"] == drafter.config.vocab_size
     assert not config["attention_bias"] and not config["mlp_bias"]
-    from core.archs import SLIDING, layer_kinds
+    from selfspec.core.archs import SLIDING, layer_kinds
 
     target = drafter.target.config
     if set(layer_kinds(target)) == {SLIDING}:
@@ -237,10 +235,10 @@ def test_serving_formats_compute_the_drafter(runs, arch, tmp_path):
     back the way the engines read them, they compute the drafter's features and top tokens."""
     from test_export import eagle3_reference, eagle_reference
 
-    import heads
-    from heads.eagle import EagleConfig, EagleHeads
-    from heads.export import export_heads
-    from heads.io import save_heads
+    from selfspec import heads
+    from selfspec.heads.eagle import EagleConfig, EagleHeads
+    from selfspec.heads.export import export_heads
+    from selfspec.heads.io import save_heads
 
     target, out, _ = runs(arch)
     model = target.model
@@ -300,8 +298,8 @@ def sampling_trained(tmp_path_factory):
 
     from test_engine import exact_first_three
 
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     shape = dict(vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     model, tokenizer = build_tiny(SAMPLING_ARCH, **shape)
@@ -329,8 +327,7 @@ def test_sampled_tokens_follow_the_target_distribution(sampling_trained, variant
     from test_engine import sampled_first_three
     from test_verify import chi_square_pvalue
 
-    import heads
-
+    from selfspec import heads
     target, runs, exact = sampling_trained
     drafter = heads.load(runs[variant].run_dir / "heads", target).module
     counts, accepted = sampled_first_three(target.model, EagleTreeDrafter(drafter, depth=2, top_k=3, total_tokens=6),

@@ -28,9 +28,9 @@ import torch
 
 from test_engine import CacheCheck
 
-from core.archs import TINY_ARCHS, attention_linear_names
-from core.families import FAMILIES
-from core.target import Target, build_tiny
+from selfspec.core.archs import TINY_ARCHS, attention_linear_names
+from selfspec.core.families import FAMILIES
+from selfspec.core.target import Target, build_tiny
 
 ARCHS = sorted(TINY_ARCHS)
 PROMPT, NEW, ROWS = 6, 24, 8  # the training data: ROWS prompts of PROMPT tokens and NEW greedy tokens each
@@ -72,10 +72,10 @@ def entry_config(run: str):
 
 
 def train_run(run: str, target: Target, data, run_dir: Path, *overrides: str):
-    """``run`` trained on ``target`` through train.loop.train, with ``overrides`` (dotted keys) over its config."""
+    """``run`` trained on ``target`` through selfspec.train.loop.train, with ``overrides`` (dotted keys) over its config."""
     from omegaconf import OmegaConf
 
-    from train.loop import train
+    from selfspec.train.loop import train
 
     arch = target.name.removeprefix("tiny-")
     cfg = OmegaConf.merge(entry_config(run), OmegaConf.from_dotlist(
@@ -202,9 +202,9 @@ def decoder_for(heads_dir: Path, target: Target, check_cache: bool, **draft):
     :data:`DRAFT`, then ``draft``), on ``target`` (Medusa-2 heads: their adapter merged into it): (decoder, the model
     it decodes with). ``check_cache`` (greedy): a drafter that runs part of the verify pass itself is wrapped in a
     :class:`SharedCacheCheck`."""
-    import heads
-    from decode import registry
-    from decode.engine import SpeculativeDecoder
+    from selfspec import heads
+    from selfspec.decode import registry
+    from selfspec.decode.engine import SpeculativeDecoder
 
     loaded = heads.load(heads_dir, target)
     entry = registry.entry(loaded.config["head_type"])
@@ -284,7 +284,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_trained, run):
 def test_medusa2_refuses_a_feature_store(tmp_path):
     from omegaconf import OmegaConf
 
-    from core.errors import SettingError
+    from selfspec.core.errors import SettingError
 
     cfg = OmegaConf.merge(entry_config("medusa2"), OmegaConf.from_dotlist([f"run_dir={tmp_path}", "features=store"]))
     with pytest.raises(SettingError) as refused:

@@ -7,11 +7,11 @@ import torch
 import transformers.integrations.sdpa_attention as sdpa_module
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attention
-from decode.cache import new_cache
-from decode.drafters import OracleDrafter
-from decode.engine import SpeculativeDecoder
-from core.target import build_tiny, cache_kwarg
+from selfspec.decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attention
+from selfspec.decode.cache import new_cache
+from selfspec.decode.drafters import OracleDrafter
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.core.target import build_tiny, cache_kwarg
 
 
 class _Layer(torch.nn.Module):

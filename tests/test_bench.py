@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from decode import registry
+from selfspec.decode import registry
 
 from conftest import CONF
-from decode.bench import load_prompts, method_names
-from decode.engine import SpeculativeDecoder
-from decode.types import DecodeSetupError
+from selfspec.decode.bench import load_prompts, method_names
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.types import DecodeSetupError
 
 REPO = CONF.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -44,8 +44,8 @@ def questions(tmp_path_factory):
 @pytest.fixture(scope="module")
 def medusa_folder(tmp_path_factory):
     from conftest import compose
-    from decode.session import load_session
-    from heads.io import save_heads
+    from selfspec.decode.session import load_session
+    from selfspec.heads.io import save_heads
 
     session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
     folder = tmp_path_factory.mktemp("heads") / "medusa-tiny" / "heads"
@@ -90,7 +90,7 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
 def check_figures(saved: dict, methods: list[str]) -> None:
     import torch
 
-    from core.runtime import peak_memory
+    from selfspec.core.runtime import peak_memory
 
     with peak_memory(torch.device("cpu")) as probe:  # where the peak can be reset, every run records its own
         pass
@@ -144,12 +144,12 @@ class ScriptedClock:
 
 
 def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_llama):
-    from decode.bench import Method, draft_step_cost
-    from decode.drafters import MedusaDrafter, VanillaDrafter
-    from decode.layerskip import LayerSkipDrafter
+    from selfspec.decode.bench import Method, draft_step_cost
+    from selfspec.decode.drafters import MedusaDrafter, VanillaDrafter
+    from selfspec.decode.layerskip import LayerSkipDrafter
     from types import SimpleNamespace
 
-    from decode.verify import Sampling
+    from selfspec.decode.verify import Sampling
     from test_engine import random_heads
 
     model, tokenizer = tiny_llama
@@ -171,7 +171,7 @@ def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_l
 
 
 def test_a_wrong_token_is_reported_and_fails_the_run(tmp_path, questions, monkeypatch, capsys):
-    from decode.drafters import MedusaDrafter
+    from selfspec.decode.drafters import MedusaDrafter
 
     generate = SpeculativeDecoder.generate
 
@@ -231,7 +231,7 @@ def test_prompts_from_several_sources_capped_per_category(questions):
 
 
 def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
-    from decode.bench import Method, source_groups, source_name, summarize_runs
+    from selfspec.decode.bench import Method, source_groups, source_name, summarize_runs
 
     assert source_name("../data/mt_bench/question.jsonl") == "mt_bench"
     assert source_name("a/held_out.jsonl") == "held_out"
@@ -258,9 +258,9 @@ def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
 def test_a_trained_exit_folder_runs_alone_and_as_a_hybrid_beside_the_training_free_exit(tmp_path, questions):
     from test_layerskip_train import trained_like_exit
 
-    from decode.session import load_session
+    from selfspec.decode.session import load_session
     from conftest import compose
-    from heads.io import save_heads
+    from selfspec.heads.io import save_heads
 
     target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
     exit_module = trained_like_exit(target.model, 1, "adapter", 64)
@@ -308,7 +308,7 @@ def test_engine_ceiling_script_is_lossless_and_the_oracle_reaches_its_depth(tmp_
     # accepted, D + 1 tokens a forward, less only where the answer's end cuts the last chain short
     assert tau["hf"] == tau["plain"] == 1.0
     assert 24 / 13 <= tau["oracle-1"] <= 2 and 24 / 7 <= tau["oracle-3"] <= 4
-    from decode.adaptive import CURVE_SIZES
+    from selfspec.decode.adaptive import CURVE_SIZES
 
     assert [r["nodes"] for r in report["cost_curve"]] == list(CURVE_SIZES)
     assert "| oracle-3 |" in capsys.readouterr().out
@@ -341,9 +341,9 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
     """vllm_rounds=2: vLLM's rows run on the first run of prompts, then the others on those prompts, then vLLM's on the
     rest, then the others on the rest; vLLM's results of both rounds are checked and reported with the others. vLLM
     itself is stood in for by HF generate (its own tests, tests/test_serving.py, run it for real)."""
-    import decode.bench.methods as methods_module
-    from decode.bench.methods import Method
-    from decode.session import hf_generate
+    import selfspec.decode.bench.methods as methods_module
+    from selfspec.decode.bench.methods import Method
+    from selfspec.decode.session import hf_generate
 
     events = []
 

@@ -12,14 +12,14 @@ import json
 import pytest
 import torch
 
-import train.budget as budget
-import train.loop as loop
-from core.errors import SettingError
+import selfspec.train.budget as budget
+import selfspec.train.loop as loop
+from selfspec.core.errors import SettingError
 from test_medusa_train import Killed, KilledAt, heads_weights, killable, medusa_cfg, tiny_datasets, tiny_target
-from train.budget import fitting_steps
-from train.checkpoint import STATE_NAME, list_checkpoints
-from train.config import TrainerConfig
-from train.medusa_method import medusa_method
+from selfspec.train.budget import fitting_steps
+from selfspec.train.checkpoint import STATE_NAME, list_checkpoints
+from selfspec.train.config import TrainerConfig
+from selfspec.train.medusa_method import medusa_method
 
 
 def _simulated_last_step(step, left, step_s, eval_s, eval_every, cap):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.cache import CacheError, commit_kv, layer_lengths, new_cache
-from decode.engine import tree_forward
-from decode.types import DecodeState, Draft
-from decode.tree import load_tree
+from selfspec.decode.cache import CacheError, commit_kv, layer_lengths, new_cache
+from selfspec.decode.engine import tree_forward
+from selfspec.decode.types import DecodeState, Draft
+from selfspec.decode.tree import load_tree
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,7 +48,7 @@ def test_commit_rejects_unsorted_paths():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_commit_equals_fresh_forward(attn):
-    from core.target import build_tiny, cache_kwarg
+    from selfspec.core.target import build_tiny, cache_kwarg
 
     model, _ = build_tiny("llama", attn_implementation=attn)
     g = torch.Generator().manual_seed(0)
@@ -78,7 +78,7 @@ def test_the_growing_cache_holds_what_concatenation_holds():
     DynamicCache holds after the same sequence; appends within the room move nothing."""
     from transformers import DynamicCache
 
-    from decode.cache import MIN_ROOM, GrowingCache
+    from selfspec.decode.cache import MIN_ROOM, GrowingCache
 
     g = torch.Generator().manual_seed(0)
     ours, theirs = new_cache(), DynamicCache()

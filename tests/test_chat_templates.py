@@ -17,9 +17,9 @@ import subprocess
 import pytest
 from transformers import AddedToken
 
-from core.target import build_tiny_tokenizer
-from train.data import IGNORE_INDEX, ChatTemplateError, build_dataset, chat_ids, parse_turns
-from train.data.chat import TemplateRewritesTurns, conversation_examples, tokenize_conversation
+from selfspec.core.target import build_tiny_tokenizer
+from selfspec.train.data import IGNORE_INDEX, ChatTemplateError, build_dataset, chat_ids, parse_turns
+from selfspec.train.data.chat import TemplateRewritesTurns, conversation_examples, tokenize_conversation
 
 from conftest import REPO
 from test_data import labelled_segments
@@ -149,7 +149,7 @@ print(json.dumps(out))
 
 
 def test_harmony_template_renders_as_openai_harmony_does(harmony):
-    from decode.serving import vllm_available, vllm_python
+    from selfspec.decode.serving import vllm_available, vllm_python
 
     if vllm_available():
         pytest.skip(f"no vLLM venv (openai_harmony lives there): {vllm_available()}")

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-import train.data as data
-import train.data.dataset
-import core.records
-from train.data import (
+import selfspec.train.data as data
+import selfspec.train.data.dataset
+import selfspec.core.records
+from selfspec.train.data import (
     IGNORE_INDEX, ChatTemplateError, DataError, build_dataset, collate, load_conversations, read_records, to_messages,
     tokenize_conversation,
 )
@@ -65,7 +65,7 @@ def tiny_tokenizer(tiny_llama):
 
 @pytest.fixture(scope="module")
 def llama3_tokenizer():
-    from core.target import build_tiny_tokenizer
+    from selfspec.core.target import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [
@@ -79,7 +79,7 @@ def llama3_tokenizer():
 
 
 def test_truncated_json_array_gives_exactly_the_whole_records_at_every_cut(tmp_path, monkeypatch):
-    monkeypatch.setattr(core.records, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
+    monkeypatch.setattr(selfspec.core.records, "CHUNK_BYTES", 7)  # refills and buffer compaction at every few bytes
     records = [sharegpt(i, turns=1 + i % 3) for i in range(6)]
     text = json.dumps(records, indent=2, ensure_ascii=False).encode()
     ends = []  # byte offset just after each record's closing brace
@@ -389,8 +389,8 @@ def data_cfg(path, **overrides):
 def test_build_dataset_splits_caches_and_rebuilds_on_config_change(tmp_path, tiny_tokenizer, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", [sharegpt(i, turns=4) for i in range(8)])
     calls = []
-    real = train.data.dataset.conversation_examples
-    monkeypatch.setattr(train.data.dataset, "conversation_examples", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = selfspec.train.data.dataset.conversation_examples
+    monkeypatch.setattr(selfspec.train.data.dataset, "conversation_examples", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "cache"
 
     ds = build_dataset(data_cfg(path), tiny_tokenizer, cache_dir=cache, verbose=False)

@@ -15,10 +15,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF, compose
-from decode import registry
-from decode.session import load_session
-from decode.settings import SESSION_KEYS, DecodeSettings
-from decode.types import DecodeSetupError
+from selfspec.decode import registry
+from selfspec.decode.session import load_session
+from selfspec.decode.settings import SESSION_KEYS, DecodeSettings
+from selfspec.decode.types import DecodeSetupError
 
 
 def test_every_family_takes_the_settings_its_row_declares_with_their_defaults():
@@ -68,12 +68,12 @@ TRANSFORMED = {"corpus", "dtype"}
 def test_the_constructors_the_registry_builds_write_no_default_of_a_conf_setting():
     """A setting a family's row declares reaches its drafter's constructor as an argument without a default, so its
     default is written only there (a hybrid's ``merged_nodes``, of conf/decode/hybrid.yaml, included)."""
-    from decode.dflash_drafter import DFlashBlockDrafter
-    from decode.drafters import MedusaDrafter
-    from decode.eagle_drafter import EagleTreeDrafter
-    from decode.hybrid import HybridDrafter
-    from decode.layerskip import LayerSkipDrafter
-    from decode.suffix import SuffixDrafter
+    from selfspec.decode.dflash_drafter import DFlashBlockDrafter
+    from selfspec.decode.drafters import MedusaDrafter
+    from selfspec.decode.eagle_drafter import EagleTreeDrafter
+    from selfspec.decode.hybrid import HybridDrafter
+    from selfspec.decode.layerskip import LayerSkipDrafter
+    from selfspec.decode.suffix import SuffixDrafter
 
     table = {name: registry.defaults_of(name) for name in ("medusa", "eagle", "dflash", "layerskip", "suffix")}
     table["hybrid"] = registry.defaults_of("hybrid")
@@ -96,7 +96,7 @@ def test_a_hybrid_s_node_budget_is_the_conf_setting():
 
 
 def test_the_serve_check_s_settings_are_serve_check_yaml_s():
-    from decode.serving import CheckSettings
+    from selfspec.decode.serving import CheckSettings
 
     yaml = OmegaConf.load(CONF / "decode" / "serve_check.yaml")
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -111,8 +111,8 @@ def test_the_serve_check_s_settings_are_serve_check_yaml_s():
 
 
 def test_a_training_run_s_speed_check_reads_its_config():
-    from core.errors import SettingError
-    from train.speed_check import after_training, speed_check
+    from selfspec.core.errors import SettingError
+    from selfspec.train.speed_check import after_training, speed_check
 
     assert all(p.default is inspect.Parameter.empty
                for name, p in inspect.signature(speed_check).parameters.items() if name != "out")
@@ -141,7 +141,7 @@ def test_a_session_reads_decode_yaml_and_names_a_missing_key():
 
 
 def test_the_benchmark_names_a_missing_key_before_loading_anything():
-    from decode.bench import run_bench
+    from selfspec.decode.bench import run_bench
 
     bench = OmegaConf.to_container(compose("bench", ["model=tiny"]), resolve=False)
     for key in ("methods", "prompt_lookup_num_tokens", "out"):
@@ -152,8 +152,8 @@ def test_the_benchmark_names_a_missing_key_before_loading_anything():
 def test_medusa_s_default_tree_follows_the_target_s_device(device):
     """tree=auto: the 16-node small_16 on a CPU, Medusa's own mc_sim_7b_63 on an accelerator; a named tree is kept
     as given; a session on the CPU drafts small_16 (on the test's device, that device's tree)."""
-    from decode.drafters import medusa_tree
-    from decode.tree import load_tree
+    from selfspec.decode.drafters import medusa_tree
+    from selfspec.decode.tree import load_tree
 
     assert medusa_tree("auto", "cpu") == "small_16"
     assert medusa_tree("auto", torch.device("cuda", 0)) == "mc_sim_7b_63"

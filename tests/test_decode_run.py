@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from conftest import CONF, compose, load_script
-from core.families import FAMILIES
-from decode.drafters import MedusaDrafter, VanillaDrafter
-from decode import registry
-from decode.eagle_drafter import EagleTreeDrafter
-from decode.answers import run
-from decode.session import load_session
-from decode.types import DecodeSetupError
-from decode.hybrid import HybridDrafter
-from decode.tree import TreeError
+from selfspec.core.families import FAMILIES
+from selfspec.decode.drafters import MedusaDrafter, VanillaDrafter
+from selfspec.decode import registry
+from selfspec.decode.eagle_drafter import EagleTreeDrafter
+from selfspec.decode.answers import run
+from selfspec.decode.session import load_session
+from selfspec.decode.types import DecodeSetupError
+from selfspec.decode.hybrid import HybridDrafter
+from selfspec.decode.tree import TreeError
 
 TINY = ["model=tiny", "max_new_tokens=12"]
 
@@ -123,7 +123,7 @@ def test_decoder_for_builds_what_a_session_loaded_for_those_settings_builds():
 def test_decoder_for_is_lossless_on_smollm2():
     """On the real target: the default decoder (random Medusa heads merged with the suffix drafter, adaptive depth)
     and plain decoding through decoder_for give HF generate's greedy tokens."""
-    from decode.prompts import prompt_ids
+    from selfspec.decode.prompts import prompt_ids
 
     session = load_session(compose("decode", ["max_new_tokens=24"]))  # heads=random: the embedded SmolLM2
     plain = session.decoder_for("vanilla")
@@ -135,9 +135,9 @@ def test_decoder_for_is_lossless_on_smollm2():
 
 
 def test_trained_heads_bring_their_target(tmp_path):
-    pytest.importorskip("heads.io")
-    from heads.io import save_heads
-    from core.target import TargetMismatchError
+    pytest.importorskip("selfspec.heads.io")
+    from selfspec.heads.io import save_heads
+    from selfspec.core.target import TargetMismatchError
 
     session = load_session(compose("decode", TINY))
     heads = session.heads
@@ -201,8 +201,8 @@ def test_bench_script_runs(tmp_path, capsys):
     figures = report["figures"]
     assert figures["medusa:random"]["overall"]["new_tokens"] == figures["hf"]["overall"]["new_tokens"] > 0
     # heads of another target are refused
-    from heads.io import save_heads
-    from core.target import TargetMismatchError
+    from selfspec.heads.io import save_heads
+    from selfspec.core.target import TargetMismatchError
 
     other = load_session(compose("decode", ["model=tiny_qwen2"]))
     save_heads(tmp_path / "qwen_heads", other.heads, "medusa", other.heads.config.to_dict(), other.target)
@@ -252,7 +252,7 @@ def test_tree_sweep_script(tmp_path, capsys):
 def test_layerskip_sweep_over_exit_layer_depth_and_threshold(tmp_path):
     from test_layerskip_train import trained_like_exit
 
-    from heads.io import save_heads
+    from selfspec.heads.io import save_heads
 
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [f"Question {i}?"]})
@@ -297,11 +297,11 @@ def test_expected_mistakes_print_one_line_without_a_traceback(script, args, mess
 def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):
     import io
 
-    from train.speed_check import speed_check
-    from heads.io import save_heads
+    from selfspec.train.speed_check import speed_check
+    from selfspec.heads.io import save_heads
 
-    from decode.drafters import VanillaDrafter
-    from decode.engine import SpeculativeDecoder
+    from selfspec.decode.drafters import VanillaDrafter
+    from selfspec.decode.engine import SpeculativeDecoder
 
     session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
     folder = tmp_path / "run" / "heads"

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.cache import CacheError
-from decode.dflash_drafter import DFlashBlockDrafter
-from decode.engine import SpeculativeDecoder
-from decode.hybrid import HybridDrafter
-from decode.suffix import SuffixArray
+from selfspec.decode.adaptive import AdaptiveDepth, CostCurve
+from selfspec.decode.cache import CacheError
+from selfspec.decode.dflash_drafter import DFlashBlockDrafter
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.hybrid import HybridDrafter
+from selfspec.decode.suffix import SuffixArray
 from test_suffix import suffix_drafter
-from heads.dflash import (
+from selfspec.heads.dflash import (
     DFlashConfig, DFlashHeads, block_mask, block_targets, dflash_block_loss, position_weights, sample_anchors,
 )
 from test_eagle import MAX_NEW, OffAndOn, decode_prompts, hf_greedy
@@ -211,7 +211,7 @@ def test_the_decode_form_computes_the_modules_block(trained):
     """BlockForward (merged projections, the context in the engine's cache layers) gives the module's own logits
     for the block after a context long enough to grow its buffers twice: float32 to rounding, bfloat16 within its
     bound."""
-    from decode.dflash_drafter import BlockForward
+    from selfspec.decode.dflash_drafter import BlockForward
 
     model, heads, _ = trained
     g = torch.Generator().manual_seed(0)
@@ -264,8 +264,8 @@ def copy_drafter(heads: DFlashHeads, model) -> DFlashHeads:
 
 def test_the_draft_dtype_setting(tiny_llama, monkeypatch):
     """``draft.dtype=auto`` is bfloat16 exactly where the CPU multiplies it natively; names are checked."""
-    import decode.dflash_drafter as dd
-    from core.errors import SettingError
+    import selfspec.decode.dflash_drafter as dd
+    from selfspec.core.errors import SettingError
 
     model, _ = tiny_llama
     heads = DFlashHeads(DFlashConfig.from_target(model, block_size=3), model)
@@ -340,7 +340,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab, top_k, hybri
 
 
 def test_the_heads_folder_round_trip_decodes_identically(trained, tmp_path):
-    from heads.io import load_heads, save_heads
+    from selfspec.heads.io import load_heads, save_heads
 
     model, heads, prompts = trained
     save_heads(tmp_path / "heads", heads, "dflash", heads.config.to_dict(), model)
@@ -356,8 +356,8 @@ def test_the_heads_folder_round_trip_decodes_identically(trained, tmp_path):
 
 def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
     from conftest import compose
-    from decode.session import load_session
-    from heads.io import save_heads
+    from selfspec.decode.session import load_session
+    from selfspec.heads.io import save_heads
 
     target = load_session(compose("decode", ["model=tiny", "heads=null"])).target
     heads = train_dflash(target.model, continuations(target.model, rows=8, new=16), steps=20)
@@ -379,7 +379,7 @@ def test_decode_run_builds_the_hybrid_from_a_dflash_folder(tmp_path):
 
 
 def test_bad_settings_fail_clearly(tiny_llama):
-    from core.errors import SettingError
+    from selfspec.core.errors import SettingError
 
     model, _ = tiny_llama
     heads = DFlashHeads(DFlashConfig.from_target(model, block_size=3), model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_medusa_train import heads_weights
 
-from heads.dflash import DFlashHeads, block_mask
+from selfspec.heads.dflash import DFlashHeads, block_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +43,7 @@ def test_block_mask_sees_earlier_context_and_its_own_block_only():
 
 
 def test_scored_positions_are_the_trained_tokens_inside_each_block():
-    from heads.dflash import block_targets
+    from selfspec.heads.dflash import block_targets
 
     labels = torch.tensor([[-100, -100, 5, 6, 7, -100], [-100, 4, 5, 6, 7, 8]])
     anchors = torch.tensor([[1, 3, -1], [0, -1, -1]])  # -1: no block (as sample_anchors pads)
@@ -70,7 +70,7 @@ def copy_reference(ids: list[int], valid: list[bool], min_match: int, max_match:
 
 
 def test_retrieval_hits_are_where_copying_the_longest_latest_match_is_right():
-    from heads.dflash import retrieval_hits
+    from selfspec.heads.dflash import retrieval_hits
 
     # "a b c x a b c y a b c": after the third "a b", the longest match is the second (latest) "a b", followed by c
     ids = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]])
@@ -96,8 +96,8 @@ def test_retrieval_hits_are_where_copying_the_longest_latest_match_is_right():
 def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
     from test_medusa_train import tiny_target
 
-    from heads.dflash import block_targets, position_weights, retrieval_hits
-    from train.dflash_method import DFlashMethod
+    from selfspec.heads.dflash import block_targets, position_weights, retrieval_hits
+    from selfspec.train.dflash_method import DFlashMethod
 
     t = tiny_target()
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 4]] * 2,  # repeats: many positions copyable
@@ -137,7 +137,7 @@ def test_retrieved_weight_scales_exactly_the_retrieved_positions(tmp_path):
 
 
 def test_earlier_all_and_the_on_path_chain_count_as_a_loop_over_each_block():
-    from heads.dflash import block_targets, chain_on_path, earlier_all, on_greedy_path
+    from selfspec.heads.dflash import block_targets, chain_on_path, earlier_all, on_greedy_path
 
     gen = torch.Generator().manual_seed(0)
     for bs in (2, 3, 5):
@@ -187,8 +187,8 @@ def off_path_batch(target):
 def test_off_path_weight_scales_exactly_the_positions_after_the_text_leaves_the_greedy_path(tmp_path):
     from test_medusa_train import tiny_target
 
-    from heads.dflash import block_targets, position_weights
-    from train.dflash_method import DFlashMethod, target_greedy
+    from selfspec.heads.dflash import block_targets, position_weights
+    from selfspec.train.dflash_method import DFlashMethod, target_greedy
 
     t = tiny_target()
     batch = off_path_batch(t)
@@ -237,7 +237,7 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
 
     from test_medusa_train import tiny_target
 
-    from train.dflash_method import DFlashMethod, target_greedy
+    from selfspec.train.dflash_method import DFlashMethod, target_greedy
 
     t = tiny_target()
     batch = off_path_batch(t)  # row 0 on the greedy path everywhere, row 1 leaving it in places
@@ -292,8 +292,8 @@ def test_the_on_path_evaluation_counts_what_decoding_would_verify(tmp_path, monk
 
 
 def test_mask_token_is_an_unused_special_token_or_the_last_row():
-    from core.target import build_tiny_tokenizer
-    from train.dflash_method import choose_mask_token_id
+    from selfspec.core.target import build_tiny_tokenizer
+    from selfspec.train.dflash_method import choose_mask_token_id
 
     tokenizer = build_tiny_tokenizer()  # only pad / bos / eos specials, all in use
     assert choose_mask_token_id(tokenizer, 320) == 319
@@ -306,8 +306,8 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_target
 
-    from train.config import TrainerConfig
-    from train.dflash_method import DFlashMethod
+    from selfspec.train.config import TrainerConfig
+    from selfspec.train.dflash_method import DFlashMethod
 
     default = compose("dflash")
     assert default.heads.type == "dflash" and default.run_dir == "outputs/dflash-smollm2"
@@ -334,9 +334,9 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_init_from_layer_copies_a_target_layer_and_leaves_the_target(tmp_path, arch):
-    from core.layers import decoder_of
-    from core.target import Target, build_tiny
-    from train.dflash_method import DFlashMethod
+    from selfspec.core.layers import decoder_of
+    from selfspec.core.target import Target, build_tiny
+    from selfspec.train.dflash_method import DFlashMethod
 
     model, tokenizer = build_tiny(arch)
     t = Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")
@@ -379,10 +379,10 @@ def greedy_continuations(target, n: int, prompt: int = 6, answer: int = 34, seed
 def test_training_lowers_the_loss_raises_acceptance_and_leaves_the_target(tmp_path, arch):
     import datasets
 
-    import heads
-    from core.target import Target, build_tiny
-    from train.dflash_method import DFlashMethod
-    from train.loop import train
+    from selfspec import heads
+    from selfspec.core.target import Target, build_tiny
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.loop import train
 
     def target():
         model, tokenizer = build_tiny(arch)
@@ -419,8 +419,8 @@ def test_training_lowers_the_loss_raises_acceptance_and_leaves_the_target(tmp_pa
 def test_ce_loss_trains(tmp_path):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.dflash_method import DFlashMethod
-    from train.loop import train
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.loop import train
 
     cfg = dflash_cfg(tmp_path / "run", "heads.loss.token_loss=ce", "trainer.max_steps=12")
     result = train(cfg, DFlashMethod(cfg), target=tiny_target(), datasets=tiny_datasets())
@@ -431,9 +431,9 @@ def test_ce_loss_trains(tmp_path):
 def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, deterministic):
     from test_medusa_train import KilledAt, Killed, assert_same_weights, tiny_datasets, tiny_target
 
-    from train.checkpoint import list_checkpoints
-    from train.dflash_method import DFlashMethod
-    from train.loop import train
+    from selfspec.train.checkpoint import list_checkpoints
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.loop import train
 
     # anchors are drawn from the global RNG every step, so its restored state must resume them exactly
     opts = ["trainer.gradient_accumulation_steps=2", "trainer.save_every=2", "trainer.max_steps=6"]
@@ -455,9 +455,9 @@ def test_a_frozen_lm_head_stays_the_targets_rows_through_a_killed_and_resumed_ru
     from safetensors.torch import load_file
     from test_medusa_train import KilledAt, Killed, assert_same_weights, tiny_datasets, tiny_target
 
-    from train.checkpoint import list_checkpoints
-    from train.dflash_method import DFlashMethod
-    from train.loop import train
+    from selfspec.train.checkpoint import list_checkpoints
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.loop import train
 
     common = ["trainer.target_dtype=float32", "trainer.save_every=2", "trainer.max_steps=6"]
     opts = [*common, "heads.freeze_lm_head=true"]
@@ -489,8 +489,8 @@ def test_a_frozen_lm_head_stays_the_targets_rows_through_a_killed_and_resumed_ru
 def test_feature_store_trains_the_same_drafter_as_online_features(tmp_path):
     from test_medusa_train import assert_same_weights, tiny_datasets, tiny_target
 
-    from train.dflash_method import DFlashMethod
-    from train.loop import train
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.loop import train
 
     data = tiny_datasets()
     common = ["trainer.max_steps=4", "feature_store.dtype=float32"]
@@ -509,10 +509,10 @@ def test_the_eagle3_store_is_reused(tmp_path, monkeypatch):
     from test_eagle import eagle_cfg
     from test_medusa_train import tiny_datasets, tiny_target
 
-    import train.feature_store as feature_store
-    from train.dflash_method import DFlashMethod
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    import selfspec.train.feature_store as feature_store
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     data = tiny_datasets()
     eagle = eagle_cfg(tmp_path / "eagle3", "heads=eagle3", "heads.draft_vocab_size=64", "features=store",

@@ -101,8 +101,8 @@ def one_process_run(tmp_path_factory, device):
                     "would need a GPU of its own)")
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     run_dir = tmp_path_factory.mktemp("dist") / "one"
     cfg = medusa_cfg(run_dir, *STEPS, "trainer.batch_size=4")
@@ -115,8 +115,8 @@ def rounding_noise(one_process_run):
     """The same global batch in one process as 2 x 4 micro-batches: the same maths, summed in another order."""
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     run_dir = one_process_run.parent / "one-reordered"
     steps = [s for s in STEPS if not s.startswith("trainer.gradient_accumulation_steps")]
@@ -204,11 +204,11 @@ def _worker(run_dir: str, *overrides: str) -> None:
         _skip_gradient_all_reduce()
 
     if os.environ.get("SELFSPEC_TEST_PROBE_STEPS"):
-        import train.budget
+        import selfspec.train.budget
 
-        train.budget.WARMUP_STEPS, train.budget.PROBE_STEPS = 1, int(os.environ["SELFSPEC_TEST_PROBE_STEPS"])
+        selfspec.train.budget.WARMUP_STEPS, selfspec.train.budget.PROBE_STEPS = 1, int(os.environ["SELFSPEC_TEST_PROBE_STEPS"])
     if os.environ.get("SELFSPEC_TEST_SPENT_ON_RANK") == os.environ.get("RANK"):
-        from train.budget import TimeBudget
+        from selfspec.train.budget import TimeBudget
 
         calls = iter(range(1, 1000))
         TimeBudget.spent = lambda self: next(calls) >= 2  # this rank's clock alone: spent from step 2 on
@@ -217,8 +217,8 @@ def _worker(run_dir: str, *overrides: str) -> None:
     from accelerate import PartialState
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     cfg = medusa_cfg(Path(run_dir), *overrides)
     train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))

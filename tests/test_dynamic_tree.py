@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from decode.dynamic_tree import Candidates, DraftTreeExpander, grow_dynamic_tree, select_top, topk_children
+from selfspec.decode.dynamic_tree import Candidates, DraftTreeExpander, grow_dynamic_tree, select_top, topk_children
 
 VOCAB = 7
 
@@ -147,8 +147,8 @@ def test_draft_tree_mask_matches_plain_forward_per_branch(tiny_llama, variant):
     """Every node's draft feature under the tree mask equals the draft run plainly over that node's own branch."""
     from transformers import DynamicCache
 
-    from heads.eagle import EagleConfig, EagleHeads
-    from core.kv import crop_cache
+    from selfspec.heads.eagle import EagleConfig, EagleHeads
+    from selfspec.core.kv import crop_cache
 
     model, _ = tiny_llama
     device = model.device

@@ -16,13 +16,13 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from decode.eagle_drafter import EagleTreeDrafter
-from decode.engine import SpeculativeDecoder
-from decode.types import ROOT
-from decode.verify import Sampling, target_probs
-from core.layers import causal_mask, shift_left
-from heads.eagle import EagleConfig, EagleHeads, default_layer_ids
-from heads.eagle_loss import (
+from selfspec.decode.eagle_drafter import EagleTreeDrafter
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.types import ROOT
+from selfspec.decode.verify import Sampling, target_probs
+from selfspec.core.layers import causal_mask, shift_left
+from selfspec.heads.eagle import EagleConfig, EagleHeads, default_layer_ids
+from selfspec.heads.eagle_loss import (
     EagleLossWeights,
     add_uniform_noise,
     drafter_loss,
@@ -32,8 +32,8 @@ from heads.eagle_loss import (
     token_ce_loss,
     token_kl_loss,
 )
-from core.target import build_tiny
-from heads.vocab import build_draft_vocab, count_tokens
+from selfspec.core.target import build_tiny
+from selfspec.heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -155,7 +155,7 @@ def test_init_layer_from_copies_target_layer(tiny_llama):
 def test_init_layer_from_takes_only_a_llama_shaped_layer(tiny_qwen2):
     """A Qwen2 layer is a Llama layer with q/k/v biases: its weights are copied, the biases left out; a Qwen3 layer
     (q/k norms) has no place in the Llama draft layer and is refused."""
-    from core.errors import SettingError
+    from selfspec.core.errors import SettingError
 
     model, _ = tiny_qwen2
     source = model.model.layers[-1].state_dict()
@@ -230,9 +230,9 @@ def test_heads_saved_with_the_targets_own_layer(tmp_path, tiny_llama, tiny_qwen2
     """Heads saved before the draft layer was a Llama layer whatever the target (config.json without draft_layer):
     for a Llama target their layer was a Llama layer, so they load unchanged and compute what they computed; for a
     Qwen2 target (q/k/v biases) they are refused, saying to retrain."""
-    import heads
-    from heads.eagle import OldDraftLayerError
-    from heads.io import save_heads
+    from selfspec import heads
+    from selfspec.heads.eagle import OldDraftLayerError
+    from selfspec.heads.io import save_heads
 
     model, _ = tiny_llama
     old = SavedBefore(model, variant).to(model.device)
@@ -257,7 +257,7 @@ def test_heads_saved_with_the_targets_own_layer(tmp_path, tiny_llama, tiny_qwen2
 
 def test_heads_saved_without_a_layout_load_as_fc(tiny_llama):
     """Heads saved before ``layout`` existed (all fc layout) rebuild as fc; the layout is saved and rebuilt."""
-    from heads.eagle import build_eagle_heads
+    from selfspec.heads.eagle import build_eagle_heads
 
     model, _ = tiny_llama
     saved = make(model, "eagle3").config.to_dict()
@@ -539,7 +539,7 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
         out = model(seqs, output_hidden_states=True)
     d2t, _ = build_draft_vocab(count_tokens(seqs.cpu(), model.config.vocab_size), draft_vocab_size)
     if variant == "eagle3-mid":
-        steps *= 5  # the midlayer layout learns more slowly (heads.eagle)
+        steps *= 5  # the midlayer layout learns more slowly (selfspec.heads.eagle)
     drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=None)
     if variant != "eagle":
         drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
@@ -780,9 +780,9 @@ def saved_weights(run_dir):
 def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    import heads
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec import heads
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     target = tiny_target()
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
@@ -806,7 +806,7 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     assert loaded.config["eval"]["eval/accept_length_chain"] >= 0 and loaded.config["tree"]["top_k"] >= 1
     if heads_option != "eagle":
         # The draft vocabulary is the 64 most frequent assistant tokens of the training split, saved with the heads.
-        from train.data import draft_vocab_counts
+        from selfspec.train.data import draft_vocab_counts
 
         counts = draft_vocab_counts(tiny_datasets()["train"], 320)
         d2t, t2d = build_draft_vocab(counts, 64)
@@ -824,9 +824,9 @@ class KilledEagle(Exception):
 def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_option, deterministic):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.checkpoint import list_checkpoints
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.train.checkpoint import list_checkpoints
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     class KilledAt(EagleMethod):
         def __init__(self, cfg, kill_call):
@@ -863,8 +863,8 @@ def test_killed_and_resumed_run_ends_with_the_same_parameters(tmp_path, heads_op
 def test_feature_store_trains_the_same_drafter_as_online_features(tmp_path):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     data = tiny_datasets()
     common = ["heads=eagle3", "heads.draft_vocab_size=64", "trainer.max_steps=4", "feature_store.dtype=float32"]
@@ -884,7 +884,7 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_target
 
-    from train.eagle_method import EagleMethod
+    from selfspec.train.eagle_method import EagleMethod
 
     default = compose("eagle")
     assert default.model.source == "smollm2" and default.heads.type == "eagle" and default.run_dir == "outputs/eagle-smollm2"
@@ -895,7 +895,7 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
         assert module.drafter.variant == option and all(p.requires_grad for p in module.parameters())
     from conftest import CONF
 
-    from train.config import TrainerConfig
+    from selfspec.train.config import TrainerConfig
 
     experiments = [p.stem for p in (CONF / "experiment").glob("*.yaml") if not p.stem.startswith(("medusa", "layerskip", "dflash"))]
     assert "eagle3_llama8b_gpu" in experiments
@@ -925,11 +925,11 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from decode.session import load_session
-    from decode.types import DecodeSetupError
-    from heads.io import save_heads
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.decode.session import load_session
+    from selfspec.decode.types import DecodeSetupError
+    from selfspec.heads.io import save_heads
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     cfg = eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_size=64", "trainer.max_steps=2",
                     "heads.tree.depth=3", "heads.tree.top_k=2", "heads.tree.total_tokens=4")
@@ -957,9 +957,9 @@ def test_decode_run_picks_the_eagle_drafter_for_eagle_heads(tmp_path):
 def test_eagle3_draft_vocabulary_size_is_chosen_by_coverage(tmp_path):
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from heads.vocab import size_for_coverage
-    from train.data import draft_vocab_counts
-    from train.eagle_method import EagleMethod
+    from selfspec.heads.vocab import size_for_coverage
+    from selfspec.train.data import draft_vocab_counts
+    from selfspec.train.eagle_method import EagleMethod
 
     cfg = eagle_cfg(tmp_path / "run", "heads=eagle3", "heads.draft_vocab_coverage=0.8")
     assert cfg.heads.draft_vocab_size == "auto"  # the default: sized by coverage

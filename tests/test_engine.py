@@ -18,16 +18,16 @@ import random
 import pytest
 import torch
 
-import decode.engine as engine_module
-from decode.drafters import MedusaDrafter, VanillaDrafter
-from decode.types import DrafterBase
-from decode.engine import SpeculativeDecoder, TreeAttentionError, check_tree_attention, tree_forward
-from decode.types import DecodeState, Draft
-from decode.cache import new_cache
-from decode.tree import Tree, TreeError, load_tree
-from decode.verify import Sampling, Verdict, target_probs
-from heads.medusa import MedusaConfig, MedusaHeads
-from core.target import build_tiny, cache_kwarg
+import selfspec.decode.engine as engine_module
+from selfspec.decode.drafters import MedusaDrafter, VanillaDrafter
+from selfspec.decode.types import DrafterBase
+from selfspec.decode.engine import SpeculativeDecoder, TreeAttentionError, check_tree_attention, tree_forward
+from selfspec.decode.types import DecodeState, Draft
+from selfspec.decode.cache import new_cache
+from selfspec.decode.tree import Tree, TreeError, load_tree
+from selfspec.decode.verify import Sampling, Verdict, target_probs
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.core.target import build_tiny, cache_kwarg
 
 NUM_PROMPTS = 20
 MAX_NEW = 20
@@ -202,13 +202,13 @@ def test_greedy_equals_hf_under_either_linear_kernel(target, kernel):
 def test_greedy_equals_hf_under_each_small_batch_product(monkeypatch, target, kernel):
     """A machine's plan may choose oneDNN's product on packed weights or the padded (W @ x.T).T for any row count:
     each, forced for every count, verifies what HF generate decodes."""
-    import decode.engine
-    from decode.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack
+    import selfspec.decode.engine
+    from selfspec.decode.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack
 
     if kernel == "packed" and not can_pack(torch.zeros(1)):
         pytest.skip("this PyTorch cannot pack weights for oneDNN here")
     plan = RowPlan((PACKED,) * MAX_ROWS if kernel == "packed" else tuple([2] + list(range(2, MAX_ROWS + 1))))
-    monkeypatch.setattr(decode.engine, "measured_row_plan", lambda model: plan)
+    monkeypatch.setattr(selfspec.decode.engine, "measured_row_plan", lambda model: plan)
     arch, model, _ = target
     oracle = OracleDrafter(load_tree(TREES["default"]), model.config.vocab_size, seed=5)
     run_greedy(model, oracle, arch, oracle, linear_kernel="small_batch")
@@ -447,7 +447,7 @@ def test_targets_that_cannot_take_a_tree_mask_fail_clearly():
 
 @pytest.mark.real_model
 def test_greedy_equals_hf_on_smollm2(smollm2):
-    from decode.drafters import random_medusa_heads
+    from selfspec.decode.drafters import random_medusa_heads
 
     model, tokenizer = smollm2.model, smollm2.tokenizer
     decoder = SpeculativeDecoder(model, MedusaDrafter(random_medusa_heads(model), "small_16"))

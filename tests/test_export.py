@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
-from heads.eagle import EagleConfig, EagleHeads
-from heads.export import ExportError, export_heads, push_to_hub, resolve_format
-from heads.io import save_heads
-from heads.medusa import MedusaConfig, MedusaHeads
-from core.target import build_tiny
-from heads.vocab import build_draft_vocab, count_tokens
+from selfspec.heads.eagle import EagleConfig, EagleHeads
+from selfspec.heads.export import ExportError, export_heads, push_to_hub, resolve_format
+from selfspec.heads.io import save_heads
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads
+from selfspec.core.target import build_tiny
+from selfspec.heads.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -276,7 +276,7 @@ def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama):
         resolve_format("speculators", "eagle", {"fc_bias": False, "input_norm": False})
     assert not (tmp_path / "out").exists()
     # heads trained for another target are refused by the fingerprint check
-    from core.target import TargetMismatchError
+    from selfspec.core.target import TargetMismatchError
 
     other, _ = build_tiny("llama", seed=7)
     with pytest.raises(TargetMismatchError):
@@ -319,9 +319,9 @@ def test_export_script_writes_beside_the_heads(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from decode.cli import run_export
+    from selfspec.decode.cli import run_export
 
-    from core.target import Target
+    from selfspec.core.target import Target
 
     model, tokenizer = build_tiny("llama")
     heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False,
@@ -421,7 +421,7 @@ def vllm_dflash_logits(folder, embed, features, ctx_pos, block_ids, block_pos):
 
 
 def test_dflash_export_computes_the_drafter(tmp_path, tiny_llama):
-    from heads.dflash import DFlashConfig, DFlashHeads
+    from selfspec.heads.dflash import DFlashConfig, DFlashHeads
 
     model, _ = tiny_llama
     torch.manual_seed(0)
@@ -464,7 +464,7 @@ def test_drafters_keep_the_whole_context_where_every_target_layer_slides(tmp_pat
     slide (Mistral), the drafter's too; the exports then declare their layers sliding over a window as long as any
     context, which vLLM takes per layer instead (tests/test_serving_archs.py serves them, drafts equal to selfspec's).
     A target with full layers (Llama; Gemma 3 mixes both) gets no such fields."""
-    from heads.dflash import DFlashConfig, DFlashHeads
+    from selfspec.heads.dflash import DFlashConfig, DFlashHeads
 
     model, _ = build_tiny(arch)
     window = 512 if arch == "mistral" else None  # build_tiny's max_position_embeddings; its Mistral slides

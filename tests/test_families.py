@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from conftest import CONF, compose
-from core import families
-from core.config import compose as compose_in
-from core.families import FAMILIES
+from selfspec.core import families
+from selfspec.core.config import compose as compose_in
+from selfspec.core.families import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -23,8 +23,8 @@ TOY_MODULE = '''
 import torch
 from torch import nn
 
-from decode.tree import chain_tree
-from decode.types import Draft, DrafterBase
+from selfspec.decode.tree import chain_tree
+from selfspec.decode.types import Draft, DrafterBase
 
 
 class ToyHeads(nn.Module):
@@ -125,12 +125,12 @@ def test_the_table_is_what_the_conf_files_declare():
 def test_a_toy_family_in_one_module_and_one_conf_file_is_found_by_every_layer(toy, tmp_path, monkeypatch, capsys):
     from hydra.core.global_hydra import GlobalHydra
 
-    from decode import registry
-    from decode.session import load_session
-    from decode.types import DecodeSetupError
-    from heads import load as load_heads
-    from heads.io import head_builder, save_heads
-    from train.cli import main, trainable
+    from selfspec.decode import registry
+    from selfspec.decode.session import load_session
+    from selfspec.decode.types import DecodeSetupError
+    from selfspec.heads import load as load_heads
+    from selfspec.heads.io import head_builder, save_heads
+    from selfspec.train.cli import main, trainable
 
     # decode: the registry's entry, a session with random toy heads, and the draft.* setting it declares
     assert registry.entry("toy").family is toy and registry.entry("toy").settings() == {"chain": 2, "adaptive": False}

@@ -18,7 +18,7 @@ TINY = ["model=tiny", f"model.tiny.hidden_size={HIDDEN}", f"model.tiny.num_hidde
 def store_tensors(folder) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from train.feature_store import read_meta
+    from selfspec.train.feature_store import read_meta
 
     meta = read_meta(folder)
     out: dict[str, list] = {}
@@ -33,9 +33,9 @@ def test_vllm_builds_the_store_the_targets_forward_builds_and_eagle3_trains_from
     import datasets
 
     from conftest import compose
-    from core.target import load_target
-    from train.eagle_method import EagleMethod
-    from train.loop import train
+    from selfspec.core.target import load_target
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
 
     vllm_or_skip()
     target = load_target(compose("eagle", TINY).model)
@@ -75,9 +75,9 @@ def test_vllm_engine_refuses_a_store_of_more_than_hidden_states(tmp_path):
     from conftest import compose
     from test_medusa_train import tiny_datasets, tiny_target
 
-    from train.feature_store import FeatureStoreError
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.feature_store import FeatureStoreError
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     cfg = compose("medusa", ["experiment=debug", f"run_dir={tmp_path}", "features=store", "feature_store.engine=vllm",
                              "feature_store.teacher_topk=4", "trainer.max_steps=1", "speed_check.prompts=0"])

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import decode.greedy_head as greedy_module
-from decode.drafters import OracleDrafter
-from decode.engine import SpeculativeDecoder
-from decode.greedy_head import GreedyHead, error_factor, greedy_head, matches_model
-from decode.verify import Sampling
-from core.target import build_tiny
+import selfspec.decode.greedy_head as greedy_module
+from selfspec.decode.drafters import OracleDrafter
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.greedy_head import GreedyHead, error_factor, greedy_head, matches_model
+from selfspec.decode.verify import Sampling
+from selfspec.core.target import build_tiny
 
 
 def heavy_tailed(*shape: int, generator: torch.Generator) -> torch.Tensor:

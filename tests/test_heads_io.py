@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-import heads
-from core.families import FAMILIES
-from heads.io import HeadsLoadError, save_heads
-from heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
-from core.target import TargetMismatchError, build_tiny
+from selfspec import heads
+from selfspec.core.families import FAMILIES
+from selfspec.heads.io import HeadsLoadError, save_heads
+from selfspec.heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
+from selfspec.core.target import TargetMismatchError, build_tiny
 
 
 def trained_heads(model, shared: bool = False, seed: int = 0) -> MedusaHeads:
@@ -132,7 +132,7 @@ class Exit(nn.Module):
 
 
 def test_a_new_row_is_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
-    from core.families import FAMILIES, Family, FamilyError
+    from selfspec.core.families import FAMILIES, Family, FamilyError
 
     model, _ = tiny_llama
     module = trained_heads(model)
@@ -141,14 +141,14 @@ def test_a_new_row_is_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
     with pytest.raises(HeadsLoadError, match="Unknown head type 'vanilla'"):  # a family that trains nothing
         save_heads(tmp_path / "x", module, "vanilla", {}, model)
 
-    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="decode.drafters:nothing",
+    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="selfspec.decode.drafters:nothing",
                                                       heads=f"{__name__}:Exit"))
     exit_head = Exit({"hidden_size": 64}, model).to(model.device)
     save_heads(tmp_path / "exit", exit_head, "test-exit", {"hidden_size": 64}, model)
     loaded = heads.load(tmp_path / "exit", model)
     assert isinstance(loaded.module, Exit) and loaded.config["head_type"] == "test-exit"
     assert torch.equal(loaded.module.proj.weight, exit_head.proj.weight)
-    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="decode.drafters:nothing",
+    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="selfspec.decode.drafters:nothing",
                                                       heads="heads.nowhere:build"))
     with pytest.raises(FamilyError, match="test-exit family's heads is heads.nowhere:build, which cannot be imported"):
         heads.load(tmp_path / "exit", model)
@@ -166,7 +166,7 @@ def _untrained_heads(family, model) -> nn.Module:
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.heads is not None])
 def test_every_family_with_heads_round_trips_through_its_row(name, tmp_path, tiny_llama):
-    """Heads of each family that has them are saved and rebuilt by heads.io through the table's builder."""
+    """Heads of each family that has them are saved and rebuilt by selfspec.heads.io through the table's builder."""
     family = FAMILIES[name]
     model, _ = tiny_llama
     module = _untrained_heads(family, model)
@@ -184,7 +184,7 @@ def test_every_family_with_heads_round_trips_through_its_row(name, tmp_path, tin
 def test_draft_logits_are_the_heads_logits_on_the_draft_vocabulary(tiny_llama, tmp_path, shared, mapped):
     """The drafter's projection (one batch through a shared head, each head otherwise) equals each head's own logits,
     restricted to the token map's rows when the heads have one; the map survives saving and loading."""
-    from decode.drafters import MedusaDrafter
+    from selfspec.decode.drafters import MedusaDrafter
 
     model, _ = tiny_llama
     module = trained_heads(model, shared=shared).eval()

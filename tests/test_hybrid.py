@@ -10,14 +10,14 @@ import random
 import pytest
 import torch
 
-from decode.adaptive import AdaptiveDepth, CostCurve
-from decode.drafters import MedusaDrafter, OracleDrafter, random_medusa_heads
-from decode.eagle_drafter import random_eagle_heads
-from decode.engine import SpeculativeDecoder
-from decode.hybrid import HybridDrafter, accepted_from, merge_drafts
-from decode.suffix import SuffixArray
-from decode.tree import Tree
-from decode.types import Draft
+from selfspec.decode.adaptive import AdaptiveDepth, CostCurve
+from selfspec.decode.drafters import MedusaDrafter, OracleDrafter, random_medusa_heads
+from selfspec.decode.eagle_drafter import random_eagle_heads
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.hybrid import HybridDrafter, accepted_from, merge_drafts
+from selfspec.decode.suffix import SuffixArray
+from selfspec.decode.tree import Tree
+from selfspec.decode.types import Draft
 from test_suffix import suffix_drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,12 +94,12 @@ def hybrid(model, family: str, corpus=None) -> HybridDrafter:
     elif family.startswith("layerskip"):  # the target's own exit after layer 1, or a trained adapter exit there
         from test_layerskip_train import trained_like_exit
 
-        from decode.layerskip import LayerSkipDrafter
+        from selfspec.decode.layerskip import LayerSkipDrafter
 
         exit = trained_like_exit(model, 1, "adapter", None) if family == "layerskip_adapter" else None
         inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=3, exit=exit)
     else:
-        from decode.eagle_drafter import EagleTreeDrafter
+        from selfspec.decode.eagle_drafter import EagleTreeDrafter
 
         inner = EagleTreeDrafter(random_eagle_heads(model, seed=1, variant=family), depth=3, top_k=2, total_tokens=6)
     suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
@@ -140,7 +140,7 @@ def test_a_layerskip_hybrid_commit_leaves_every_layer_as_a_fresh_forward(arch):
     the committed text gives."""
     from test_layerskip import assert_caches_equal_fresh_forwards, confident_target
 
-    from decode.cache import layer_lengths
+    from selfspec.decode.cache import layer_lengths
 
     model, _ = confident_target(arch)
     prompt = [9, 10, 11, 12, 13, 9, 10]
@@ -217,8 +217,8 @@ def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution(exc
     from test_suffix import own_samples_corpus
     from test_verify import chi_square_pvalue
 
-    from decode.layerskip import LayerSkipDrafter
-    from core.target import build_tiny
+    from selfspec.decode.layerskip import LayerSkipDrafter
+    from selfspec.core.target import build_tiny
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact, corpus = own_samples_corpus(model)
@@ -248,7 +248,7 @@ def test_the_depth_policy_learns_the_heads_share_only(tiny_llama):
 def test_decode_run_builds_a_hybrid_by_default_and_the_heads_alone_with_draft_suffix_false(tmp_path):
     from conftest import compose
 
-    from decode.session import load_session
+    from selfspec.decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "draft.tree=small_16", "max_new_tokens=12"]))
     drafter = session.decoder.drafter

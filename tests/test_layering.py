@@ -15,16 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from core.families import FAMILIES, PARTS
+from selfspec.core.families import FAMILIES, PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "heads", "decode", "train")
 LAYER_OF_PART = {"drafter": "decode", "random_heads": "decode", "heads": "heads", "method": "train"}
 
 
+def short(name: str) -> str:
+    """``selfspec.decode.engine`` -> ``decode.engine``: every project module is installed under ``selfspec``."""
+    return name.removeprefix("selfspec.")
+
+
 def family_modules(part: str) -> set[str]:
     """The modules the family table names for ``part`` (e.g. every family's decode drafter module)."""
-    return {ref.partition(":")[0] for f in FAMILIES.values() if (ref := getattr(f, part))}
+    return {short(ref.partition(":")[0]) for f in FAMILIES.values() if (ref := getattr(f, part))}
 
 
 # the families' drafters, and the drafter-side pieces they share (the suffix hybrid, EAGLE's dynamic tree)
@@ -32,7 +37,8 @@ DRAFTERS = family_modules("drafter") | {"decode.hybrid", "decode.dynamic_tree"}
 
 
 def imports(package: str) -> dict[str, set[str]]:
-    """module name -> the project modules it imports (``from a.b import c`` gives a.b and a.b.c)."""
+    """module name -> the project modules it imports (``from a.b import c`` gives a.b and a.b.c), both without their
+    ``selfspec.`` prefix; an import of a project package by its bare name (``import core``) is an error."""
     out = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -43,7 +49,9 @@ def imports(package: str) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found.add(node.module)
                 found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        out[module] = {name for name in found if name.split(".")[0] in PACKAGES}
+        bare = {name for name in found if name.split(".")[0] in PACKAGES}
+        assert not bare, f"{module} imports {sorted(bare)}: the packages are selfspec.core, selfspec.decode, ..."
+        out[module] = {short(name) for name in found if short(name).split(".")[0] in PACKAGES and name != short(name)}
     return out
 
 
@@ -85,6 +93,8 @@ def test_the_family_table_names_each_part_in_its_layer():
             if ref is None:
                 continue
             module, _, attr = ref.partition(":")
+            assert module.startswith("selfspec."), (family.name, part, ref)
+            module = short(module)
             assert module.split(".")[0] == layer and attr, (family.name, part, ref)
             assert (ROOT / Path(*module.split("."))).with_suffix(".py").is_file(), (family.name, part, ref)
 

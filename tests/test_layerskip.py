@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.cache import layer_lengths, new_cache
-from decode.engine import SpeculativeDecoder
-from decode.layerskip import LayerSkipDrafter
-from decode.types import DecodeSetupError
-from core.target import cache_kwarg
+from selfspec.decode.cache import layer_lengths, new_cache
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.layerskip import LayerSkipDrafter
+from selfspec.decode.types import DecodeSetupError
+from selfspec.core.target import cache_kwarg
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def confident_target(arch: str):
     """A tiny target whose early exits are often right: its later layers are scaled down, so the first layers
     decide most of the output and drafts get accepted (the test then covers accepted and rejected drafts)."""
-    from core.target import build_tiny
+    from selfspec.core.target import build_tiny
 
     model, tokenizer = build_tiny(arch, num_hidden_layers=4)
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     from test_engine import exact_first_three, sampled_first_three
     from test_verify import chi_square_pvalue
 
-    from core.target import build_tiny
+    from selfspec.core.target import build_tiny
 
     model, _ = build_tiny("llama", vocab_size=12, hidden_size=32, num_hidden_layers=2, intermediate_size=64, seed=1)
     exact = exact_first_three(model, torch.tensor([3, 5, 7, 1])).reshape(-1)
@@ -118,11 +118,11 @@ def test_bad_exit_layers_and_architectures_are_refused(tiny_llama):
 def test_decode_run_drafts_with_the_target_own_first_layers():
     from conftest import compose
 
-    from decode.session import load_session
+    from selfspec.decode.session import load_session
 
     session = load_session(compose("decode", ["model=tiny", "drafter=layerskip", "draft.exit_layer=1",
                                               "draft.threshold=0.0", "max_new_tokens=12"]))
-    from decode.hybrid import HybridDrafter
+    from selfspec.decode.hybrid import HybridDrafter
 
     hybrid = session.decoder.drafter  # by default a hybrid with the suffix drafter, as every family
     assert isinstance(hybrid, HybridDrafter) and session.heads is None
@@ -152,7 +152,7 @@ def test_the_verify_share_leaves_out_the_layers_drafting_ran(tiny_llama):
 
 
 def test_exit_agreement_counts_what_a_direct_comparison_counts(tiny_llama):
-    from decode.layerskip import exit_agreement
+    from selfspec.decode.layerskip import exit_agreement
 
     model, _ = tiny_llama
     g = torch.Generator().manual_seed(0)

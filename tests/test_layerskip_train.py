@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from decode.engine import SpeculativeDecoder
-from decode.layerskip import LayerSkipDrafter, best_chain
-from heads.layerskip import ExitConfig, LayerSkipExit
-from core.target import Target, build_tiny
-from train.loop import train
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.layerskip import LayerSkipDrafter, best_chain
+from selfspec.heads.layerskip import ExitConfig, LayerSkipExit
+from selfspec.core.target import Target, build_tiny
+from selfspec.train.loop import train
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,7 +81,7 @@ def test_adapter_cache_after_each_commit_equals_a_fresh_run_of_the_adapter():
     res = decoder.generate(prompt, max_new_tokens=12)
     assert res.stats.accepted > 0 and len(seen) == res.stats.steps
     full = torch.tensor([prompt + res.tokens], device=model.device)
-    from decode.cache import new_cache
+    from selfspec.decode.cache import new_cache
 
     with torch.no_grad():
         hidden = model(input_ids=full, output_hidden_states=True).hidden_states[2]
@@ -147,7 +147,7 @@ def test_an_untrained_head_exit_is_the_target_own_norm_and_lm_head():
 
 
 def test_best_chain_follows_acceptance_and_cost():
-    from decode.adaptive import CostCurve
+    from selfspec.decode.adaptive import CostCurve
 
     flat = CostCurve.from_relative({1: 1.0, 64: 1.0})  # verifying costs what one token costs, whatever the size
     never = best_chain([1.0], [0.0], [0.0], 6, draft_cost=0.2, layer_share=0.2, curve=flat)
@@ -178,10 +178,10 @@ def tiny_run_target() -> Target:
 
 
 def test_training_moves_the_exits_keeps_the_target_bit_identical_and_keeps_the_best(tmp_path):
-    import heads
+    from selfspec import heads
     from test_medusa_train import tiny_datasets
 
-    from train.layerskip_method import LayerSkipMethod
+    from selfspec.train.layerskip_method import LayerSkipMethod
 
     target = tiny_run_target()
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
@@ -209,8 +209,8 @@ def test_training_moves_the_exits_keeps_the_target_bit_identical_and_keeps_the_b
 def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path, deterministic):
     from test_medusa_train import Killed, assert_same_weights, heads_weights, tiny_datasets
 
-    from train.checkpoint import list_checkpoints
-    from train.layerskip_method import LayerSkipMethod
+    from selfspec.train.checkpoint import list_checkpoints
+    from selfspec.train.layerskip_method import LayerSkipMethod
 
     class KilledAt(LayerSkipMethod):
         def __init__(self, cfg, kill_call):
@@ -239,8 +239,8 @@ def test_killed_and_resumed_exit_training_ends_with_the_same_exit(tmp_path, dete
 def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
     from test_medusa_train import tiny_datasets
 
-    from train.data import collate
-    from train.layerskip_method import LayerSkipMethod, exit_positions, kl_to_teacher
+    from selfspec.train.data import collate
+    from selfspec.train.layerskip_method import LayerSkipMethod, exit_positions, kl_to_teacher
 
     target = tiny_run_target()
     cfg = layerskip_cfg(tmp_path, "exit.draft_vocab_size=40")
@@ -253,7 +253,7 @@ def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
     where = exit_positions(batch["labels"])
     states, teacher, _ = method._teacher(batch, target, where)
     with torch.no_grad():
-        from train.data import position_ids_from_mask
+        from selfspec.train.data import position_ids_from_mask
 
         dense = target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              position_ids=position_ids_from_mask(batch["attention_mask"])).logits
@@ -268,8 +268,8 @@ def test_the_teacher_at_trained_rows_equals_the_dense_distribution(tmp_path):
 
 
 def test_bad_exit_settings_are_refused_clearly(tmp_path):
-    from core.errors import SettingError
-    from train.layerskip_method import LayerSkipMethod, default_candidates, exit_layers
+    from selfspec.core.errors import SettingError
+    from selfspec.train.layerskip_method import LayerSkipMethod, default_candidates, exit_layers
 
     assert default_candidates(30) == [2, 4, 8, 11, 15] and default_candidates(4) == [1, 2]
     assert exit_layers(5, None, 30) == [5] and exit_layers("auto", [9, 3], 30) == [3, 9]
@@ -282,8 +282,8 @@ def test_bad_exit_settings_are_refused_clearly(tmp_path):
 def test_decode_session_drafts_with_a_trained_exit_folder(tmp_path):
     from conftest import compose
 
-    from decode.session import load_session
-    from heads.io import save_heads
+    from selfspec.decode.session import load_session
+    from selfspec.heads.io import save_heads
 
     target = tiny_run_target()
     exit_module = trained_like_exit(target.model, 1, "head", 64)
@@ -294,7 +294,7 @@ def test_decode_session_drafts_with_a_trained_exit_folder(tmp_path):
     assert isinstance(drafter, LayerSkipDrafter) and drafter.exit is session.heads
     assert drafter.exit_layer == 1 and drafter.threshold == 0.25 and drafter.max_depth == 3
     torch.testing.assert_close(drafter.exit.token_map, exit_module.token_map)
-    from decode.types import DecodeSetupError
+    from selfspec.decode.types import DecodeSetupError
 
     with pytest.raises(DecodeSetupError, match="trained after layer 1"):
         load_session(compose("decode", [f"heads={tmp_path / 'heads'}", "draft.exit_layer=2"]))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import compose, load_script
-from decode.session import hf_generate, load_session
+from selfspec.decode.session import hf_generate, load_session
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,10 +86,10 @@ def test_sampled_tokens_follow_the_target_distribution_while_the_heads_learn(tmp
     from test_engine import SAMPLING, exact_first_three, small_vocab_target
     from test_verify import chi_square_pvalue
 
-    from core.target import Target
-    from decode.dflash_drafter import DFlashBlockDrafter, random_dflash_heads
-    from decode.engine import SpeculativeDecoder
-    from train.online import LearnSettings, OnlineLearner
+    from selfspec.core.target import Target
+    from selfspec.decode.dflash_drafter import DFlashBlockDrafter, random_dflash_heads
+    from selfspec.decode.engine import SpeculativeDecoder
+    from selfspec.train.online import LearnSettings, OnlineLearner
 
     model = small_vocab_target()
     heads = random_dflash_heads(model, seed=0)
@@ -146,7 +146,7 @@ def test_the_guard_rolls_back_an_update_that_lowers_held_out_acceptance(tmp_path
 def test_the_guard_keeps_a_fall_within_its_noise_and_rolls_back_one_beyond_it():
     """The guard's test: the per-request changes d = after - before of a held-out set, mean m and standard error
     se = sd / sqrt(n). It rolls back when m < -z se; z=0 rolls back any fall of the mean."""
-    from train.online import significantly_lower
+    from selfspec.train.online import significantly_lower
 
     before = [0.5, 0.5, 0.5, 0.5]
     noisy = [0.7, 0.3, 0.6, 0.3]  # d = .2 -.2 .1 -.2: m = -0.025, sd = 0.206, se = 0.103
@@ -218,7 +218,7 @@ def binomial_tail(n: int, p: float, k: int) -> float:
 
 
 def test_learn_refuses_what_it_cannot_train(tmp_path):
-    from train.online import LearnSetupError
+    from selfspec.train.online import LearnSetupError
 
     with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash, medusa heads"):
         load_session(compose("decode", ["model=tiny", "heads=null", "drafter=suffix", "learn=true",
@@ -232,7 +232,7 @@ def tiny_stream(tmp_path, n: int):
     alternating) in MT-bench form; returns the stream's file."""
     import json
 
-    from heads.io import save_heads
+    from selfspec.heads.io import save_heads
 
     seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3"]))
     save_heads(tmp_path / "heads", seed_session.heads, "eagle3", seed_session.heads.config.to_dict(),
@@ -265,8 +265,8 @@ def test_the_stream_benchmark_checks_every_method_and_reports_each_window(tmp_pa
 
 
 def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path):
-    from heads.export import export_heads
-    from heads.io import load_heads
+    from selfspec.heads.export import export_heads
+    from selfspec.heads.io import load_heads
 
     s = learning_session(tmp_path, "dflash")
     for i in range(4):
@@ -283,8 +283,8 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
 
 
 def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
-    import decode.bench.replay as replay
-    from decode.types import DecodeSetupError
+    import selfspec.decode.bench.replay as replay
+    from selfspec.decode.types import DecodeSetupError
     main = load_script("learn_replay").main
 
     prompts = tiny_stream(tmp_path, 8)
@@ -326,7 +326,7 @@ def test_learning_every_n_tokens_updates_mid_answer_and_answers_stay_the_targets
     """With ``every_tokens`` the heads take updates in the middle of an answer, on the buffer and the answer so far
     (an exact prefix of what the finished request buffers); greedy answers stay the target's, with drafts of the
     changed weights accepted; the time goes to ``stats.learn_s``."""
-    from train.online import prefixes
+    from selfspec.train.online import prefixes
 
     s = learning_session(tmp_path, family, "learner.every_tokens=4", "learner.guard=false")
     handed = []
@@ -374,8 +374,8 @@ def test_learning_every_n_tokens_updates_mid_answer_and_answers_stay_the_targets
 def test_untrained_heads_of_the_same_make_keep_shape_and_buffers_but_no_learned_weight(tmp_path):
     """The stream's untrained control: a loaded heads folder's weights replaced by those its family builds before
     training (the same as a fresh build under the seed), shapes and buffers (a draft vocabulary's map) kept."""
-    from heads.io import head_builder, load_heads, save_heads
-    from train.online import reinitialize
+    from selfspec.heads.io import head_builder, load_heads, save_heads
+    from selfspec.train.online import reinitialize
 
     seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=dflash"]))
     target = seed_session.target

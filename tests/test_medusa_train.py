@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.medusa import (
+from selfspec.heads.medusa import (
     expected_accept_length,
     medusa_head_losses,
     medusa_positions,
     medusa_targets,
     weighted_head_loss,
 )
-from core.target import Target, build_tiny
-from train.checkpoint import list_checkpoints
-from train.config import TrainerConfig
-from train.loaders import EmptyDatasetError, EpochSampler
-from train.loop import NonFiniteLossError, RunExistsError, train
-from train.medusa_method import METHODS, medusa_method
+from selfspec.core.target import Target, build_tiny
+from selfspec.train.checkpoint import list_checkpoints
+from selfspec.train.config import TrainerConfig
+from selfspec.train.loaders import EmptyDatasetError, EpochSampler
+from selfspec.train.loop import NonFiniteLossError, RunExistsError, train
+from selfspec.train.medusa_method import METHODS, medusa_method
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -161,7 +161,7 @@ def test_flat_head_losses_equal_the_dense_medusa_loss():
 
 
 def test_draft_ids_are_what_a_lookup_table_gives():
-    from heads.medusa import to_draft_ids
+    from selfspec.heads.medusa import to_draft_ids
 
     g = torch.Generator().manual_seed(0)
     token_map = torch.randperm(50, generator=g)[:12].sort().values
@@ -176,7 +176,7 @@ def test_draft_ids_are_what_a_lookup_table_gives():
 def test_draft_vocabulary_losses_equal_the_dense_ones(shared):
     """Over a draft vocabulary the heads' losses are the dense ones with every other token's logit at -inf (value
     and gradient): exactly the dense ones when the map is the whole vocabulary."""
-    from heads.medusa import MedusaConfig, MedusaHeads, to_draft_ids
+    from selfspec.heads.medusa import MedusaConfig, MedusaHeads, to_draft_ids
 
     torch.manual_seed(0)
     K, N, H, V = 3, 40, 16, 50
@@ -250,8 +250,7 @@ def test_epoch_sampler_is_seeded_per_epoch_and_leaves_global_rng_alone():
 
 
 def test_loss_falls_heads_change_and_target_stays_bit_identical(tmp_path):
-    import heads
-
+    from selfspec import heads
     target = tiny_target()
     before = {k: v.clone() for k, v in target.model.state_dict().items()}
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=40")
@@ -357,8 +356,7 @@ def test_feature_store_trains_the_same_heads_as_online_features(tmp_path):
 
 
 def test_medusa2_adapter_is_saved_loaded_and_applied(tmp_path):
-    import heads
-
+    from selfspec import heads
     cfg = medusa_cfg(tmp_path / "run", "heads=medusa2", "trainer.max_steps=4")
     target = tiny_target()
     base_params = {n: p.clone() for n, p in target.model.named_parameters()}
@@ -415,7 +413,7 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path, accum):
 
 def test_the_losses_are_checked_once_per_optimizer_step(tmp_path, monkeypatch):
     """One device sync per step for the loss check, over all of the step's micro-batch losses."""
-    import train.loop as loop
+    import selfspec.train.loop as loop
 
     checked, check = [], loop._stop_if_not_finite
     monkeypatch.setattr(loop, "_stop_if_not_finite",
@@ -451,8 +449,8 @@ def test_a_second_run_in_one_process_does_not_inherit_the_first_ones_precision(t
 
 
 def test_the_frozen_target_trains_in_bf16_only_where_bf16_is_native(monkeypatch):
-    from core.errors import SettingError
-    from train.config import training_dtype
+    from selfspec.core.errors import SettingError
+    from selfspec.train.config import training_dtype
 
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
@@ -473,12 +471,12 @@ def _family(option: str, run_dir: Path, *overrides: str):
     if option == "eagle3":
         from test_eagle import eagle_cfg
 
-        from train.eagle_method import EagleMethod
+        from selfspec.train.eagle_method import EagleMethod
 
         return eagle_cfg(run_dir, "heads=eagle3", "heads.draft_vocab_size=64", *overrides), EagleMethod
     from test_layerskip_train import layerskip_cfg
 
-    from train.layerskip_method import LayerSkipMethod
+    from selfspec.train.layerskip_method import LayerSkipMethod
 
     frozen = ["exit.tune_lm_head=false"] if option == "layerskip-frozen-head" else []
     return layerskip_cfg(run_dir, *frozen, *overrides), LayerSkipMethod
@@ -490,8 +488,8 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
     keeps it in float32 under auto); the heads stay float32, load onto the float32 target, and train as a float32
     target would, within rounding: bf16 keeps 8 significant bits (relative rounding 2^-9 per value), so over this tiny
     model's two layers the hidden states, and the first loss, move by a few 0.1% (allowed: 2%)."""
-    import heads
-    from core.target import load_target
+    from selfspec import heads
+    from selfspec.core.target import load_target
 
     runs = {}
     for dtype in ("float32", "bfloat16", "auto"):
@@ -523,7 +521,7 @@ def test_a_bf16_target_trains_float32_heads_close_to_a_float32_targets(tmp_path,
 
 
 def _native_here(device) -> bool:
-    from core.runtime import native_bf16
+    from selfspec.core.runtime import native_bf16
 
     return native_bf16(device)
 
@@ -540,7 +538,7 @@ def _options(group: str, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
 def test_every_trainer_and_experiment_option_composes_and_instantiates(tmp_path, trainer, experiment):
     from conftest import compose
 
-    from train.loggers import make_logger
+    from selfspec.train.loggers import make_logger
 
     overrides = [f"trainer={trainer}", f"run_dir={tmp_path}"] + ([f"experiment={experiment}"] if experiment else [])
     cfg = compose("medusa", overrides)
@@ -589,9 +587,9 @@ def test_settings_defaults_are_written_once_in_conf():
     from conftest import compose
     from omegaconf import OmegaConf
 
-    from train.dflash_method import DFlashSettings
-    from train.eagle_method import EagleSettings
-    from train.medusa_method import MedusaSettings
+    from selfspec.train.dflash_method import DFlashSettings
+    from selfspec.train.eagle_method import EagleSettings
+    from selfspec.train.medusa_method import MedusaSettings
 
     for cls in (TrainerConfig, MedusaSettings, EagleSettings, DFlashSettings):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)
@@ -612,7 +610,7 @@ def test_settings_defaults_are_written_once_in_conf():
 
 
 def test_size_for_coverage_is_the_fewest_most_frequent_tokens():
-    from heads.vocab import resolve_size, size_for_coverage
+    from selfspec.heads.vocab import resolve_size, size_for_coverage
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -626,10 +624,10 @@ def test_size_for_coverage_is_the_fewest_most_frequent_tokens():
 
 
 def test_draft_vocabulary_is_chosen_by_coverage_and_saved_with_the_heads(tmp_path):
-    import heads
-    from decode.drafters import MedusaDrafter
-    from decode.engine import SpeculativeDecoder
-    from heads.vocab import count_tokens
+    from selfspec import heads
+    from selfspec.decode.drafters import MedusaDrafter
+    from selfspec.decode.engine import SpeculativeDecoder
+    from selfspec.heads.vocab import count_tokens
 
     target, data = tiny_target(), tiny_datasets()
     cfg = medusa_cfg(tmp_path / "run", "trainer.max_steps=2", "heads.draft_vocab_coverage=0.9")

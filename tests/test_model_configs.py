@@ -1,7 +1,7 @@
 """The conf/model/ entries of real checkpoints, checked without their weights (there is no Hub here).
 
 Each hub entry's config.json is recorded in tests/assets/configs/<entry>/ as the Hub has it; the target is built from it
-on the meta device through core.target.load_target (model.config_only=true), and must have the size its publisher
+on the meta device through selfspec.core.target.load_target (model.config_only=true), and must have the size its publisher
 gives: their figures are the same count rounded (or cut) to the digit shown, so the tolerance is one unit of that
 digit (0.1B on "8.2B", 0.01B on "20.91B"); a wrong layer count, hidden or expert size, expert count or vocabulary
 moves the count by more. Small attention dimensions can slip under the coarser figures; where the publisher also gives
@@ -17,10 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import CONF, REPO, compose
-from core.archs import FULL, SLIDING, layer_kinds, sliding_window
-from core.target import TargetLoadError, load_target
-from heads.dflash import DFlashConfig
-from heads.eagle import EagleConfig, engine_layer_ids
+from selfspec.core.archs import FULL, SLIDING, layer_kinds, sliding_window
+from selfspec.core.target import TargetLoadError, load_target
+from selfspec.heads.dflash import DFlashConfig
+from selfspec.heads.eagle import EagleConfig, engine_layer_ids
 
 CONFIGS = REPO / "tests" / "assets" / "configs"
 

@@ -1,4 +1,4 @@
-"""Sequence packing (trainer.packing, train.data.collate_packed).
+"""Sequence packing (trainer.packing, selfspec.train.data.collate_packed).
 
 - Layout: every example lands once, rows hold at most pack_length tokens, positions restart per example.
 - Attention does not cross examples: the target's hidden states of a packed row equal each example's own forward
@@ -8,7 +8,7 @@
   method that cannot read packed batches refuses them before any work.
 - trainer.hold_freed_memory: big tensors come from the heap (kept for reuse), not from fresh mappings; free pages
   go back every few steps and after evaluations.
-- core.runtime.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
+- selfspec.core.runtime.rows_through: gathered rows reach an LM head in repeating shapes, with the same values and gradients.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.target import build_tiny
-from heads.medusa import medusa_targets
-from train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, target_inputs
+from selfspec.core.target import build_tiny
+from selfspec.heads.medusa import medusa_targets
+from selfspec.train.data import IGNORE_INDEX, collate, collate_packed, pack_rows, target_inputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -143,7 +143,7 @@ def test_packed_eagle_loss_equals_the_padded_loss(tmp_path, variant):
     from test_eagle import eagle_cfg, heads_overrides
     from test_medusa_train import tiny_target
 
-    from train.eagle_method import EagleMethod
+    from selfspec.train.eagle_method import EagleMethod
 
     target = tiny_target()
     # noise off: the two forwards would draw different noise
@@ -159,7 +159,7 @@ def test_packed_eagle_loss_equals_the_padded_loss(tmp_path, variant):
 def test_packed_medusa_loss_equals_the_padded_loss(tmp_path, heads_option):
     from test_medusa_train import medusa_cfg, tiny_target
 
-    from train.medusa_method import medusa_method
+    from selfspec.train.medusa_method import medusa_method
 
     target = tiny_target()
     cfg = medusa_cfg(tmp_path, f"heads={heads_option}")
@@ -182,9 +182,9 @@ def test_a_packed_run_ends_with_the_padded_runs_parameters(tmp_path, family):
     from test_eagle import eagle_cfg, saved_weights
     from test_medusa_train import heads_weights, medusa_cfg, tiny_datasets, tiny_target
 
-    from train.eagle_method import EagleMethod
-    from train.loop import train
-    from train.medusa_method import Medusa1Method
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import Medusa1Method
 
     if family == "eagle3":
         make_cfg, method_of, weights = eagle_cfg, EagleMethod, saved_weights
@@ -223,11 +223,11 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
     from test_layerskip_train import layerskip_cfg
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    from core.errors import SettingError
-    from train.layerskip_method import LayerSkipMethod
-    from train.config import TrainerConfig
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.core.errors import SettingError
+    from selfspec.train.layerskip_method import LayerSkipMethod
+    from selfspec.train.config import TrainerConfig
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     cfg = layerskip_cfg(tmp_path / "ls", "trainer.packing=true")
     with pytest.raises(SettingError, match="trainer.packing=false"):
@@ -242,7 +242,7 @@ def test_packing_is_refused_clearly_where_unsupported(tmp_path):
 
 _MMAPPED_AFTER_A_BIG_TENSOR = """
 import ctypes, torch
-from core.runtime import hold_freed_memory
+from selfspec.core.runtime import hold_freed_memory
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
                                                "uordblks", "fordblks", "keepcost")]
@@ -279,7 +279,7 @@ def test_held_memory_serves_big_tensors_from_the_heap():
 
 _RESIDENT_AFTER_FREE = """
 import torch
-from core.runtime import hold_freed_memory, release_held_memory
+from selfspec.core.runtime import hold_freed_memory, release_held_memory
 
 def anon_mib():
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) / 1024
@@ -319,8 +319,8 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
     without it, never."""
     from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 
-    import train.loop as loop
-    from train.medusa_method import medusa_method
+    import selfspec.train.loop as loop
+    from selfspec.train.medusa_method import medusa_method
 
     calls = []
     monkeypatch.setattr(loop, "RELEASE_HELD_EVERY", 2)
@@ -334,7 +334,7 @@ def test_a_run_releases_held_memory_every_few_steps(tmp_path, monkeypatch, hold)
 def test_rows_through_pads_to_repeating_shapes_with_the_same_values_and_gradients():
     """Gathered rows go through an LM head padded to a multiple of ROW_BUCKET rows (bfloat16 CPU matmuls keep
     buffers per shape): the head sees only such shapes, and values and gradients equal the unpadded call."""
-    from core.runtime import ROW_BUCKET, rows_through
+    from selfspec.core.runtime import ROW_BUCKET, rows_through
 
     head = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 11))
     seen = []

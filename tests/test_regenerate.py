@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import MT_BENCH, REPO, compose
-from train.data import DataError, chat_ids, load_conversations, read_records
-from core.errors import SettingError
-from train.regenerate import EMPTY_ANSWER, AnswerEngine, Answering, HFEngine, iter_prompts, regenerate, run
+from selfspec.train.data import DataError, chat_ids, load_conversations, read_records
+from selfspec.core.errors import SettingError
+from selfspec.train.regenerate import EMPTY_ANSWER, AnswerEngine, Answering, HFEngine, iter_prompts, regenerate, run
 
 PROMPTS = [
     {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "old answer"}]},
@@ -180,7 +180,7 @@ def test_script_runs_once_on_the_tiny_model(tmp_path, prompts_file):
 
 
 def test_max_turns_keeps_only_the_first_user_turns():
-    from train.regenerate import iter_prompts
+    from selfspec.train.regenerate import iter_prompts
 
     records = [{"id": "a", "conversations": [
         {"from": "human", "value": "one"}, {"from": "gpt", "value": "x"},
@@ -193,7 +193,7 @@ def test_max_turns_keeps_only_the_first_user_turns():
 
 
 def test_thinking_is_cut_out_wherever_its_markers_put_it():
-    from train.regenerate import drop_thinking
+    from selfspec.train.regenerate import drop_thinking
 
     assert drop_thinking("<think>\nsteps\n</think>\n\nAnswer", "<think>", "</think>") == "Answer"
     assert drop_thinking("opened by the template</think>Answer", "<think>", "</think>") == "Answer"
@@ -262,7 +262,7 @@ def test_conversations_are_written_as_they_complete_and_a_kill_loses_only_those_
 
 
 def test_vllm_settings_compose_into_the_llm_keywords_and_one_engine_per_data_parallel_replica():
-    from core.vllm_env import VllmSettings, llm_kwargs, replica_env
+    from selfspec.core.vllm_env import VllmSettings, llm_kwargs, replica_env
 
     cfg = compose("regenerate", ["engine=vllm", "vllm.tensor_parallel_size=2", "vllm.data_parallel_size=2",
                                  "vllm.max_num_seqs=64", "+vllm.engine_args.enable_expert_parallel=true"])
@@ -290,7 +290,7 @@ def test_vllm_settings_compose_into_the_llm_keywords_and_one_engine_per_data_par
 def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, prompts_file, monkeypatch):
     """run() as scripts/regenerate.py engine=vllm calls it, with vLLM's session replaced by one that records what it
     was started with and answers every request with three fixed tokens."""
-    import core.vllm_env
+    import selfspec.core.vllm_env
 
     started = []
 
@@ -309,7 +309,7 @@ def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, p
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
-    monkeypatch.setattr(core.vllm_env, "VllmSession", RecordingSession)
+    monkeypatch.setattr(selfspec.core.vllm_env, "VllmSession", RecordingSession)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     out = tmp_path / "out.jsonl"
     cfg = compose("regenerate", ["model=tiny", "model.dtype=float32", "data=file", f"data.path={prompts_file}",
@@ -331,13 +331,13 @@ def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, p
 
 
 def tok_text(*ids: int) -> str:
-    from core.target import build_tiny_tokenizer
+    from selfspec.core.target import build_tiny_tokenizer
 
     return build_tiny_tokenizer().decode(list(ids))
 
 
 def test_an_unknown_engine_and_a_missing_vllm_venv_are_refused_before_a_model_loads(tmp_path, prompts_file):
-    from core.vllm_env import ServingError
+    from selfspec.core.vllm_env import ServingError
 
     common = ["model=tiny", "data=file", f"data.path={prompts_file}", f"out={tmp_path / 'out.jsonl'}"]
     with pytest.raises(SettingError, match="engine='tgi': hf .* or vllm"):
@@ -369,13 +369,13 @@ class LLM:
 
 
 def test_vllm_session_shares_each_call_among_its_replicas_and_answers_in_order(tmp_path):
-    """core.vllm_env.VllmSession with core/vllm_worker.py over a stand-in vllm package (this Python as the venv's):
+    """selfspec.core.vllm_env.VllmSession with core/vllm_worker.py over a stand-in vllm package (this Python as the venv's):
     one worker per replica, each started once with the engine's keywords (and the CPU defaults it left out), every
     call shared among them and put back in request order; a failing call and a worker without vLLM are errors that
     say what failed."""
     import sys
 
-    from core.vllm_env import ServingError, VllmSession
+    from selfspec.core.vllm_env import ServingError, VllmSession
 
     (tmp_path / "fake" / "vllm" / "platforms").mkdir(parents=True)
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
@@ -403,7 +403,7 @@ def test_vllm_session_shares_each_call_among_its_replicas_and_answers_in_order(t
 def test_resuming_reads_records_whose_text_holds_unicode_line_breaks(tmp_path):
     """json.dumps(ensure_ascii=False) writes U+2028, U+0085 and a form feed as they are; str.splitlines would cut a
     record there and call the file foreign (seen on ShareGPT's answers)."""
-    from train.regenerate import read_done
+    from selfspec.train.regenerate import read_done
 
     out = tmp_path / "regenerated.jsonl"
     records = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"a{sep}b"}]}

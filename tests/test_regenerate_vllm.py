@@ -24,9 +24,9 @@ import torch
 from conftest import compose
 from test_regenerate import PROMPTS
 from test_serving import HIDDEN, LAYERS, tiny_target, vllm_or_skip
-from train.data import chat_ids, load_conversations
-from core.vllm_env import VllmSettings
-from train.regenerate import Answering, HFEngine, iter_prompts, open_vllm_engine, regenerate
+from selfspec.train.data import chat_ids, load_conversations
+from selfspec.core.vllm_env import VllmSettings
+from selfspec.train.regenerate import Answering, HFEngine, iter_prompts, open_vllm_engine, regenerate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +43,7 @@ MORE = [{"id": f"m{i}", "messages": [{"role": "user", "content": text}]} for i, 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """(the target, engine=hf on it, engine=vllm on its saved copy): vLLM started once, as run() starts it."""
-    from core.vllm_env import served_model
+    from selfspec.core.vllm_env import served_model
 
     vllm_or_skip()
     target = tiny_target()

@@ -5,7 +5,7 @@ vLLM release starts running one this fails and the table in docs/serving.md gets
 
 The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
 heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
-recipe). Every vLLM engine a file's cells need starts in one vLLM worker process (``decode.serving.serve_checks``), so
+recipe). Every vLLM engine a file's cells need starts in one vLLM worker process (``selfspec.decode.serving.serve_checks``), so
 vLLM's imports are paid once a file.
 
 The matrix is split over three files of about equal time, so that ``pytest -n`` runs them side by side: this one
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.archs import TINY_ARCHS
-from core.target import Target, build_tiny
-from decode.serving import ServingError
+from selfspec.core.archs import TINY_ARCHS
+from selfspec.core.target import Target, build_tiny
+from selfspec.decode.serving import ServingError
 from test_serving import K, check_settings, own_continuations, prompts, vllm_or_skip
 
 HIDDEN = 128  # 4 heads of 32: the smallest head size vLLM's CPU attention runs
@@ -70,7 +70,7 @@ def pytest_generate_tests(metafunc):
 
 def tiny_target(arch: str) -> Target:
     model, tokenizer = build_tiny(arch, hidden_size=HIDDEN, num_hidden_layers=LAYERS, config=VLLM_SHAPE.get(arch))
-    return Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")  # as core.target.load_target names it
+    return Target(model=model, tokenizer=tokenizer, name=f"tiny-{arch}")  # as selfspec.core.target.load_target names it
 
 
 def train_heads(arch: str, root, families) -> dict:
@@ -80,10 +80,10 @@ def train_heads(arch: str, root, families) -> dict:
     import datasets
 
     from conftest import compose
-    from train.dflash_method import DFlashMethod
-    from train.eagle_method import EagleMethod
-    from train.loop import train
-    from train.medusa_method import medusa_method
+    from selfspec.train.dflash_method import DFlashMethod
+    from selfspec.train.eagle_method import EagleMethod
+    from selfspec.train.loop import train
+    from selfspec.train.medusa_method import medusa_method
 
     target = tiny_target(arch)
     data = datasets.DatasetDict({"train": own_continuations(target.model, 48, 0),
@@ -127,7 +127,7 @@ def served(request, tmp_path_factory) -> dict:
     """Per architecture and family: the serve check's report, or the error that stopped it (training, an export
     refused, vLLM unable to decode the target), which that family's cells raise. Every check runs in one vLLM worker
     process."""
-    from decode.serving import plan_check, serve_checks
+    from selfspec.decode.serving import plan_check, serve_checks
 
     vllm_or_skip()
     root = tmp_path_factory.mktemp("serving-archs")

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from decode import registry
-from decode.adaptive import Calibration, CostCurve, best_size
-from decode.engine import SpeculativeDecoder
-from decode.suffix import (Candidates, NgramIndex, SuffixArray, SuffixDrafter, SuffixPlan, corpus_documents,
+from selfspec.decode import registry
+from selfspec.decode.adaptive import Calibration, CostCurve, best_size
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.suffix import (Candidates, NgramIndex, SuffixArray, SuffixDrafter, SuffixPlan, corpus_documents,
                            load_corpus)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -176,8 +176,8 @@ def test_drafter_stops_drafting_when_nothing_is_accepted(tiny_llama, monkeypatch
     measured = CostCurve.from_relative({1: 1.0, 2: 1.21, 4: 1.35, 8: 1.67, 16: 2.0, 32: 2.4, 64: 3.35})
     drafter = suffix_drafter(model, cost_curve=measured, remember=0)  # the rejections alone, no earlier answers
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
-    import decode.engine as engine_module
-    from decode.verify import Verdict, verify
+    import selfspec.decode.engine as engine_module
+    from selfspec.decode.verify import Verdict, verify
 
     def reject_all(logits, tokens, tree, sampling, draft_probs=None, generator=None):
         v = verify(logits[:1], tokens[:1], tree.truncate(0), sampling, None, generator)
@@ -269,8 +269,8 @@ def test_corpus_files_are_read_and_cached(tmp_path, tiny_llama, monkeypatch):
 def test_decode_run_drafts_with_the_suffix_drafter(tmp_path):
     from conftest import compose
 
-    from decode.session import load_session
-    from decode.types import DecodeSetupError
+    from selfspec.decode.session import load_session
+    from selfspec.decode.types import DecodeSetupError
 
     session = load_session(compose("decode", ["model=tiny", "drafter=suffix", "draft.budget=4", "max_new_tokens=12"]))
     assert isinstance(session.decoder.drafter, SuffixDrafter) and session.heads is None

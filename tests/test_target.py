@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.archs import TINY_ARCHS
-from core.target import (
+from selfspec.core.archs import TINY_ARCHS
+from selfspec.core.target import (
     Target,
     TargetLoadError,
     TargetMismatchError,
@@ -39,8 +39,8 @@ def test_every_tiny_arch_builds_at_another_head_size_and_depth_and_is_rebuilt_fr
     """Every row of core/archs.py takes build_tiny's head size (vLLM's CPU attention needs heads of 32) and depth:
     the attention weights, and only they, change shape; a deeper mixed model repeats its layer kinds; the target
     heads record (its name and fingerprint) is built again."""
-    from core.archs import layer_kinds
-    from decode.settings import target_config_from_heads
+    from selfspec.core.archs import layer_kinds
+    from selfspec.decode.settings import target_config_from_heads
 
     shapes = {k: v.shape for k, v in build_tiny(arch)[0].state_dict().items()}
     wider = {k: v.shape for k, v in build_tiny(arch, head_dim=32)[0].state_dict().items()}
@@ -59,8 +59,8 @@ def test_heads_record_the_whole_tiny_recipe_and_decoding_builds_the_same_target(
     """A tiny target with a head size and a config field of its own (what tests/test_serving_archs.py builds for
     vLLM's MLA kernel): heads saved on it name how to build it, so ``heads=`` alone loads that target, not the default
     shape of its name (whose weights differ, and which the fingerprint check would refuse)."""
-    from decode.settings import target_config_from_heads
-    from heads.io import read_heads_config, save_heads
+    from selfspec.decode.settings import target_config_from_heads
+    from selfspec.heads.io import read_heads_config, save_heads
 
     model, tokenizer = build_tiny("deepseek_v3", hidden_size=128, head_dim=32, config={"kv_lora_rank": 64})
     head = torch.nn.Linear(128, 8)
@@ -137,7 +137,7 @@ def test_smollm2_loads_from_cache_and_is_the_real_model(smollm2):
 def test_a_converted_smollm2_folder_is_read_without_the_lock_and_a_stale_config_is_mended(tmp_path, monkeypatch):
     import json
 
-    import core.target as target
+    import selfspec.core.target as target
 
     monkeypatch.setattr(target, "_find_smollm2_gguf", lambda: pytest.fail("a converted folder was converted again"))
     folder = tmp_path / "models" / "SmolLM2-135M-Instruct"

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.families import FAMILIES
+from selfspec.core.families import FAMILIES
 from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
-from train.loop import train
-from train.method import TrainMethod
+from selfspec.train.loop import train
+from selfspec.train.method import TrainMethod
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -77,7 +77,7 @@ def test_a_method_with_only_the_required_members_trains(tmp_path):
 
 
 def test_packing_is_refused_for_a_method_that_does_not_declare_it(tmp_path):
-    from core.errors import SettingError
+    from selfspec.core.errors import SettingError
 
     cfg = medusa_cfg(tmp_path / "run", "trainer.packing=true")
     with pytest.raises(SettingError, match=r"not supported by next-token training: set trainer.packing=false"):
@@ -93,7 +93,7 @@ def test_every_trainable_family_composes_its_entry_config_and_instantiates_its_m
     from hydra.core.global_hydra import GlobalHydra
 
     from conftest import compose
-    from train.cli import main
+    from selfspec.train.cli import main
 
     family = FAMILIES[name]
     cfg = compose(family.train_conf, family.train_overrides() + ["experiment=debug", f"run_dir={tmp_path}"])
@@ -128,26 +128,26 @@ def test_the_loop_refuses_a_count_that_is_not_a_tensor(tmp_path):
         train(cfg, CountsNothing(), target=tiny_target(), datasets=tiny_datasets())
 
 
-SAVED_BY_EVERY_FAMILY = {  # heads.io.save_heads' own keys, the loop's meta, and what save_run_heads adds
+SAVED_BY_EVERY_FAMILY = {  # selfspec.heads.io.save_heads' own keys, the loop's meta, and what save_run_heads adds
     "format_version", "head_type", "base_model", "target_fingerprint", "hidden_size", "vocab_size", "num_heads",
     "num_layers", "head_config", "adapter", "weights_sha256", "run_name", "method", "steps", "tokens_seen", "data",
     "trainer", "eval", "features"}
 
 
 @pytest.mark.parametrize("family, module, settings_key, decode_key", [
-    ("medusa", "train.medusa_method", "heads", None), ("medusa2", "train.medusa_method", "heads", None),
-    ("eagle", "train.eagle_method", "heads", "tree"), ("eagle3", "train.eagle_method", "heads", "tree"),
-    ("dflash", "train.dflash_method", "heads", None), ("layerskip", "train.layerskip_method", "exit", "decode")])
+    ("medusa", "selfspec.train.medusa_method", "heads", None), ("medusa2", "selfspec.train.medusa_method", "heads", None),
+    ("eagle", "selfspec.train.eagle_method", "heads", "tree"), ("eagle3", "selfspec.train.eagle_method", "heads", "tree"),
+    ("dflash", "selfspec.train.dflash_method", "heads", None), ("layerskip", "selfspec.train.layerskip_method", "exit", "decode")])
 def test_every_family_saves_through_save_drafter(tmp_path, monkeypatch, family, module, settings_key, decode_key):
-    """Each family's save hands its heads to train.method.save_run_heads (one call, two for layer-skip's two exits),
+    """Each family's save hands its heads to selfspec.train.method.save_run_heads (one call, two for layer-skip's two exits),
     and the heads folder's config.json carries the common keys, the settings and the decode settings under the key
     decoding reads them from; it loads back with the target."""
     import importlib
     import json
 
-    import heads
+    from selfspec import heads
     from test_accumulation import _method
-    from train import method as method_module
+    from selfspec.train import method as method_module
 
     calls = []
 

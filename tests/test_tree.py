@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode.tree import (
+from selfspec.decode.tree import (
     Tree,
     TreeError,
     available_trees,

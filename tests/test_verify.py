@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decode.tree import Tree
-from decode.verify import (
+from selfspec.decode.tree import Tree
+from selfspec.decode.verify import (
     Sampling,
     accept_among_siblings,
     sample_tree,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import TrainerConfig
+from selfspec.train.config import TrainerConfig
 
 
 def make_accelerator(tc: TrainerConfig, run_dir: Path):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core.errors import SelfspecError
+from selfspec.core.errors import SelfspecError
 
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"

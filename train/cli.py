@@ -4,7 +4,7 @@
     selfspec-train medusa heads=medusa2 experiment=debug     # the overrides its entry file takes
     selfspec-train eagle3 experiment=cpu_1h                  # = python train/eagle.py heads=eagle3 experiment=cpu_1h
     selfspec-train dflash --cfg job                          # print the composed config
-    torchrun --nproc_per_node 2 -m train.cli layerskip       # two processes (python -m train.cli works alike)
+    torchrun --nproc_per_node 2 -m selfspec.train.cli layerskip       # two processes (python -m selfspec.train.cli works alike)
     selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
 
 A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
@@ -20,9 +20,9 @@ import sys
 
 from omegaconf import DictConfig
 
-from core.config import hydra_app
-from core.errors import SettingError, reported_errors
-from core.families import FAMILIES, Family
+from selfspec.core.config import hydra_app
+from selfspec.core.errors import SettingError, reported_errors
+from selfspec.core.families import FAMILIES, Family
 
 
 def trainable(name: str) -> Family:
@@ -36,11 +36,11 @@ def trainable(name: str) -> Family:
 
 def run(cfg: DictConfig, family: Family) -> None:
     """Train ``family`` as ``cfg`` (its composed entry config) says, then decode with the heads for a speed check."""
-    from train.loop import train
+    from selfspec.train.loop import train
 
     with reported_errors():
         result = train(cfg, family.load("method")(cfg))
-        from train.speed_check import after_training
+        from selfspec.train.speed_check import after_training
 
         after_training(cfg, result.heads_dir)
 
@@ -70,7 +70,7 @@ def regenerate_main() -> None:
     """``selfspec-regenerate``: scripts/regenerate.py (conf/regenerate.yaml, train/regenerate.py)."""
 
     def regenerate(cfg: DictConfig) -> None:
-        from train.regenerate import run as regenerate_run
+        from selfspec.train.regenerate import run as regenerate_run
 
         with reported_errors():
             regenerate_run(cfg)

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from core.config import to_dict
-from core.errors import SettingError
-from core.runtime import native_bf16
+from selfspec.core.config import to_dict
+from selfspec.core.errors import SettingError
+from selfspec.core.runtime import native_bf16
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}  # -> transformers' names
@@ -49,8 +49,8 @@ class TrainerConfig:
     resume: Any  # false | true (latest of this run) | path of a checkpoint or run folder
     overwrite: bool  # a fresh run may delete the checkpoints an earlier run left in the same run_dir
     num_workers: int
-    hold_freed_memory: bool  # glibc: freed blocks stay in the process for reuse (core.runtime.hold_freed_memory)
-    packing: bool  # each batch's examples packed into rows of pack_length tokens (train.data.collate_packed)
+    hold_freed_memory: bool  # glibc: freed blocks stay in the process for reuse (selfspec.core.runtime.hold_freed_memory)
+    packing: bool  # each batch's examples packed into rows of pack_length tokens (selfspec.train.data.collate_packed)
     pack_length: int | None  # null: data.max_length
 
     @classmethod
@@ -115,7 +115,7 @@ def _fits(value: Any, typ: type) -> bool:
 def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: str = "auto",
                    trains_target: bool = False) -> str:
     """The dtype the frozen target runs in while a drafter trains (``trainer.target_dtype``): ``auto`` is bfloat16
-    where it is native (:func:`core.runtime.native_bf16`), else the model config's own dtype, which a method training
+    where it is native (:func:`selfspec.core.runtime.native_bf16`), else the model config's own dtype, which a method training
     weights inside the target (``trains_target``: Medusa-2's LoRA) also keeps. Only the teacher's hidden states and
     logits are computed in it: the drafter's weights stay float32 (trainer.mixed_precision sets its autocast)."""
     if target_dtype != "auto":

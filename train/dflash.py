@@ -14,7 +14,7 @@ Outputs in outputs/<run_name>/ (run_name defaults to dflash-smollm2): heads/ (lo
 ``heads.load(path, target=...)``), checkpoints/, config.yaml, metrics.jsonl.
 """
 
-from train.cli import main
+from selfspec.train.cli import main
 
 if __name__ == "__main__":
     main("dflash")

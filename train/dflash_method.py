@@ -1,12 +1,12 @@
-"""DFlash training for :func:`train.loop.train`: a block drafter (heads/dflash.py) on a frozen target.
+"""DFlash training for :func:`selfspec.train.loop.train`: a block drafter (heads/dflash.py) on a frozen target.
 
 Config (``cfg.heads``, conf/heads/dflash.yaml):
 
 - ``num_layers``, ``block_size`` (the last emitted token and ``block_size - 1`` drafted positions),
-  ``target_layer_ids`` (the target layers whose outputs are fused; null: heads.dflash.default_target_layer_ids),
+  ``target_layer_ids`` (the target layers whose outputs are fused; null: selfspec.heads.dflash.default_target_layer_ids),
   ``mask_token_id`` (the id serving engines feed to the mask slots; ``auto``: :func:`choose_mask_token_id`);
 - ``draft_vocab_size`` / ``draft_vocab_coverage``: the reduced draft vocabulary, counted on the training split as
-  for EAGLE-3 (train.data.count_draft_vocab);
+  for EAGLE-3 (selfspec.train.data.count_draft_vocab);
 - ``anchors_per_sequence``: blocks drafted per sequence in one training forward, at random answer positions;
 - ``init_from_layer``: a target layer whose weights start every drafter layer (:func:`init_layers_from_target`;
   null: random, which measured best on the hour recipe);
@@ -16,10 +16,10 @@ Config (``cfg.heads``, conf/heads/dflash.yaml):
 - ``loss``: ``token_loss`` (kl: the target's distribution over the draft vocabulary | ce: the target's own greedy
   token), ``gamma`` (DFlash's per-position weight exp(-(k - 1) / gamma)), and ``retrieved_weight`` with
   ``retrieval_min_match``: a block position whose token copying from the text itself would have given
-  (:func:`heads.dflash.retrieval_hits`: what the suffix drafter proposes in the hybrid) weighs ``retrieved_weight``
+  (:func:`selfspec.heads.dflash.retrieval_hits`: what the suffix drafter proposes in the hybrid) weighs ``retrieved_weight``
   times its position's weight (1: every position alike), so the drafter's capacity goes where retrieval misses;
   ``off_path_weight``: a block position k whose text before it in the block leaves the target's greedy path
-  (:func:`heads.dflash.on_greedy_path`; in training the teacher's top draft id stands for the greedy token) weighs
+  (:func:`selfspec.heads.dflash.on_greedy_path`; in training the teacher's top draft id stands for the greedy token) weighs
   ``off_path_weight`` times its weight. Decoding verifies position k only after the target's own tokens, while the
   teacher there is the target's prediction after the text's tokens, which the mask slots never see. The step's
   normaliser (``count_items``) is the weights' sum before this factor, so an off-path position's share is dropped,
@@ -28,7 +28,7 @@ Config (``cfg.heads``, conf/heads/dflash.yaml):
 A step samples each sequence's anchors with the global torch RNG (``count_items``, so a checkpoint's RNG state
 resumes them exactly) and keeps them in the batch (``batch["anchors"]``) for ``compute_loss``. The drafter reads
 the target layers' outputs at every real position, fuses them into one context, and drafts all the blocks of a
-sequence in one forward under :func:`heads.dflash.block_mask`. The loss is a sum over the scored block positions
+sequence in one forward under :func:`selfspec.heads.dflash.block_mask`. The loss is a sum over the scored block positions
 weighted by position, divided by the step's total weight (``count_items``), so a step's gradient does not depend on
 how it is split over micro-batches and processes. The teacher at block position k of anchor p is the target's
 prediction at p + k - 1, its LM head applied to the scored rows only.
@@ -41,7 +41,7 @@ the same identity and is reused (``feature_store.dir=<its run>/features``).
 Evaluation drafts at anchors from a fixed generator (the same every evaluation) and reports, per block position k,
 top-1 agreement with the target's greedy token (``eval/acc_pos{k}``), the loss, and the expected accepted length of
 the block as a chain (``eval/accept_length_chain``), and the same as decoding verifies it, on the greedy path
-(``eval/acc_on_path_pos{k}``, ``eval/accept_length_on_path``; :meth:`DFlashMethod.evaluate`). Saved through heads.io
+(``eval/acc_on_path_pos{k}``, ``eval/accept_length_on_path``; :meth:`DFlashMethod.evaluate`). Saved through selfspec.heads.io
 as head type ``dflash``.
 """
 
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from heads.dflash import (
+from selfspec.heads.dflash import (
     DFlashConfig,
     DFlashHeads,
     block_mask,
@@ -67,15 +67,15 @@ from heads.dflash import (
     retrieval_hits,
     sample_anchors,
 )
-from core.archs import output_logits
-from core.layers import decoder_of
-from core.errors import SettingError
-from heads.medusa import expected_accept_length
-from core.runtime import rows_through
-from train.config import settings_from_cfg
-from train.data import count_draft_vocab, draft_vocab_problems
-from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
-from train.method import TrainMethod, save_run_heads, state_under, unwrap
+from selfspec.core.archs import output_logits
+from selfspec.core.layers import decoder_of
+from selfspec.core.errors import SettingError
+from selfspec.heads.medusa import expected_accept_length
+from selfspec.core.runtime import rows_through
+from selfspec.train.config import settings_from_cfg
+from selfspec.train.data import count_draft_vocab, draft_vocab_problems
+from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
+from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 TOKEN_LOSSES = ("kl", "ce")
 LOSS_KEYS = ("token_loss", "gamma", "retrieved_weight", "retrieval_min_match", "off_path_weight")
@@ -91,7 +91,7 @@ class DFlashSettings:
     type: str  # dflash
     num_layers: int
     block_size: int
-    target_layer_ids: list[int] | None  # null: heads.dflash.default_target_layer_ids
+    target_layer_ids: list[int] | None  # null: selfspec.heads.dflash.default_target_layer_ids
     mask_token_id: int | str  # a token id, or auto (choose_mask_token_id)
     draft_vocab_size: int | str | None  # a number, auto (by draft_vocab_coverage), or null (the full vocab)
     draft_vocab_coverage: float | None
@@ -133,7 +133,7 @@ class DFlashSettings:
         return out
 
     def dflash_config(self, target: Any) -> DFlashConfig:
-        """The drafter's config for ``target`` (a core.target.Target: its model and tokenizer)."""
+        """The drafter's config for ``target`` (a selfspec.core.target.Target: its model and tokenizer)."""
         mask = self.mask_token_id
         if mask == "auto":
             mask = choose_mask_token_id(target.tokenizer, target.model.config.vocab_size)
@@ -188,7 +188,7 @@ class DFlashTrainModule(nn.Module):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 anchors: torch.Tensor, scored: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """features [B, T, n*H] (the target layers' outputs), input_ids / attention_mask [B, T], anchors [B, A]
-        (-1: none), ``scored`` the (b, a, k) indices of :func:`heads.dflash.block_targets` -> draft logits [N, Vd]."""
+        (-1: none), ``scored`` the (b, a, k) indices of :func:`selfspec.heads.dflash.block_targets` -> draft logits [N, Vd]."""
         d = self.drafter
         bsz, t = input_ids.shape
         a, bs = anchors.shape[1], d.block_size
@@ -211,11 +211,11 @@ class ScoredBlocks:
     logits: torch.Tensor
     teacher: torch.Tensor
     target_rows: torch.Tensor  # [N, H] the target's last hidden states the teacher reads
-    scored: tuple[torch.Tensor, ...]  # the (b, a, k) indices of the positions (heads.dflash.block_targets)
+    scored: tuple[torch.Tensor, ...]  # the (b, a, k) indices of the positions (selfspec.heads.dflash.block_targets)
 
 
 class DFlashMethod(TrainMethod):
-    """The DFlash family for the shared loop (see train.method.TrainMethod)."""
+    """The DFlash family for the shared loop (see selfspec.train.method.TrainMethod)."""
 
     name = "dflash"
 
@@ -296,7 +296,7 @@ class DFlashMethod(TrainMethod):
         return weights
 
     def _retrieval_hits(self, batch: dict) -> torch.Tensor:
-        """:func:`heads.dflash.retrieval_hits` of the batch [B, T] (each row its own text; a packed row is not read
+        """:func:`selfspec.heads.dflash.retrieval_hits` of the batch [B, T] (each row its own text; a packed row is not read
         here: DFlash does not pack)."""
         valid = batch["attention_mask"].bool() if batch.get("attention_mask") is not None \
             else torch.ones_like(batch["input_ids"], dtype=torch.bool)
@@ -305,7 +305,7 @@ class DFlashMethod(TrainMethod):
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
         if "anchors" not in batch:
             raise RuntimeError("DFlash draws a micro-batch's anchors in count_items (the step's normaliser): call "
-                               "count_items(batch) before compute_loss(batch, ...), as train.loop does.")
+                               "count_items(batch) before compute_loss(batch, ...), as selfspec.train.loop does.")
         blocks = self._scored_blocks(batch, target, drafter, batch["anchors"])
         weights = self._weights(batch, batch["anchors"], blocks.scored)
         top = self._teacher_top(blocks)
@@ -338,7 +338,7 @@ class DFlashMethod(TrainMethod):
     def _on_path(self, core: DFlashHeads, batch: dict, anchors: torch.Tensor, blocks: ScoredBlocks,
                  greedy: torch.Tensor, draft_ids: bool) -> torch.Tensor:
         """bool [N]: whether each scored position's block follows the target's greedy path before it in the text
-        (:func:`heads.dflash.on_greedy_path`). ``greedy`` [N]: the target's greedy token at each scored position, as
+        (:func:`selfspec.heads.dflash.on_greedy_path`). ``greedy`` [N]: the target's greedy token at each scored position, as
         a draft id (``draft_ids``; in training, the teacher's top draft id: a text token outside the draft
         vocabulary is off the path) or a target id."""
         b, a, k = blocks.scored

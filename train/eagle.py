@@ -17,7 +17,7 @@ Outputs in outputs/<run_name>/ (run_name defaults to eagle-smollm2 / eagle3-smol
 checkpoints/, config.yaml, metrics.jsonl.
 """
 
-from train.cli import main
+from selfspec.train.cli import main
 
 if __name__ == "__main__":
     main("eagle")

@@ -1,11 +1,11 @@
-"""EAGLE training for :func:`train.loop.train`: EAGLE-1 and EAGLE-3 drafters on a frozen target.
+"""EAGLE training for :func:`selfspec.train.loop.train`: EAGLE-1 and EAGLE-3 drafters on a frozen target.
 
 Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
 
 - ``type``: ``eagle`` (feature regression + token loss, the target's LM head) or ``eagle3`` (fused low/mid/high
   features, own LM head over a reduced draft vocabulary, token loss only).
 - ``layout``: ``fc`` (EAGLE-1's input projection before an unmodified target layer) or ``midlayer`` (eagle3 only:
-  EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see heads.export); see heads.eagle;
+  EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see selfspec.heads.export); see selfspec.heads.eagle;
 - ``fc_bias``, ``input_norm`` (fc layout: the layer's own input norm; false with ``fc_bias: false`` is vLLM's
   EAGLE-1), ``init_layer_from`` (copy a Llama-shaped target layer into the draft layer), ``layer_ids`` (eagle3),
   ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
@@ -16,7 +16,7 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
 
 Hidden states come from the target as training runs (``features: online``: one forward with
 ``output_hidden_states`` under no_grad) or from an offline feature store (``features: store``, see
-train.feature_store), which keeps the last hidden state (after the final norm) and, for eagle3, the three fused layers'
+selfspec.train.feature_store), which keeps the last hidden state (after the final norm) and, for eagle3, the three fused layers'
 inputs. The teacher logits are the target's LM head on that last hidden state (soft-capped where the target's are),
 so the store needs no top-k logits and trains the same drafter as online features (exactly, with
 ``feature_store.dtype=float32``).
@@ -26,7 +26,7 @@ optimizer step (``count_items``: answer tokens inside the draft vocabulary), so 
 how the batch is split over processes and micro-batches. EAGLE-3's KL loss skips the positions whose target top token
 is outside the draft vocabulary (no draft could propose it); they stay counted, contributing no loss.
 
-Saved through heads.io as head type ``eagle`` / ``eagle3``; eagle3's ``d2t`` / ``t2d`` are buffers of the module and
+Saved through selfspec.heads.io as head type ``eagle`` / ``eagle3``; eagle3's ``d2t`` / ``t2d`` are buffers of the module and
 are saved with its weights.
 """
 
@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.archs import output_logits
-from heads.eagle import EagleConfig, EagleHeads
-from heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
-from core.runtime import rows_through
-from train.data import count_draft_vocab, draft_vocab_problems
-from train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
-from train.config import settings_from_cfg
-from train.method import TrainMethod, save_run_heads, state_under, unwrap
+from selfspec.core.archs import output_logits
+from selfspec.heads.eagle import EagleConfig, EagleHeads
+from selfspec.heads.eagle_loss import EagleLossWeights, drafter_loss, step_counts
+from selfspec.core.runtime import rows_through
+from selfspec.train.data import count_draft_vocab, draft_vocab_problems
+from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
+from selfspec.train.config import settings_from_cfg
+from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 HEAD_TYPES = ("eagle", "eagle3")
 
@@ -118,7 +118,7 @@ class EagleTrainModule(nn.Module):
     def forward(self, hidden_states, target_logits, input_ids, labels, attention_mask, num_items, segment_ids=None,
                 position_ids=None):
         """-> (loss, metrics); noise only in training mode; num_items [unroll_steps] the step's counts per unrolled
-        step (heads.eagle_loss.drafter_loss); segment_ids / position_ids of a packed batch."""
+        step (selfspec.heads.eagle_loss.drafter_loss); segment_ids / position_ids of a packed batch."""
         return drafter_loss(
             self.drafter, hidden_states, target_logits, input_ids, labels, self.weights, num_items,
             unroll_steps=self.unroll_steps, attention_mask=attention_mask,
@@ -128,7 +128,7 @@ class EagleTrainModule(nn.Module):
 
 
 class EagleMethod(TrainMethod):
-    """The EAGLE family for the shared loop (see train.method.TrainMethod)."""
+    """The EAGLE family for the shared loop (see selfspec.train.method.TrainMethod)."""
 
     supports_packing = True  # trainer.packing: the drafter's masks and losses read segment_ids
 
@@ -194,7 +194,7 @@ class EagleMethod(TrainMethod):
         return hidden_states, logits if need_logits else None
 
     def count_items(self, batch: dict) -> torch.Tensor:
-        """Positions each unrolled step trains at, [unroll_steps] (heads.eagle_loss.step_counts)."""
+        """Positions each unrolled step trains at, [unroll_steps] (selfspec.heads.eagle_loss.step_counts)."""
         draft_labels = self._draft_vocab_of(batch["labels"])
         return step_counts(draft_labels, self.settings.unroll_steps, batch.get("segment_ids"))
 
@@ -228,7 +228,7 @@ class EagleMethod(TrainMethod):
         totals = accelerator.reduce(totals, reduction="sum")
         acc = (totals[0] / totals[1].clamp(min=1)).tolist()
         losses = (totals[2] / totals[1].clamp(min=1)).tolist()
-        from heads.medusa import expected_accept_length
+        from selfspec.heads.medusa import expected_accept_length
 
         metrics_out = {f"eval/acc_step{j}": acc[j] for j in range(steps)}
         metrics_out.update({f"eval/loss_step{j}": losses[j] for j in range(steps)})

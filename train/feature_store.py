@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from core.config import cfg_get, to_dict
-from core.errors import SelfspecError
-from train.data import IGNORE_INDEX, target_inputs
+from selfspec.core.config import cfg_get, to_dict
+from selfspec.core.errors import SelfspecError
+from selfspec.train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
 META_NAME = "meta.json"
@@ -98,7 +98,7 @@ class FeatureSource:
         ``fields``: what the stored features depend on besides the target, the data and the dtype (which layers,
         how many teacher logits, ...). Every process must call this.
         """
-        from core.target import fingerprint
+        from selfspec.core.target import fingerprint
 
         splits = {"train": datasets["train"]}
         if datasets.get("eval") is not None and len(datasets["eval"]) > 0:
@@ -112,7 +112,7 @@ class FeatureSource:
                     f"feature_store.engine=vllm captures the target's hidden states only; this store keeps "
                     f"{fields.get('fields', 'other fields')} beyond them (e.g. heads.loss=kl's teacher logits: "
                     "feature_store.teacher_topk=0 drops them). Use feature_store.engine=hf.")
-            from core.vllm_env import vllm_available
+            from selfspec.core.vllm_env import vllm_available
 
             reason = vllm_available(self.settings.get("vllm", {}).get("venv"))
             if reason:
@@ -166,7 +166,7 @@ class VllmHiddenStates:
 
     def __init__(self, extract: HiddenStatesExtract, model_cfg: Mapping[str, Any] | None, settings: Mapping[str, Any],
                  max_length: int | None, log_path: Path):
-        from core.layers import decoder_of
+        from selfspec.core.layers import decoder_of
 
         self.layers, self.dtype = extract.layers, extract.dtype
         self.model_cfg, self.settings, self.log_path = dict(model_cfg or {}), dict(settings), log_path
@@ -179,7 +179,7 @@ class VllmHiddenStates:
         self.calls = 0
 
     def _start(self, max_model_len: int) -> None:
-        from core.vllm_env import (PLUGINS_DIR, VllmSession, VllmSettings, hidden_states_engine, llm_kwargs,
+        from selfspec.core.vllm_env import (PLUGINS_DIR, VllmSession, VllmSettings, hidden_states_engine, llm_kwargs,
                                    replica_env, served_model, visible_gpus)
 
         settings = VllmSettings.from_config({"batch_size": 1, **self.settings})
@@ -290,7 +290,7 @@ def ensure_feature_store(
 ) -> dict[str, "FeatureDataset"]:
     """Open the store at ``path``, building it first if it is missing or was built for something else.
 
-    ``splits``: name -> dataset of examples with input_ids/labels (e.g. the DatasetDict from train.data).
+    ``splits``: name -> dataset of examples with input_ids/labels (e.g. the DatasetDict from selfspec.train.data).
     ``extract(batch)``: batch (collated, on ``device``) -> {field: [B, T, ...]} per-token features, stored in the
     dtype they come in. ``identity``: what the features depend on (target fingerprint, fields, dtype, ...).
     Every process must call this. Returns name -> :class:`FeatureDataset`.
@@ -472,7 +472,7 @@ class FeatureDataset(Dataset):
 
 def collate_features(examples: list[Mapping[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch of feature-store items: input_ids/attention_mask/labels [B, T] and each field [B, T, ...]
-    (zeros on pads), the same layout as ``train.data.collate`` plus the features."""
+    (zeros on pads), the same layout as ``selfspec.train.data.collate`` plus the features."""
     longest = max(len(e["input_ids"]) for e in examples)
     batch_size = len(examples)
     out = {

@@ -19,7 +19,7 @@ Outputs in outputs/<run_name>/: heads/ (decode with ``python decode/run.py heads
 exit_layers.json (the per-layer table), checkpoints/, config.yaml, metrics.jsonl.
 """
 
-from train.cli import main
+from selfspec.train.cli import main
 
 if __name__ == "__main__":
     main("layerskip")

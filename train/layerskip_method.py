@@ -1,10 +1,10 @@
-"""Layer-skip exit training for :func:`train.loop.train`: early exits on a frozen target (heads/layerskip.py).
+"""Layer-skip exit training for :func:`selfspec.train.loop.train`: early exits on a frozen target (heads/layerskip.py).
 
 Config (conf/layerskip.yaml): ``exit_layer`` (a layer 1..L-1, or ``auto``) and ``exit``:
 
 - ``form``: ``head`` (a final norm and an LM head) or ``adapter`` (one decoder block of the target's class before
   them, as in Kangaroo); ``tune_lm_head``: train the LM head rows too (else frozen);
-- ``draft_vocab_size`` / ``draft_vocab_coverage``: the exit's reduced vocabulary (train.data.choose_draft_vocab);
+- ``draft_vocab_size`` / ``draft_vocab_coverage``: the exit's reduced vocabulary (selfspec.train.data.choose_draft_vocab);
 - ``candidates``: the layers ``exit_layer=auto`` trains (null: five from shallow to half way, :func:`default_candidates`);
 - ``thresholds``, ``max_depth``: what the end-of-run estimate searches for the confidence threshold and the chain
   length that decoding will use (saved with the exit).
@@ -42,14 +42,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from core.archs import output_logits
-from core.errors import SettingError
-from heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
-from core.runtime import rows_through
-from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
-from train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
-from train.config import settings_from_cfg
-from train.method import TrainMethod, save_run_heads, state_under, unwrap
+from selfspec.core.archs import output_logits
+from selfspec.core.errors import SettingError
+from selfspec.heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
+from selfspec.core.runtime import rows_through
+from selfspec.train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from selfspec.train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
+from selfspec.train.config import settings_from_cfg
+from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 
 @dataclass
@@ -138,7 +138,7 @@ class ExitTrainModule(nn.Module):
             if exit_module.adapter is None:  # per position: only the trained rows
                 features = exit_module.features(hidden[where])
             else:  # the block attends over the sequence: causal, padding hidden
-                from core.layers import causal_mask
+                from selfspec.core.layers import causal_mask
 
                 mask = causal_mask(hidden.shape[1], 0, hidden.dtype, hidden.device, key_padding=attention_mask)
                 features = exit_module.features(hidden, position_ids_from_mask(attention_mask), mask)[where]
@@ -150,7 +150,7 @@ class ExitTrainModule(nn.Module):
 def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
     """The target as decoding runs it (``model.dtype``): itself, or a copy in that dtype when training ran it in
     another (trainer.target_dtype), so that costs measured on it are those decoding pays."""
-    from core.target import resolve_dtype
+    from selfspec.core.target import resolve_dtype
 
     param = next(model.parameters())
     wanted = resolve_dtype(dtype, param.device)
@@ -158,7 +158,7 @@ def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
 
 
 class LayerSkipMethod(TrainMethod):
-    """Layer-skip exits for the shared loop (see train.method.TrainMethod)."""
+    """Layer-skip exits for the shared loop (see selfspec.train.method.TrainMethod)."""
 
     name = "layerskip"
 
@@ -293,8 +293,8 @@ class LayerSkipMethod(TrainMethod):
     def choose(self, target, core: ExitSet) -> list[dict]:
         """Per trained exit: agreement, and the threshold and chain length with the best expected tokens/s against
         plain decoding under this machine's measured costs; best first."""
-        from decode.layerskip import best_chain, measure_layer_costs
-        from decode.session import depth_policy
+        from selfspec.decode.layerskip import best_chain, measure_layer_costs
+        from selfspec.decode.session import depth_policy
 
         if not self._stats:
             raise RuntimeError("layer-skip exits are chosen from an evaluation: give the run an eval split "

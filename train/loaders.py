@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from core.config import cfg_get, to_dict
-from core.errors import SelfspecError, SettingError
-from train.config import TrainerConfig
-from train.method import TrainMethod
+from selfspec.core.config import cfg_get, to_dict
+from selfspec.core.errors import SelfspecError, SettingError
+from selfspec.train.config import TrainerConfig
+from selfspec.train.method import TrainMethod
 
 
 class EmptyDatasetError(SelfspecError, ValueError):
@@ -48,7 +48,7 @@ class EpochSampler(Sampler[int]):
 def prepare_splits(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, datasets: Any, accelerator):
     """(train split, eval split or None, collate_fn): ``cfg.data`` tokenized unless ``datasets`` is given, then what
     the method makes of it (``prepare_data``, e.g. a feature store), the eval split capped at eval_max_examples."""
-    from train.data import collate
+    from selfspec.train.data import collate
 
     if datasets is None:
         datasets = _load_datasets(cfg, target.tokenizer, accelerator)
@@ -65,11 +65,11 @@ def prepare_splits(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any
 
 
 def packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any) -> Callable:
-    """trainer.packing: batches of the same examples, packed (train.data.collate_packed) into rows of
+    """trainer.packing: batches of the same examples, packed (selfspec.train.data.collate_packed) into rows of
     trainer.pack_length tokens (default data.max_length), whether the examples are tokenized data or feature-store
     items. Only for methods whose losses and masks read the packed layout (``supports_packing``). Evaluation keeps
     padded batches: its per-example sums (gather_for_metrics) count examples, and the metrics are the same."""
-    from train.data import collate_packed
+    from selfspec.train.data import collate_packed
 
     if not method.supports_packing:
         raise SettingError(f"trainer.packing=true is not supported by {method.name} training: set "
@@ -110,7 +110,7 @@ def micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
 
 
 def _load_datasets(cfg: Any, tokenizer, accelerator):
-    from train.data import build_dataset
+    from selfspec.train.data import build_dataset
 
     with accelerator.main_process_first():  # the main process tokenizes and caches; the others load the cache
         return build_dataset(cfg.data, tokenizer, verbose=accelerator.is_main_process)

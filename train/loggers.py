@@ -82,7 +82,7 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     keyword ``config``, so the class is looked up and called directly)."""
     from hydra.utils import get_object
 
-    from core.config import to_dict
+    from selfspec.core.config import to_dict
 
     kwargs = to_dict(logger_cfg)
     target = kwargs.pop("_target_", None)

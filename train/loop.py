@@ -2,7 +2,7 @@
 
     result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 
-``method`` says what is trained and how (a :class:`train.method.TrainMethod`); the loop owns everything else, in this
+``method`` says what is trained and how (a :class:`selfspec.train.method.TrainMethod`); the loop owns everything else, in this
 order (one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with
 a warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
 checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
@@ -49,13 +49,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from core.config import cfg_get, to_dict
-from core.errors import SelfspecError
-from core.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
-from train import budget as time_budget
-from train.accelerator import check_accumulation, make_accelerator
-from train.budget import TimeBudget
-from train.checkpoint import (
+from selfspec.core.config import cfg_get, to_dict
+from selfspec.core.errors import SelfspecError
+from selfspec.core.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
+from selfspec.train import budget as time_budget
+from selfspec.train.accelerator import check_accumulation, make_accelerator
+from selfspec.train.budget import TimeBudget
+from selfspec.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -64,10 +64,10 @@ from train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from train.config import SCHEDULERS, TrainerConfig, training_dtype, write_resolved_config
-from train.loaders import eval_loader, micro_batches, packing_collate, prepare_splits, train_loader
-from train.loggers import LogWindow, make_logger
-from train.method import TrainMethod
+from selfspec.train.config import SCHEDULERS, TrainerConfig, training_dtype, write_resolved_config
+from selfspec.train.loaders import eval_loader, micro_batches, packing_collate, prepare_splits, train_loader
+from selfspec.train.loggers import LogWindow, make_logger
+from selfspec.train.method import TrainMethod
 
 
 # Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
@@ -103,7 +103,7 @@ class TrainResult:
 
 def train(cfg: Any, method: TrainMethod, target: Any = None, datasets: Any = None) -> TrainResult:
     """Train ``method``'s drafter on ``cfg``; ``target``/``datasets`` override loading them from ``cfg.model``/
-    ``cfg.data`` (a ``core.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
+    ``cfg.data`` (a ``selfspec.core.target.Target`` and a mapping with "train" and optionally "eval" splits)."""
     started = time_budget.now()  # trainer.max_minutes counts from here: the target, the data and a store included
     run = _setup(cfg, method, target, datasets, started)
     progress = _resume(run)
@@ -165,7 +165,7 @@ class _Progress:
 def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: float | None = None) -> _Run:
     """The trainer settings, accelerator and run folder; the target and data; the module, optimizer, schedule and
     loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``.
-    ``started``: the run's start on :func:`train.budget.now`'s clock, where ``trainer.max_minutes`` counts from."""
+    ``started``: the run's start on :func:`selfspec.train.budget.now`'s clock, where ``trainer.max_minutes`` counts from."""
     from accelerate.utils import set_seed
 
     tc = TrainerConfig.from_cfg(cfg.trainer)
@@ -231,7 +231,7 @@ def _fused_adamw(groups: list[dict]) -> bool | None:
 
 def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
     """The frozen target, in ``trainer.target_dtype`` (:func:`training_dtype`)."""
-    from core.target import load_target
+    from selfspec.core.target import load_target
 
     model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)

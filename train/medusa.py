@@ -18,7 +18,7 @@ Outputs in outputs/<run_name>/: heads/ (load with ``heads.load(path, target)``),
 metrics.jsonl.
 """
 
-from train.cli import main
+from selfspec.train.cli import main
 
 if __name__ == "__main__":
     main("medusa")

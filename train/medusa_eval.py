@@ -1,7 +1,7 @@
 """Medusa heads' evaluation: per-head top-1/top-5 accuracy and loss over labelled positions, the accepted lengths
 they imply, and their summary in a heads folder's config.json.
 
-    metrics = medusa_eval_metrics(batches, head_logits_of, num_heads)   # e.g. train.medusa_method.evaluate_heads
+    metrics = medusa_eval_metrics(batches, head_logits_of, num_heads)   # e.g. selfspec.train.medusa_method.evaluate_heads
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from heads.medusa import expected_accept_length, medusa_positions, medusa_topk_hits, to_draft_ids, weighted_head_loss
-from train.data import IGNORE_INDEX
+from selfspec.heads.medusa import expected_accept_length, medusa_positions, medusa_topk_hits, to_draft_ids, weighted_head_loss
+from selfspec.train.data import IGNORE_INDEX
 
 
 def medusa_eval_metrics(batches, head_logits_of, num_heads: int, decay: float = 0.8, gather=None,

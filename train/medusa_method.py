@@ -1,4 +1,4 @@
-"""Medusa training for :func:`train.loop.train`: Medusa-1 (frozen target) and Medusa-2 (LoRA on the target, joint),
+"""Medusa training for :func:`selfspec.train.loop.train`: Medusa-1 (frozen target) and Medusa-2 (LoRA on the target, joint),
 one method each (:class:`Medusa1Method`, :class:`Medusa2Method`), chosen by ``heads.type`` (:func:`medusa_method`).
 
 Config (``cfg.heads``, conf/heads/medusa.yaml and medusa2.yaml):
@@ -17,13 +17,13 @@ Config (``cfg.heads``, conf/heads/medusa.yaml and medusa2.yaml):
   learning rate is ``heads_lr_multiplier`` times the LoRA's. The adapter is saved in the heads folder.
 
 Hidden states come from the target during training (``features: online``) or, for Medusa-1, from an offline feature
-store (``features: store``, see train.feature_store): both train the same thing. The store keeps the last hidden
+store (``features: store``, see selfspec.train.feature_store): both train the same thing. The store keeps the last hidden
 states and, for ``loss: kl``, the target's top ``feature_store.teacher_topk`` logits per position (the teacher
 distribution is renormalised over them; with topk = vocabulary size it is exact).
 
 Losses are sums over label positions divided by the global count per head (``count_items``), so a step's gradient does
 not depend on how the batch is split over processes and micro-batches. The evaluation's metrics are
-train.medusa_eval's.
+selfspec.train.medusa_eval's.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from core.archs import attention_linear_names, output_logits
-from core.errors import SettingError
-from heads.medusa import (
+from selfspec.core.archs import attention_linear_names, output_logits
+from selfspec.core.errors import SettingError
+from selfspec.heads.medusa import (
     MedusaConfig,
     MedusaHeads,
     medusa_head_losses,
@@ -46,11 +46,11 @@ from heads.medusa import (
     to_draft_ids,
     weighted_head_loss,
 )
-from train.config import settings_from_cfg
-from train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
-from train.feature_store import FeatureSource, hidden_states_extract
-from train.medusa_eval import eval_summary, medusa_eval_metrics
-from train.method import TrainMethod, save_run_heads, state_under, unwrap
+from selfspec.train.config import settings_from_cfg
+from selfspec.train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from selfspec.train.feature_store import FeatureSource, hidden_states_extract
+from selfspec.train.medusa_eval import eval_summary, medusa_eval_metrics
+from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
 TEACHER_FILL = -1e30  # logit of the tokens outside a stored top-k: probability 0, and finite so KL stays finite
 
@@ -120,7 +120,7 @@ def last_hidden_state(causal_lm: nn.Module, input_ids: torch.Tensor, attention_m
                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The hidden state the LM head reads (after the final norm), [B, T, H], without computing logits. A padded
     batch gives its attention_mask (positions follow from it); a packed one no mask and its restarting position_ids
-    (train.data.target_inputs)."""
+    (selfspec.train.data.target_inputs)."""
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.base_model
     if position_ids is None:
         position_ids = position_ids_from_mask(attention_mask)
@@ -195,7 +195,7 @@ class MedusaMethod(TrainMethod):
         self.settings = MedusaSettings.from_cfg(cfg.heads)
         if not isinstance(self, METHODS[self.settings.type]):
             raise ValueError(f"{type(self).__name__} does not train heads.type={self.settings.type}: build the method "
-                             "with train.medusa_method.medusa_method(cfg), which picks it by heads.type.")
+                             "with selfspec.train.medusa_method.medusa_method(cfg), which picks it by heads.type.")
         self.name = self.settings.type
         self.features = FeatureSource.from_cfg(cfg)
         if not self.features.online and self.settings.loss == "kl" and not self.features.settings.get("teacher_topk"):
@@ -444,7 +444,7 @@ class Medusa2Method(MedusaMethod):
 
 
 def lora_target_modules(model: nn.Module, setting: Any) -> list[str]:
-    """``heads.lora.target_modules``: ``auto``, every linear layer of the target's attention (core.archs:
+    """``heads.lora.target_modules``: ``auto``, every linear layer of the target's attention (selfspec.core.archs:
     q/k/v/o, Phi-3's fused qkv_proj, DeepSeek-V3's low-rank MLA projections), or a list of module names, each of
     which must name linear layers of the target (peft would silently adapt only those of a list that exist)."""
     attention = attention_linear_names(model)
@@ -481,7 +481,7 @@ def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token
     in one process; hidden states come from ``target_model`` (with a Medusa-2 adapter merged, if any)."""
     from torch.utils.data import DataLoader
 
-    from train.data import collate
+    from selfspec.train.data import collate
 
     device = next(target_model.parameters()).device
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,

@@ -1,4 +1,4 @@
-"""What a drafter family supplies to the shared training loop (:func:`train.loop.train`): one :class:`TrainMethod`.
+"""What a drafter family supplies to the shared training loop (:func:`selfspec.train.loop.train`): one :class:`TrainMethod`.
 
 The whole contract is this class. Five methods are required (``build_module``, ``count_items``, ``compute_loss``,
 ``evaluate``, ``save``; a subclass that lacks one cannot be instantiated) plus a ``name``; every optional capability
@@ -20,7 +20,7 @@ split into micro-batches and processes does not change its gradient. Every famil
 as a required argument; none falls back to a micro-batch's own count.
 
 One save path: a family's ``save`` hands its module and what it chose to :func:`save_run_heads`, which builds the
-metadata every heads folder carries and calls heads.io.save_heads.
+metadata every heads folder carries and calls selfspec.heads.io.save_heads.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from core.families import FAMILIES
+from selfspec.core.families import FAMILIES
 
 
 class TrainMethod(ABC):
@@ -46,10 +46,10 @@ class TrainMethod(ABC):
     name: str
 
     #: Whether the method trains weights inside the target (e.g. Medusa-2's LoRA). The target then keeps the model
-    #: config's dtype under ``trainer.target_dtype=auto`` instead of bfloat16 (train.config.training_dtype).
+    #: config's dtype under ``trainer.target_dtype=auto`` instead of bfloat16 (selfspec.train.config.training_dtype).
     trains_target: bool = False
 
-    #: Whether ``compute_loss`` reads packed batches (train.data.collate_packed: ``segment_ids`` and restarting
+    #: Whether ``compute_loss`` reads packed batches (selfspec.train.data.collate_packed: ``segment_ids`` and restarting
     #: ``position_ids``), keeping its masks and look-ahead targets within an example. Evaluation reads padded batches.
     supports_packing: bool = False
 
@@ -127,7 +127,7 @@ def save_run_heads(path: Path, module: nn.Module, head_type: str, target: Any, m
                  eval_metrics: dict | None = None, extra: dict | None = None, decode: dict | None = None,
                  state_dict: dict | None = None, adapter: nn.Module | None = None,
                  adapter_state_dict: dict | None = None) -> Path:
-    """Every family's save: ``module`` into the heads folder ``path`` through heads.io.save_heads, as head type
+    """Every family's save: ``module`` into the heads folder ``path`` through selfspec.heads.io.save_heads, as head type
     ``head_type`` with its ``module.config.to_dict()``, and the metadata of the run in config.json:
 
     - ``meta`` (run name, method, steps, tokens, data, trainer; from the loop), its ``eval`` replaced by
@@ -141,7 +141,7 @@ def save_run_heads(path: Path, module: nn.Module, head_type: str, target: Any, m
 
     ``state_dict`` / ``adapter`` / ``adapter_state_dict`` go to save_heads as they are (gathered weights, Medusa-2's
     LoRA)."""
-    from heads.io import save_heads
+    from selfspec.heads.io import save_heads
 
     saved = dict(meta)
     if eval_metrics is not None:

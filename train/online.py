@@ -35,7 +35,7 @@ from typing import Any, Iterable
 
 import torch
 
-from core.errors import SelfspecError, SettingError
+from selfspec.core.errors import SelfspecError, SettingError
 
 LEARNING_FAMILIES = ("eagle", "eagle3", "dflash", "medusa")  # Medusa-1: Medusa-2's adapter is refused
 
@@ -121,12 +121,12 @@ class Recorder:
         self.length += int(tokens.shape[0])
 
     def start(self, prompt_ids: torch.Tensor, out) -> None:
-        """``out``: the prefill's decode.types.ForwardOutput."""
+        """``out``: the prefill's selfspec.decode.types.ForwardOutput."""
         self.prompt_length = int(prompt_ids.shape[0])
         self._keep(prompt_ids, out.hidden_states, slice(None))
 
     def commit(self, draft, verdict, out) -> None:
-        """The engine's decode.types Draft, decode.verify Verdict and ForwardOutput of one step."""
+        """The engine's selfspec.decode.types Draft, selfspec.decode.verify Verdict and ForwardOutput of one step."""
         path = torch.tensor(verdict.path, device=draft.tokens.device)
         self._keep(draft.tokens[path], out.hidden_states, path.to(out.hidden.device))
 
@@ -147,7 +147,7 @@ class Recorder:
         return self._example(self.prompt_length + len(new_tokens) - 1)
 
     def _example(self, n: int) -> dict[str, torch.Tensor] | None:
-        from train.data.chat import IGNORE_INDEX
+        from selfspec.train.data.chat import IGNORE_INDEX
 
         n = min(n, self.length, self.max_length)
         if n <= self.prompt_length:
@@ -265,7 +265,7 @@ def reinitialize(heads: torch.nn.Module, heads_config: dict, target: torch.nn.Mo
     in place: the same shape, layers and draft vocabulary (buffers such as a draft-to-target token map are kept, and a
     draft LM head starts from the target's rows of that vocabulary, as training starts it), no learned weight. What a
     learner started "from untrained heads" of the same make starts from."""
-    from heads.io import head_builder
+    from selfspec.heads.io import head_builder
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -284,8 +284,8 @@ def training_method(head_type: str, heads_config: dict):
     family's entry config)."""
     from omegaconf import OmegaConf, open_dict
 
-    from core.config import compose
-    from core.families import FAMILIES
+    from selfspec.core.config import compose
+    from selfspec.core.families import FAMILIES
 
     family = FAMILIES[head_type]
     cfg = compose(family.train_conf, family.train_overrides())
@@ -298,7 +298,7 @@ def training_method(head_type: str, heads_config: dict):
 
 class OnlineLearner:
     """Trains a session's heads between its requests (module docstring). ``heads``: the module the session's drafter
-    reads, updated in place after every accepted update; ``target``: the session's ``core.target.Target``."""
+    reads, updated in place after every accepted update; ``target``: the session's ``selfspec.core.target.Target``."""
 
     def __init__(self, heads: torch.nn.Module, head_type: str, heads_config: dict, target: Any,
                  settings: LearnSettings):
@@ -440,14 +440,14 @@ class OnlineLearner:
         mp = self.settings.mixed_precision
         if mp == "no":
             return nullcontext()
-        from core.runtime import native_bf16
+        from selfspec.core.runtime import native_bf16
 
         if mp == "bf16" or native_bf16(self.device):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def _batch(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        from train.feature_store import collate_features
+        from selfspec.train.feature_store import collate_features
 
         pad = self.target.tokenizer.pad_token_id
         batch = collate_features(examples, 0 if pad is None else int(pad))
@@ -514,7 +514,7 @@ class OnlineLearner:
                      "counters": {"requests": self.requests, "updates": self.updates, "rollbacks": self.rollbacks,
                                   "steps": self.steps}}
             torch.save(state, tmp / STATE_FILE)
-            from heads.io import _replace_dir
+            from selfspec.heads.io import _replace_dir
 
             _replace_dir(tmp, self.dir)
         except BaseException:
@@ -525,7 +525,7 @@ class OnlineLearner:
     def _resume(self) -> None:
         """The state :meth:`save` left in ``learner.dir``: the heads (into the training copy and the session's
         heads), optimizer, buffers and counters."""
-        from heads.io import load_heads
+        from selfspec.heads.io import load_heads
 
         try:
             loaded = load_heads(self.dir / HEADS_DIR, target=self.target)

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from core.config import cfg_get, to_dict
-from core.errors import SettingError
+from selfspec.core.config import cfg_get, to_dict
+from selfspec.core.errors import SettingError
 
 SPEED_CHECK_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -36,9 +36,9 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: T
     """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
     few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the
     same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}."""
-    from decode.prompts import prompt_ids
-    from decode.session import load_session
-    from decode.settings import decode_config
+    from selfspec.decode.prompts import prompt_ids
+    from selfspec.decode.session import load_session
+    from selfspec.decode.settings import decode_config
 
     command = f'python decode/run.py heads={heads_dir} prompt="Write a haiku about the sea."'
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)

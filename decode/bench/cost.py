@@ -9,19 +9,19 @@ from typing import Any, Callable
 
 import torch
 
-from decode.adaptive import CURVE_SIZES, verify_cost_curve
-from decode.bench.methods import Method
-from decode.cache import commit_kv
-from decode.drafters import VanillaDrafter
-from decode.eagle_drafter import EagleTreeDrafter
-from decode.engine import prefill
-from decode.hybrid import HybridDrafter
-from decode.layerskip import LayerSkipDrafter
-from decode.linear_kernels import decoding_kernels
-from decode.session import Session
-from decode.settings import required
-from decode.step import tree_forward
-from decode.types import Drafter, root_only
+from selfspec.decode.adaptive import CURVE_SIZES, verify_cost_curve
+from selfspec.decode.bench.methods import Method
+from selfspec.decode.cache import commit_kv
+from selfspec.decode.drafters import VanillaDrafter
+from selfspec.decode.eagle_drafter import EagleTreeDrafter
+from selfspec.decode.engine import prefill
+from selfspec.decode.hybrid import HybridDrafter
+from selfspec.decode.layerskip import LayerSkipDrafter
+from selfspec.decode.linear_kernels import decoding_kernels
+from selfspec.decode.session import Session
+from selfspec.decode.settings import required
+from selfspec.decode.step import tree_forward
+from selfspec.decode.types import Drafter, root_only
 
 
 def cost_curves(base: Session, cfg: Any) -> dict:

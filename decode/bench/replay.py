@@ -4,7 +4,7 @@ The stream benchmark (decode/bench/stream.py) decodes every request with every m
 for a hundred requests on a CPU. What the learner's settings change (learning rate, steps, the guard) needs none of
 them again: the learner sees only the recorded examples. So the stream is decoded once, its examples (what
 ``learn=true`` records: the target's answer and the hidden states the drafter reads) saved to ``record=``, and each
-setting then replays them in order through :class:`train.online.OnlineLearner`:
+setting then replays them in order through :class:`selfspec.train.online.OnlineLearner`:
 
 - before the learner takes request ``i``, the drafter's chain acceptance on it, with the weights it would have decoded
   that request with (the family's own evaluation: DFlash's ``eval/accept_length_on_path``, EAGLE's
@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from decode.bench.prompts import first_turn_ids, load_prompts
-from decode.bench.report import machine_info
-from decode.session import load_session
-from decode.settings import required
-from decode.types import DecodeSetupError
+from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
+from selfspec.decode.bench.report import machine_info
+from selfspec.decode.session import load_session
+from selfspec.decode.settings import required
+from selfspec.decode.types import DecodeSetupError
 
 REPLAY_KEYS = ("heads", "prompts", "limit", "record", "window", "out")
 RECORD_FORMAT = 1

@@ -10,18 +10,18 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from decode.bench.cost import cost_curves, draft_step_cost
-from decode.bench.early_exit import choose_early_exit, early_exit_candidates
-from decode.bench.figures import source_groups, summarize_runs
-from decode.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
-from decode.bench.prompts import first_turn_ids, load_prompts
-from decode.bench.report import machine_info, write_outputs
-from decode.bench.vllm import VLLM_METHODS
-from decode.prompts import prompt_ids
-from decode.session import Session
-from decode.settings import required
-from decode.types import DecodeSetupError
-from core.config import to_dict
+from selfspec.decode.bench.cost import cost_curves, draft_step_cost
+from selfspec.decode.bench.early_exit import choose_early_exit, early_exit_candidates
+from selfspec.decode.bench.figures import source_groups, summarize_runs
+from selfspec.decode.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
+from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
+from selfspec.decode.bench.report import machine_info, write_outputs
+from selfspec.decode.bench.vllm import VLLM_METHODS
+from selfspec.decode.prompts import prompt_ids
+from selfspec.decode.session import Session
+from selfspec.decode.settings import required
+from selfspec.decode.types import DecodeSetupError
+from selfspec.core.config import to_dict
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:

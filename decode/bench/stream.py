@@ -28,12 +28,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from decode.bench.prompts import first_turn_ids, load_prompts
-from decode.bench.report import machine_info
-from decode.bench.run import first_difference
-from decode.session import Session, hf_generate, load_session
-from decode.settings import required
-from decode.types import DecodeSetupError
+from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
+from selfspec.decode.bench.report import machine_info
+from selfspec.decode.bench.run import first_difference
+from selfspec.decode.session import Session, hf_generate, load_session
+from selfspec.decode.settings import required
+from selfspec.decode.types import DecodeSetupError
 
 METHODS = ("suffix", "frozen", "learn", "learn_untrained")
 LEARNING = ("learn", "learn_untrained")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from decode.bench.prompts import first_turn_ids
-from decode.engine import SpeculativeDecoder
-from decode.session import Session
+from selfspec.decode.bench.prompts import first_turn_ids
+from selfspec.decode.engine import SpeculativeDecoder
+from selfspec.decode.session import Session
 
 
 def sweep_decoders(session: Session, decoders: dict[str, SpeculativeDecoder], questions: list[dict],

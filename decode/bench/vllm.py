@@ -11,7 +11,7 @@ method, its tokens checked against HF generate's with the others.
   curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
-  :func:`decode.serving.served_depth`).
+  :func:`selfspec.decode.serving.served_depth`).
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: 10-15 s, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
@@ -27,17 +27,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_depth, served_target_dir
-from decode.types import DecodeSetupError
+from selfspec.decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_depth, served_target_dir
+from selfspec.decode.types import DecodeSetupError
 
 VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")
-SELFSPEC_SUFFIX = "decode.vllm_suffix.SuffixProposer"
+SELFSPEC_SUFFIX = "selfspec.decode.vllm_suffix.SuffixProposer"
 
 
 def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, suffix_k: int = 8) -> list[dict]:
     """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
     exported under ``out`` for the target vLLM loads from ``served``."""
-    from heads.export import export_heads
+    from selfspec.heads.export import export_heads
 
     runs = []
     if "vllm" in names:
@@ -69,7 +69,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
                      out: Path, log_name: str = "vllm.log") -> tuple[dict[str, dict], dict[str, dict]]:
     """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}), vLLM's log written to
     ``out / log_name``: ({method: {tuple(ids): record}}, {method: info})."""
-    from decode.settings import required
+    from selfspec.decode.settings import required
 
     c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
     k, suffix_k = int(c["vllm_speculative_tokens"]), int(c["vllm_suffix_tokens"])
@@ -87,10 +87,11 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if "vllm_selfspec_suffix" in names:  # selfspec's proposer imports from this repository, inside vLLM's venv
-        from decode.adaptive import measured_cost_curve
+        from selfspec.core.vllm_env import selfspec_pythonpath
+        from selfspec.decode.adaptive import measured_cost_curve
 
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
-        job["pythonpath"] = [str(Path(__file__).resolve().parents[2])]  # the repository
+        job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
         job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)})}
     result = run_vllm(job, c["vllm_venv"], log_path=out / log_name)
     records, info = {}, {}

@@ -1,23 +1,23 @@
 """Training data: read conversations, render them with the target's chat template, label the assistant's tokens,
-and batch them. One module per stage; every name callers use is importable from ``train.data``:
+and batch them. One module per stage; every name callers use is importable from ``selfspec.train.data``:
 
     conversations, report = load_conversations(cfg.data)             # list of [{"role", "content"}, ...]
     ds = build_dataset(cfg.data, tokenizer)                          # DatasetDict: train / eval, cached on disk
     batch = collate(ds["train"].select(range(8)), tokenizer.pad_token_id)
     batch = collate_packed(ds["train"].select(range(8)), tokenizer.pad_token_id, capacity=384)  # trainer.packing
 
-- :mod:`core.records` (shared with the suffix drafter's corpus): the tolerant streaming reader of JSON-array and
+- :mod:`selfspec.core.records` (shared with the suffix drafter's corpus): the tolerant streaming reader of JSON-array and
   JSONL files (cut-off files too), its :class:`ReadReport`, and a record's turns (:func:`parse_turns`);
-- :mod:`train.data.conversations`: records to conversations, and the sources (``data.source``: sharegpt, file, hf);
-- :mod:`train.data.chat`: a conversation tokenized with the chat template, labels on the assistant's tokens only;
-- :mod:`train.data.dataset`: the tokenized train / eval splits, cached on disk;
-- :mod:`train.data.batching`: padded and packed batches, and a target forward's attention inputs over them;
-- :mod:`train.data.draft_vocab`: draft vocabularies counted on a training split.
+- :mod:`selfspec.train.data.conversations`: records to conversations, and the sources (``data.source``: sharegpt, file, hf);
+- :mod:`selfspec.train.data.chat`: a conversation tokenized with the chat template, labels on the assistant's tokens only;
+- :mod:`selfspec.train.data.dataset`: the tokenized train / eval splits, cached on disk;
+- :mod:`selfspec.train.data.batching`: padded and packed batches, and a target forward's attention inputs over them;
+- :mod:`selfspec.train.data.draft_vocab`: draft vocabularies counted on a training split.
 """
 
-from train.data.batching import collate, collate_packed, pack_rows, position_ids_from_mask, target_inputs
-from train.data.chat import IGNORE_INDEX, ChatTemplateError, chat_ids, tokenize_conversation
-from core.records import (
+from selfspec.train.data.batching import collate, collate_packed, pack_rows, position_ids_from_mask, target_inputs
+from selfspec.train.data.chat import IGNORE_INDEX, ChatTemplateError, chat_ids, tokenize_conversation
+from selfspec.core.records import (
     EMPTY_CONVERSATION,
     EMPTY_TURN,
     INVALID_JSON_LINE,
@@ -33,8 +33,8 @@ from core.records import (
     parse_turns,
     read_records,
 )
-from train.data.conversations import load_conversations, open_records, sharegpt_path, to_messages
-from train.data.dataset import (
+from selfspec.train.data.conversations import load_conversations, open_records, sharegpt_path, to_messages
+from selfspec.train.data.dataset import (
     CACHE_FORMAT,
     NO_LABELS,
     TEMPLATE_FAILED,
@@ -46,7 +46,7 @@ from train.data.dataset import (
     split_indices,
     tokenizer_identity,
 )
-from train.data.draft_vocab import (
+from selfspec.train.data.draft_vocab import (
     DraftVocab,
     choose_draft_vocab,
     count_draft_vocab,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from train.data.chat import IGNORE_INDEX
+from selfspec.train.data.chat import IGNORE_INDEX
 
 
 def collate(examples: Iterable[Mapping[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ answer: the conversation up to and including it, rendered as the target sees it 
 history), labelled on that answer only. A template whose renders do not start each answer with its generation
 prompt cannot be labelled, and is reported with :class:`ChatTemplateError`.
 
-An answer's reasoning given apart from its content (``reasoning_content``, from the records: core.records) reaches the
+An answer's reasoning given apart from its content (``reasoning_content``, from the records: selfspec.core.records) reaches the
 template under the names templates read: ``reasoning_content`` (Qwen3) and ``thinking`` (gpt-oss); reasoning written
 inside the content (``<think>...</think>``, as scripts/regenerate.py writes Qwen3's answers) is the template's to
 split. ``template_kwargs`` (``data.chat_template_kwargs``) go to the template: ``{enable_thinking: false}`` renders
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core.records import DataError
+from selfspec.core.records import DataError
 
 IGNORE_INDEX = -100
 

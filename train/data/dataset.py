@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from core.config import cfg_get, to_dict
-from train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, conversation_examples
-from train.data.conversations import load_conversations, sharegpt_path
-from core.records import DataError, ReadReport
+from selfspec.core.config import cfg_get, to_dict
+from selfspec.train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, conversation_examples
+from selfspec.train.data.conversations import load_conversations, sharegpt_path
+from selfspec.core.records import DataError, ReadReport
 
 CACHE_FORMAT = 2  # bump when the tokenized layout or labelling rule changes: old caches are then ignored
 # 2: an example per answer for templates that rewrite earlier answers (they were skipped); splits by conversation
@@ -60,7 +60,7 @@ def data_cache_root() -> Path:
     """``SELFSPEC_DATA_CACHE`` if set, else ``<selfspec cache>/data``."""
     if os.environ.get("SELFSPEC_DATA_CACHE"):
         return Path(os.environ["SELFSPEC_DATA_CACHE"]).expanduser()
-    from core.target import cache_dir
+    from selfspec.core.target import cache_dir
 
     return cache_dir() / "data"
 

@@ -323,7 +323,7 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
         mp.setattr(SpeculativeDecoder, "generate", recording)
         result = speed_check(folder, prompts=2, max_new_tokens=6, out=out)
     text = out.getvalue()
-    assert f"python decode/run.py heads={folder}" in text and "quick speed check (2 prompts, 6 new tokens" in text
+    assert f"selfspec-decode heads={folder}" in text and "quick speed check (2 prompts, 6 new tokens" in text
     assert recorded["heads"][0] == recorded["plain"][0] == 12  # both decoders answered both prompts in full
     expected = {k: n / s for k, (n, s) in recorded.items()}
     assert result["heads"] == pytest.approx(expected["heads"]) and result["plain"] == pytest.approx(expected["plain"])

@@ -40,7 +40,7 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: T
     from selfspec.decode.session import load_session
     from selfspec.decode.settings import decode_config
 
-    command = f'python decode/run.py heads={heads_dir} prompt="Write a haiku about the sea."'
+    command = f'selfspec-decode heads={heads_dir} prompt="Write a haiku about the sea."'
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)
     if prompts <= 0:
         return {}

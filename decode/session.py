@@ -158,16 +158,16 @@ def choose_family(name: str | None, heads: str | None, heads_config: dict | None
 
 
 def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: dict | None, target: Target,
-                       random_options: dict) -> tuple[Target, torch.nn.Module | None]:
+                       random_options: dict, heads_check: str = "full") -> tuple[Target, torch.nn.Module | None]:
     """The heads module the drafter runs (loaded and checked against the target, or random), and the target to
-    decode with (a Medusa-2 adapter merged in)."""
+    decode with (a Medusa-2 adapter merged in). ``heads_check``: ``full`` or ``shape`` (core/target.py)."""
     if not chosen.takes_heads or (heads_config is None and not chosen.needs_heads):
         return target, None
     if heads_config is None:
         return target, chosen.random_heads(target.model, **random_options)
     from selfspec.heads.io import load_heads
 
-    loaded = load_heads(heads, target=target)  # refuses heads trained for another target
+    loaded = load_heads(heads, target=target, heads_check=heads_check)  # refuses heads trained for another target
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
@@ -184,7 +184,8 @@ def load_session(cfg: Any, untrained: bool = False) -> Session:
     chosen = choose_family(settings.family, settings.heads, heads_config)
     draft_settings = chosen.settings(heads_config, settings.draft)
     target = load_target(settings.target_config(heads_config))
-    target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads)
+    target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads,
+                                        settings.heads_check)
     if untrained and module is not None and heads_config is not None:
         from selfspec.train.online import reinitialize
 

@@ -26,11 +26,34 @@ def required(cfg: Any, keys: Sequence[str]) -> dict:
     error that names it."""
     values = {k: cfg_get(cfg, k, MISSING) for k in keys}
     missing = [k for k, v in values.items() if isinstance(v, str) and v == MISSING]
+    unset = [k for k in missing if _left_unset(cfg, k)]
+    if unset:  # ``???`` in the config: the user's to give
+        raise DecodeSetupError(f"{unset[0]} is not set: give {unset[0]}=... on the command line.")
     if missing:
         raise DecodeSetupError(f"Missing decode setting(s) {missing}: compose the config from conf/decode/ "
                                "(decode.yaml, or bench.yaml for the benchmark; selfspec.decode.settings.decode_config() in "
                                "code) rather than writing one of its own.")
     return {k: to_plain(v) for k, v in values.items()}
+
+
+def _left_unset(cfg: Any, key: str) -> bool:
+    """Whether ``cfg`` has ``key`` and leaves it ``???``."""
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.is_config(cfg) and OmegaConf.is_missing(cfg, key)
+    except Exception:  # no such key
+        return False
+
+
+def number(values: dict, key: str, kind: type) -> Any:
+    """``values[key]`` as ``kind`` (int or float), refused in one line when it is not a number
+    (``max_new_tokens=abc``)."""
+    try:
+        return kind(values[key])
+    except (TypeError, ValueError):
+        what = "a whole number" if kind is int else "a number"
+        raise DecodeSetupError(f"{key}={values[key]!r} is not {what}.") from None
 
 
 def decode_config(overrides: dict | None = None) -> Any:
@@ -42,7 +65,7 @@ def decode_config(overrides: dict | None = None) -> Any:
 
 SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", "dtype", "acceptance", "temperature",
                 "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt", "learn",
-                "learner")
+                "learner", "heads_check")
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,7 @@ class DecodeSettings:
     system_prompt: str | None
     learn: bool  # the heads learn from the requests they decode (train/online.py)
     learner: dict  # learn=true's settings (selfspec.train.online.LearnSettings)
+    heads_check: str = "full"  # full: heads of another checkpoint are refused | shape: only of another shape
 
     @classmethod
     def from_config(cls, cfg: Any) -> "DecodeSettings":
@@ -78,11 +102,12 @@ class DecodeSettings:
             family=None if c["drafter"] is None else str(c["drafter"]),
             draft={k: v for k, v in to_dict(c["draft"]).items() if v is not None},
             random_heads=to_dict(c["random_heads"]), model=c["model"], device=c["device"], dtype=c["dtype"],
-            sampling=Sampling(acceptance=str(c["acceptance"]), temperature=float(c["temperature"]),
-                              top_k=int(c["top_k"]), top_p=float(c["top_p"])),
-            linear_kernel=kernel, max_new_tokens=int(c["max_new_tokens"]), stop=[str(s) for s in (c["stop"] or [])],
-            seed=int(c["seed"]), chat=bool(c["chat"]), system_prompt=c["system_prompt"],
-            learn=bool(c["learn"]), learner=to_dict(c["learner"]),
+            sampling=Sampling(acceptance=str(c["acceptance"]), temperature=number(c, "temperature", float),
+                              top_k=number(c, "top_k", int), top_p=number(c, "top_p", float)),
+            linear_kernel=kernel, max_new_tokens=number(c, "max_new_tokens", int),
+            stop=[str(s) for s in (c["stop"] or [])],
+            seed=number(c, "seed", int), chat=bool(c["chat"]), system_prompt=c["system_prompt"],
+            learn=bool(c["learn"]), learner=to_dict(c["learner"]), heads_check=str(c["heads_check"]),
         )
 
     def target_config(self, heads_config: dict | None) -> dict:

@@ -72,13 +72,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 from selfspec.heads.export_dflash import dflash_to_vllm
 
@@ -407,32 +407,38 @@ def export_heads(
     vocab: str = "auto",
     verifier: str | None = None,
     speculative_tokens: int | None = None,
+    heads_check: str = "full",
+    overwrite: bool = False,
 ) -> tuple[Path, str]:
     """Export the heads folder ``heads_path`` (trained for ``target``, a ``selfspec.core.target.Target`` or HF model) into
     ``out_dir`` in format ``fmt``, with a model card (README.md; ``repo``: the Hub repo it names in its serving
     commands); returns (the folder, the format used). Heads of another target are refused. ``vocab``: the Medusa
     export's vocabulary (:func:`medusa_vocab`). ``speculators`` only: ``verifier``, the target's hub id or folder
     written for ``vllm serve <folder>`` to load (default: the one the heads record), and ``speculative_tokens``
-    (default: the EAGLE tree depth saved with the heads)."""
+    (default: the EAGLE tree depth saved with the heads). ``heads_check``: ``shape`` exports heads of another
+    checkpoint of the target with a warning (core/target.py:check_fingerprint). ``out_dir`` is replaced only when it
+    is missing, empty or an export selfspec wrote; anything else is refused, or with ``overwrite`` moved to
+    ``<name>.bak-<YYYYmmdd-HHMMSS>`` first (selfspec.core.folders)."""
     from selfspec.heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
 
     heads_path = heads_dir(heads_path)
     meta = read_heads_config(heads_path)
     fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
+    folders.in_the_way(out_dir, "export", overwrite, setting="out")  # before any work
     if fmt == "selfspec":
-        load_heads(heads_path, target=target)  # checks the folder is whole and trained for this target
+        load_heads(heads_path, target=target, heads_check=heads_check)  # whole, and trained for this target
 
         def copy(tmp: Path) -> None:
             shutil.copytree(heads_path, tmp, dirs_exist_ok=True)
             (tmp / "README.md").write_text(model_card(meta, fmt, repo))
 
-        return _write(out_dir, copy), fmt
+        return _write(out_dir, copy, overwrite), fmt
     if meta.get("adapter"):
         raise ExportError(
             "These are Medusa-2 heads: they fit the LoRA-adapted target, not the base model a server would load. "
             "Export format=selfspec (heads and adapter), or merge the adapter into the target and serve that."
         )
-    loaded = load_heads(heads_path, target=target)
+    loaded = load_heads(heads_path, target=target, heads_check=heads_check)
     module = loaded.module
     model, name = _unwrap_target(target)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -449,10 +455,11 @@ def export_heads(
         tree = meta.get("tree") or {}
         config, state = eagle3_to_speculators(module, verifier or meta.get("base_model") or name,
                                               int(speculative_tokens or tree.get("depth") or 3), include_embeddings)
-    return _write_converted(out_dir, fmt, meta, config, state, files, dtype, repo), fmt
+    return _write_converted(out_dir, fmt, meta, config, state, files, dtype, repo, overwrite), fmt
 
 
-def _write_converted(out_dir, fmt: str, meta: dict, config: dict, state: dict, files: dict, dtype, repo) -> Path:
+def _write_converted(out_dir, fmt: str, meta: dict, config: dict, state: dict, files: dict, dtype, repo,
+                     overwrite: bool = False) -> Path:
     """Write a converted checkpoint: ``config.json`` (with what the heads were), ``model.safetensors`` (floats cast to
     ``dtype`` if given), the model card and the format's other ``files`` (``torch.save``d), atomically."""
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu()
@@ -471,7 +478,7 @@ def _write_converted(out_dir, fmt: str, meta: dict, config: dict, state: dict, f
         for name, obj in files.items():
             torch.save(obj, tmp / name)
 
-    return _write(out_dir, write)
+    return _write(out_dir, write, overwrite)
 
 
 def model_card(meta: dict, fmt: str, repo: str | None = None, token_map: bool = False) -> str:
@@ -515,16 +522,14 @@ python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE
     return "\n".join(line for line in lines if line is not None)
 
 
-def _write(out_dir: str | os.PathLike, fill) -> Path:
-    """Fill a temporary sibling of ``out_dir`` and move it into place (a reader never sees half a folder)."""
-    from selfspec.heads.io import _replace_dir
-
+def _write(out_dir: str | os.PathLike, fill, overwrite: bool = False) -> Path:
+    """Fill a temporary sibling of ``out_dir`` and move it into place (a reader never sees half a folder); only an
+    export selfspec wrote is replaced (selfspec.core.folders.replace_dir)."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = folders.temp_dir(out, "export")
     try:
         fill(tmp)
-        _replace_dir(tmp, out)
+        folders.replace_dir(tmp, out, overwrite, kind="export", setting="out")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -540,6 +545,7 @@ def push_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False, 
     try:
         url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          ignore_patterns=[folders.MARKER],  # selfspec's marker stays local
                           commit_message=commit_message or "Upload drafter heads exported by selfspec")
     except Exception as err:  # network, auth, permissions: say what to do, keep the local folder
         raise ExportError(

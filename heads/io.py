@@ -4,13 +4,16 @@ A heads folder holds:
 
 - ``config.json``: ``head_type`` (a family of core/families.py that has heads), ``head_config`` (what the builder
   needs to rebuild the module), the target it was trained on (``base_model`` and ``target_fingerprint`` from
-  ``selfspec.core.target.fingerprint``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
+  ``selfspec.core.target.fingerprint``: its shape, the sha256 of embedding rows per dtype, the checkpoint's
+  ``revision`` and ``config_sha256``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
   whatever the trainer adds (``data``, ``steps``, ``eval`` metrics, ...); ``weights_sha256`` guards the weights file.
 - ``model.safetensors``: the module's ``state_dict``.
 - ``adapter/`` (Medusa-2 only): a peft LoRA adapter of the target, trained jointly with the heads. Loading with a
   target applies it (merged into the target's weights by default) because the heads only fit the adapted target.
 
-A folder is written into a temporary sibling and renamed into place, so a reader never sees half a folder.
+A folder is written into a temporary sibling and renamed into place, so a reader never sees half a folder. It carries
+selfspec's marker (``.selfspec``, selfspec.core.folders): saving replaces only a heads folder selfspec wrote, never a
+folder of the user's.
 
 Head types are the families of core/families.py that train heads: each row (declared in its family's conf file) names
 its builder ``build(head_config: dict, target_model | None) -> nn.Module`` as ``"module:function"``, imported on first
@@ -23,7 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from selfspec.core import folders
 from selfspec.core.config import to_plain
 from selfspec.core.errors import SelfspecError
 from selfspec.core.families import FAMILIES
@@ -100,8 +103,11 @@ def save_heads(
     adapter: nn.Module | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     adapter_state_dict: dict[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write heads into folder ``path`` (replacing it atomically); returns the folder.
+    """Write heads into folder ``path`` (replacing it atomically); returns the folder. Only a missing or empty
+    folder, or a heads folder selfspec wrote, is replaced (``selfspec.core.folders.replace_dir``); anything else is
+    refused, or with ``overwrite`` moved to ``<name>.bak-<YYYYmmdd-HHMMSS>`` first.
 
     ``config``: the head config (what the type's builder takes, e.g. ``MedusaConfig.to_dict()``).
     ``target_model``: the target they were trained on (``Target``, HF model or peft model); recorded by fingerprint.
@@ -136,8 +142,8 @@ def save_heads(
                          "attn_implementation": getattr(base.config, "_attn_implementation", None) or "sdpa"}
     meta.update(extra_meta or {})
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    folders.in_the_way(path, "heads", overwrite)  # before any work: a folder selfspec may not replace is refused
+    tmp = folders.temp_dir(path, "heads")
     try:
         state = state_dict if state_dict is not None else module.state_dict()
         state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -148,22 +154,11 @@ def save_heads(
             meta["adapter"] = ADAPTER_DIR
         with open(tmp / CONFIG_NAME, "w") as f:
             json.dump(_jsonable(meta), f, indent=2)
-        _replace_dir(tmp, path)
+        folders.replace_dir(tmp, path, overwrite, kind="heads")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move folder ``src`` to ``dst``; an existing ``dst`` is moved aside first and removed after."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _jsonable(x: Any) -> Any:
@@ -213,8 +208,10 @@ def load_heads(
     target: Any = None,
     merge_adapter: bool = True,
     verify_weights: bool = True,
+    heads_check: str = "full",
 ) -> LoadedHeads:
-    """Load a heads folder; with ``target`` (``Target`` or HF model) check it is the model they were trained on.
+    """Load a heads folder; with ``target`` (``Target`` or HF model) check it is the model they were trained on
+    (``heads_check``: ``full``, the exact checkpoint, or ``shape``, its shape only; core/target.py:check_fingerprint).
 
     Raises ``HeadsLoadError`` for a missing or corrupt folder and ``selfspec.core.target.TargetMismatchError`` for heads of
     another target. If the folder has a LoRA adapter (Medusa-2) and a target is given, the adapter is applied to
@@ -231,7 +228,7 @@ def load_heads(
         stored = config.get("target_fingerprint")
         if not stored:
             raise HeadsLoadError(f"{path / CONFIG_NAME} has no target_fingerprint; cannot check the target.")
-        check_fingerprint(stored, _base_model(model), what=f"The heads in {path}")
+        check_fingerprint(stored, _base_model(model), what=f"The heads in {path}", heads_check=heads_check)
 
     weights = path / WEIGHTS_NAME
     if not weights.is_file():

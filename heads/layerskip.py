@@ -60,12 +60,12 @@ class ExitConfig:
 
     def __post_init__(self):
         if self.form not in FORMS:
-            raise ValueError(f"exit form {self.form!r}: use one of {', '.join(FORMS)}.")
+            raise SettingError(f"exit form {self.form!r}: use one of {', '.join(FORMS)}.")
         if not 1 <= self.exit_layer < self.num_hidden_layers:
-            raise ValueError(f"exit_layer={self.exit_layer}: an exit goes after a layer in 1..{self.num_hidden_layers - 1}"
-                             f" (this target has {self.num_hidden_layers} layers).")
+            raise SettingError(f"exit_layer={self.exit_layer}: an exit goes after a layer in "
+                               f"1..{self.num_hidden_layers - 1} (this target has {self.num_hidden_layers} layers).")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.vocab_size}.")
+            raise SettingError(f"draft_vocab_size={self.draft_vocab_size} must be in 1..{self.vocab_size}.")
 
     @property
     def owns_lm_head(self) -> bool:

@@ -33,6 +33,9 @@ SHAPES = {
     "llama1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                     num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=8192,
                     tie_word_embeddings=True),
+    "llama3b": dict(vocab_size=128256, hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                    num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=8192,
+                    tie_word_embeddings=True),  # conf/model/llama3b.yaml's Llama-3.2-3B
 }
 
 

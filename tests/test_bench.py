@@ -60,7 +60,7 @@ def test_bench_writes_every_output_with_consistent_figures(tmp_path, questions, 
     report = bench_main()([*FAST, f"heads=[{medusa_folder},random]", f"prompts={questions}", "second_turns=true",
                            "early_exit_layers=[2]", "draft.tree=small_16", f"out={out}"])
     names = ["bench.json", "bench.md", "speedup_by_category.png", "tree_size.png", "verify_cost.png"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, ".selfspec"])  # and selfspec's folder marker
     for png in names[2:]:
         assert (out / png).read_bytes()[:8] == PNG_SIGNATURE
         assert imread(out / png).ndim == 3

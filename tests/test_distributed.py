@@ -13,11 +13,19 @@ from the first run is this machine's rounding noise for exactly this training (a
 two-process heads must lie within a small multiple of it. A real divergence moves parameters by about lr per step;
 `test_a_broken_gradient_all_reduce_is_caught` shows the comparison failing when the ranks skip the all-reduce.
 
-Run as a script by torchrun, this file is the worker: ``test_distributed.py <run_dir> <launcher> [overrides...]``.
+Every shipped config in conf/accelerate/ is held to that standard: DDP (torchrun, and two "nodes" on this machine with
+conf/accelerate/multinode.yaml), DeepSpeed ZeRO-2 (Medusa-1 and Medusa-2), ZeRO-3 and FSDP2 over gloo (Medusa-1,
+EAGLE-3 and DFlash, one launch each: the families train one after another in the same processes). Each launch also
+kills one family's run mid-way and resumes it, and its checkpoints hold the trainable weights only.
+
+Run as a script by torchrun, this file is the worker: ``test_distributed.py <run_dir> [overrides...]``; with
+``SELFSPEC_TEST_FAMILIES=medusa,eagle3,...`` it trains each of them into ``<run_dir>/<family>``, and with
+``SELFSPEC_TEST_RESUME=<family>`` it also kills that family's run in step 3 and resumes it (``<run_dir>/<family>-killed``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import socket
@@ -77,19 +85,79 @@ def _rounding_noise(one: Path, reordered: Path) -> float:
     return max(noise, 4 * FLOAT32_EPS * max(float(a[k].abs().max()) for k in a))
 
 
-def _compare(one: Path, two: Path, noise: float) -> None:
+def _compare(one: Path, two: Path, noise: float, family: str = "medusa") -> None:
     import json
 
     a, b = _heads(one), _heads(two)
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=NOISE_MULTIPLE * noise, msg=k)
-    assert any(a[k].abs().sum() > 0 for k in a if k.startswith("blocks."))  # they did train
+    if family.startswith("medusa"):
+        assert any(a[k].abs().sum() > 0 for k in a if k.startswith("blocks."))  # they did train (blocks start at 0)
     eval_a = json.loads((one / "heads" / "config.json").read_text())["eval"]
     eval_b = json.loads((two / "heads" / "config.json").read_text())["eval"]
-    assert eval_a["positions"] == eval_b["positions"] > 0
-    for key in ("acc1", "acc5", "loss"):
-        torch.testing.assert_close(torch.tensor(eval_a[key]), torch.tensor(eval_b[key]), rtol=1e-4, atol=1e-5)
+    prefix = "" if family.startswith("medusa") else "eval/"
+    assert eval_a[prefix + "positions"] == eval_b[prefix + "positions"] > 0
+    for key in ("acc1", "acc5", "loss") if family.startswith("medusa") else ("loss",):
+        torch.testing.assert_close(torch.tensor(eval_a[prefix + key]), torch.tensor(eval_b[prefix + key]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+# The families the launches train: (test module, its config function, the method, overrides). Tiny drafters: EAGLE-3
+# and DFlash with a 64-token draft vocabulary.
+FAMILIES = {
+    "medusa": ("test_medusa_train", "medusa_cfg", "selfspec.train.medusa_method:medusa_method", []),
+    "medusa2": ("test_medusa_train", "medusa_cfg", "selfspec.train.medusa_method:medusa_method", ["heads=medusa2"]),
+    "eagle3": ("test_eagle", "eagle_cfg", "selfspec.train.eagle_method:EagleMethod",
+               ["heads=eagle3", "heads.draft_vocab_size=64"]),
+    "dflash": ("test_dflash_train", "dflash_cfg", "selfspec.train.dflash_method:DFlashMethod", []),
+}
+
+
+def _family_cfg(family: str, run_dir: Path, *overrides: str):
+    """(the composed config of ``family`` in ``run_dir``, its method class or factory)."""
+    import importlib
+
+    module, cfg_fn, method, extra = FAMILIES[family]
+    method_module, method_name = method.split(":")
+    cfg = getattr(importlib.import_module(module), cfg_fn)(run_dir, *extra, *overrides)
+    return cfg, getattr(importlib.import_module(method_module), method_name)
+
+
+def _train_family(family: str, run_dir: Path, *overrides: str, kill_at_step: int | None = None):
+    """Train ``family`` on the tiny target and data every test here uses; with ``kill_at_step``, its process 'dies'
+    at that step's first micro-batch (test_medusa_train.Killed)."""
+    from test_medusa_train import KilledAt, killable, tiny_datasets, tiny_target
+
+    from selfspec.train.loop import train
+
+    cfg, method = _family_cfg(family, run_dir, *overrides)
+    if kill_at_step is None:
+        method = method(cfg)
+    elif family.startswith("medusa"):
+        method = killable(KilledAt, cfg, kill_at_step, cfg.trainer.gradient_accumulation_steps)
+    else:
+        method = type("KilledAt", (KilledAt, method), {})(cfg, kill_at_step, cfg.trainer.gradient_accumulation_steps)
+    return train(cfg, method, target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+
+
+@pytest.fixture(scope="module")
+def reference(one_process_run, rounding_noise):
+    """``reference(family)``: (the one-process run of ``family``, its rounding noise), each trained once per module:
+    the global batch as 4 x 2 micro-batches, then as 2 x 4 for the noise (as for Medusa-1 below)."""
+    made = {"medusa": (one_process_run, rounding_noise)}
+
+    def get(family: str) -> tuple[Path, float]:
+        if family not in made:
+            one = one_process_run.parent / f"one-{family}"
+            _train_family(family, one, *STEPS, "trainer.batch_size=4")
+            reordered = one_process_run.parent / f"one-{family}-reordered"
+            steps = [s for s in STEPS if not s.startswith("trainer.gradient_accumulation_steps")]
+            _train_family(family, reordered, *steps, "trainer.batch_size=2", "trainer.gradient_accumulation_steps=4")
+            made[family] = (one, _rounding_noise(one, reordered))
+        return made[family]
+
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +209,109 @@ def test_two_ddp_processes_train_the_same_heads_as_one(one_process_run, rounding
     assert not list((two / "checkpoints").glob(".tmp-*"))
 
 
+def _accelerate(config: str, *args: str) -> list[str]:
+    """``accelerate launch`` with conf/accelerate/<config>.yaml: two processes in float32 (the reference's)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "conf" / "accelerate" / f"{config}.yaml"), "--num_processes", "2", "--mixed_precision", "no",
+            "--main_process_port", str(_free_port()), *args]
+
+
+def _trainable_names(family: str, run_dir: Path) -> set[str]:
+    from test_medusa_train import tiny_target
+
+    cfg, method = _family_cfg(family, run_dir)
+    module = method(cfg).build_module(tiny_target())
+    return {name for name, p in module.named_parameters() if p.requires_grad}
+
+
+def _checkpoint_weights(ckpt: Path) -> set[str]:
+    """The names of the module weights a checkpoint holds: accelerate's (model*.safetensors), FSDP's
+    (pytorch_model_fsdp*.bin) or DeepSpeed's (the module and the frozen parameters of */*model_states.pt)."""
+    from safetensors.torch import load_file
+
+    names = set()
+    for file in ckpt.glob("model*.safetensors"):
+        names |= set(load_file(str(file)))
+    for file in ckpt.glob("pytorch_model_fsdp*.bin"):
+        names |= set(torch.load(file, weights_only=True))
+    for file in ckpt.glob("*/*model_states.pt"):
+        state = torch.load(file, weights_only=False)
+        names |= {k for k, v in (state.get("module") or {}).items() if torch.is_tensor(v) and v.numel() > 0}
+        names |= set(state.get("frozen_param_fragments") or {})
+    return names
+
+
+def _check_resumed(run: Path, family: str, launched: Path, named: bool = True) -> None:
+    """The run killed in step 3 and resumed ends with the heads of the run that was never stopped, and its
+    checkpoints hold the drafter's trainable weights only (no weight of the frozen target). ``named``: the
+    checkpoint names its weights (ZeRO-3's are flat partitions of the optimizer's, all of them trainable)."""
+    a, b = _heads(launched / family), _heads(launched / f"{family}-killed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ckpt = launched / f"{family}-killed" / "checkpoints" / "step-00000004"
+    held = _checkpoint_weights(ckpt)
+    trainable = _trainable_names(family, run / "names")
+    assert held <= trainable, sorted(held - trainable)[:5]
+    assert held or not named
+
+
 @pytest.mark.slow
-def test_two_deepspeed_zero2_processes_train_the_same_heads_as_one(one_process_run, rounding_noise):
+def test_two_deepspeed_zero2_processes_train_the_same_heads_as_one(one_process_run, rounding_noise, reference):
+    """ZeRO-2: Medusa-1, then Medusa-2 (LoRA inside the target), killed and resumed."""
     pytest.importorskip("deepspeed")
     two = one_process_run.parent / "zero2"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(REPO / "conf" / "accelerate" / "zero2.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-                "--main_process_port", str(_free_port())]
-    proc = _launch(two, launcher, *STEPS, "trainer.batch_size=2", "trainer.max_grad_norm=1.0")
+    proc = _launch(two, _accelerate("zero2"), *STEPS, "trainer.batch_size=2", "trainer.max_grad_norm=1.0",
+                   env={"SELFSPEC_TEST_FAMILIES": "medusa,medusa2", "SELFSPEC_TEST_RESUME": "medusa2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "DEEPSPEED" in proc.stdout
-    _compare(one_process_run, two, rounding_noise)
+    assert "DistributedType.DEEPSPEED, torch.distributed world size 2" in proc.stdout
+    _compare(one_process_run, two / "medusa", rounding_noise)
+    one2, noise2 = reference("medusa2")
+    _compare(one2, two / "medusa2", noise2, "medusa2")
+    _check_resumed(one_process_run.parent, "medusa2", two)
     # DeepSpeed's shared-memory all-reduce op (inference only) was not compiled at start-up.
     assert not list((two.parent / "torch-extensions").glob("*/deepspeed_shm_comm*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, resumed", [("fsdp", "dflash"), ("zero3", "eagle3")])
+def test_fsdp_and_zero3_train_the_same_heads_as_one_process(one_process_run, reference, config, resumed):
+    """conf/accelerate/fsdp.yaml (torch's FSDP2 over gloo on CPU) and zero3.yaml: Medusa-1, EAGLE-3 and DFlash, one
+    after another in one launch of two processes; one family is killed in step 3 and resumed."""
+    if config == "zero3":
+        pytest.importorskip("deepspeed")
+    two = one_process_run.parent / config
+    families = ("medusa", "eagle3", "dflash")
+    proc = _launch(two, _accelerate(config), *STEPS, "trainer.batch_size=2",
+                   env={"SELFSPEC_TEST_FAMILIES": ",".join(families), "SELFSPEC_TEST_RESUME": resumed})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kind = "FSDP" if config == "fsdp" else "DEEPSPEED"
+    assert f"2 processes, DistributedType.{kind}, torch.distributed world size 2" in proc.stdout
+    for family in families:
+        one, noise = reference(family)
+        _compare(one, two / family, noise, family)
+    _check_resumed(one_process_run.parent, resumed, two, named=config != "zero3")
+
+
+@pytest.mark.slow
+def test_two_nodes_train_the_same_heads_as_one(one_process_run, rounding_noise):
+    """conf/accelerate/multinode.yaml as two "machines" on this one: two launchers started together, machine ranks 0
+    and 1, one process each, meeting at 127.0.0.1."""
+    two = one_process_run.parent / "two-nodes"
+    port = str(_free_port())
+    node = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "conf" / "accelerate" / "multinode.yaml"), "--num_machines", "2", "--num_processes", "2",
+            "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_launch, two, node + ["--machine_rank", str(rank)], *STEPS, "trainer.batch_size=2")
+                for rank in (0, 1)]
+        procs = [run.result() for run in runs]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 processes, DistributedType.MULTI_CPU, torch.distributed world size 2" in procs[0].stdout
+    _compare(one_process_run, two, rounding_noise)
+    ckpt = two / "checkpoints" / "step-00000004"
+    assert sorted(p.name for p in ckpt.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
 def test_ranks_with_a_time_budget_size_alike_and_stop_together(one_process_run):
@@ -220,11 +378,29 @@ def _worker(run_dir: str, *overrides: str) -> None:
     from selfspec.train.loop import train
     from selfspec.train.medusa_method import medusa_method
 
-    cfg = medusa_cfg(Path(run_dir), *overrides)
-    train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+    families = os.environ.get("SELFSPEC_TEST_FAMILIES")
+    if families is None:
+        cfg = medusa_cfg(Path(run_dir), *overrides)
+        train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+    for family in (families or "").split(","):
+        if family:
+            _train_family(family, Path(run_dir) / family, *overrides)
+    resumed = os.environ.get("SELFSPEC_TEST_RESUME")
+    if resumed:
+        from test_medusa_train import Killed
+
+        killed = Path(run_dir) / f"{resumed}-killed"
+        try:
+            _train_family(resumed, killed, *overrides, kill_at_step=3)
+            raise AssertionError("the run was not killed")
+        except Killed:
+            pass
+        _train_family(resumed, killed, *overrides, "trainer.resume=true")
     state = PartialState()  # as the training loop's Accelerator set it up
     if state.is_main_process:
-        print(f"{state.num_processes} processes, {state.distributed_type}", flush=True)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        print(f"{state.num_processes} processes, {state.distributed_type}, torch.distributed world size {world}",
+              flush=True)
     state.destroy_process_group()
 
 

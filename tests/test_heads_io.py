@@ -68,6 +68,38 @@ def test_heads_of_another_target_are_refused(tmp_path, tiny_llama, tiny_qwen2):
         heads.load(tmp_path / "heads", other_weights)
 
 
+def test_heads_of_another_revision_are_refused_at_decode_unless_forced(tmp_path, tiny_llama, capsys):
+    """Heads trained on a fine-tune of the tiny target (embeddings 1e-3 apart, relative) record its digest: decoding
+    on the target the heads name is refused in one line that names heads_check=shape, which takes them with a
+    warning; the same target in bfloat16 is accepted."""
+    import copy
+
+    from conftest import compose
+    from selfspec.decode.session import load_session
+
+    model = tiny_llama[0]
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        tuned.get_input_embeddings().weight.mul_(1 + 1e-3)
+    module = trained_heads(tuned)
+    path = save_heads(tmp_path / "heads", module, "medusa", module.config.to_dict(), tuned)
+    fp = json.loads((path / "config.json").read_text())["target_fingerprint"]
+    assert {"embedding_rows", "embedding_dtype", "embedding_sha256", "revision", "config_sha256"} <= set(fp)
+    with pytest.raises(TargetMismatchError, match="embedding weights differ.*heads_check=shape") as err:
+        heads.load(path, model)
+    assert "\n" not in str(err.value)
+    base = [f"heads={path}", "max_new_tokens=4", "device=cpu", "draft.tree=chain-3"]
+    with pytest.raises(TargetMismatchError, match="another revision"):
+        load_session(compose("decode", base))
+    capsys.readouterr()
+    session = load_session(compose("decode", base + ["heads_check=shape"]))
+    assert session.settings.heads_check == "shape" and session.heads is not None
+    assert "warning: heads_check=shape" in capsys.readouterr().err
+    mine = save_heads(tmp_path / "mine", module, "medusa", module.config.to_dict(), model)
+    session = load_session(compose("decode", [f"heads={mine}", "device=cpu", "dtype=bfloat16", "draft.tree=chain-3"]))
+    assert next(session.target.model.parameters()).dtype == torch.bfloat16  # the float32 target's heads, in bf16
+
+
 def test_missing_and_corrupt_folders_fail_clearly(tmp_path, tiny_llama):
     model, _ = tiny_llama
     with pytest.raises(HeadsLoadError, match="No heads folder"):

@@ -179,6 +179,30 @@ def test_a_killed_session_resumes_where_its_last_save_left_off(tmp_path):
     assert (whole.learner.updates, whole.learner.rollbacks) == (again.learner.updates, again.learner.rollbacks)
 
 
+def test_the_learner_state_and_a_recorded_stream_load_with_weights_only(tmp_path):
+    """What the learner saves (optimizer, buffers, RNG states, counters) and what the replay records (identity and
+    examples) are tensors and plain containers: both load back with ``torch.load(weights_only=True)``, whole."""
+    import selfspec.decode.bench.replay as replay
+    from selfspec.train.online import STATE_FILE
+
+    session = learning_session(tmp_path, "eagle3", "learner.save_every=1")
+    for ids in PROMPTS[:2]:
+        session.generate(ids)
+    state = torch.load(session.learner.dir / STATE_FILE, weights_only=True)
+    assert state["counters"]["requests"] == 2 and state["optimizer"]["state"] and state["buffer"]
+    again = learning_session(tmp_path, "eagle3", "learner.resume=true")  # its _resume loads the same way
+    assert again.learner.requests == 2 and same_weights(weights(session.heads), weights(again.heads))
+
+    identity = replay.record_identity(session, "prompts.jsonl", 2)
+    recorded = replay.record_stream(session, [{"turns": ["hello"]}, {"turns": ["the sea"]}], tmp_path / "s.pt",
+                                    identity)
+    loaded = replay.load_record(tmp_path / "s.pt", identity)
+    assert len(loaded) == len(recorded) == 2
+    for a, b in zip(recorded, loaded, strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
 def test_a_save_cut_midway_leaves_the_last_one_whole(tmp_path, monkeypatch):
     s = learning_session(tmp_path, "eagle3")
     for i in range(3):

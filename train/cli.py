@@ -39,10 +39,23 @@ def run(cfg: DictConfig, family: Family) -> None:
     from selfspec.train.loop import train
 
     with reported_errors():
+        job_run_dir(cfg)
         result = train(cfg, family.load("method")(cfg))
         from selfspec.train.speed_check import after_training
 
-        after_training(cfg, result.heads_dir)
+        after_training(cfg, result.heads_dir, whole_target=result.whole_target)
+
+
+def job_run_dir(cfg: DictConfig) -> None:
+    """In a Hydra multirun (``-m``), job N of the sweep trains in ``<run_dir>/N`` (Hydra's folder of the job,
+    ``hydra.sweep`` in the entry config) instead of the ``run_dir`` every job of the sweep shares; a single run is
+    left as it is. What names ``${run_dir}`` (``feature_store.dir``'s default, ...) follows."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    cfg.run_dir = f"{cfg.run_dir}/{HydraConfig.get().job.num}"
 
 
 def main(family: str | None = None) -> None:

@@ -246,6 +246,13 @@ class DFlashMethod(TrainMethod):
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
                                         {"fields": hidden_states_fields(layers)})
 
+    def store_target_layers(self) -> list[int] | None:
+        """From a store, the training reads the target's embeddings (the block's tokens, the mask embedding) and LM
+        head (the teacher, the draft LM head's rows, greedy tokens), and the layer heads.init_from_layer copies."""
+        if self.features.online:
+            return None
+        return [] if self.settings.init_from_layer is None else [int(self.settings.init_from_layer)]
+
     def build_module(self, target) -> nn.Module:
         """The DFlash drafter (fp32, on the target's device) inside its training module. Without a counted draft
         vocabulary (prepare_data not run) it starts with the first draft_vocab_size ids."""

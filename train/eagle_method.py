@@ -45,6 +45,7 @@ from selfspec.heads.eagle_loss import EagleLossWeights, drafter_loss, step_count
 from selfspec.core.runtime import rows_through
 from selfspec.train.data import count_draft_vocab, draft_vocab_problems
 from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
+from selfspec.core.errors import SettingError
 from selfspec.train.config import settings_from_cfg
 from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
@@ -88,7 +89,7 @@ class EagleSettings:
             problems.append("heads.input_norm=false is for heads.layout=fc (midlayer has no input norm already)")
         problems += draft_vocab_problems(out.draft_vocab_size, out.draft_vocab_coverage)
         if problems:
-            raise ValueError("; ".join(problems) + ".")
+            raise SettingError("; ".join(problems) + ".")
         out.loss_weights()  # validates token_loss
         return out
 
@@ -96,7 +97,7 @@ class EagleSettings:
         try:
             return EagleLossWeights(**self.loss)
         except TypeError as err:
-            raise ValueError(f"heads.loss: {err}; known: regression, token, token_loss, step_decay.") from err
+            raise SettingError(f"heads.loss: {err}; known: regression, token, token_loss, step_decay.") from err
 
     def eagle_config(self, target_model: nn.Module) -> EagleConfig:
         return EagleConfig.from_target(
@@ -156,6 +157,13 @@ class EagleMethod(TrainMethod):
         extract = hidden_states_extract(target.model, layer_ids, self.features.dtype)
         return self.features.open_store(datasets, target, accelerator, collate_fn, extract,
                                         {"fields": hidden_states_fields(layer_ids)})
+
+    def store_target_layers(self) -> list[int] | None:
+        """From a store, the training reads the target's embeddings, final norm (the draft norms' start) and LM head
+        (eagle's logits, the teacher's, eagle3's draft LM head rows), and the layer heads.init_layer_from copies."""
+        if self.features.online:
+            return None
+        return [] if self.settings.init_layer_from is None else [int(self.settings.init_layer_from)]
 
     def _layer_ids(self, model: nn.Module) -> list[int] | None:
         """The target layers eagle3 fuses (None for eagle)."""

@@ -12,9 +12,14 @@ Layout (one folder per store)::
         offsets [n + 1] int64                  example i is tokens offsets[i]:offsets[i + 1]
         <field> [N, ...]                       each field the extract function returns (e.g. hidden [N, H])
 
-The folder is written under a temporary name and renamed when complete. An existing store whose identity matches is
-reused; one that does not match (other target, data or fields) is rebuilt. Under several processes each rank writes
-every world_size-th shard (a shared filesystem is needed) and the main process publishes the folder.
+The folder is written under a temporary name unique to the build (``.<store>.tmp-XXXXXXXX``), meta.json last, and
+renamed when complete, so a store is never read half-made. An existing store whose identity matches is reused; one
+that does not match (other target, data or fields) is rebuilt, replacing the old folder only when selfspec made it
+(its ``.selfspec`` marker, selfspec.core.folders): a folder of the user's is refused, or moved to
+``<store>.bak-<date-time>`` with ``feature_store.overwrite=true``. Builds of one store take a file lock
+(``.<store>.lock`` beside it): a second process building the same store waits, then reuses what the first built.
+Under several processes each rank writes every world_size-th shard (a shared filesystem is needed) and the main
+process publishes the folder.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +41,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from selfspec.core import folders
 from selfspec.core.config import cfg_get, to_dict
-from selfspec.core.errors import SelfspecError
+from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
 META_NAME = "meta.json"
+KIND = "feature-store"  # the store folder's kind in its selfspec marker
 STORE_KEYS = ("dir", "dtype", "batch_size", "examples_per_shard")  # what cfg.feature_store must set for features=store
 
 Extract = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -67,13 +75,13 @@ class FeatureSource:
                   run_dir=Path(str(cfg_get(cfg, "run_dir", "."))), model=to_dict(cfg_get(cfg, "model")),
                   max_length=cfg_get(cfg_get(cfg, "data", {}) or {}, "max_length", None))
         if out.kind not in ("online", "store"):
-            raise ValueError(f"features={out.kind!r}: use online or store.")
+            raise SettingError(f"features={out.kind!r}: use online or store.")
         if out.engine not in ("hf", "vllm"):
-            raise ValueError(f"feature_store.engine={out.engine!r}: use hf (the target's forward here) or vllm.")
+            raise SettingError(f"feature_store.engine={out.engine!r}: use hf (the target's forward here) or vllm.")
         missing = [f"feature_store.{k}" for k in STORE_KEYS if k not in out.settings]
         if out.kind == "store" and missing:
-            raise ValueError(f"features=store needs {', '.join(missing)} (conf/medusa.yaml and conf/eagle.yaml set "
-                             "them).")
+            raise SettingError(f"features=store needs {', '.join(missing)} (conf/medusa.yaml and conf/eagle.yaml set "
+                               "them).")
         return out
 
     @property
@@ -120,14 +128,17 @@ class FeatureSource:
             extract = VllmHiddenStates(extract, self.model, self.settings.get("vllm") or {}, self.max_length,
                                        self.run_dir / "features-vllm.log")
             batch_size = int((self.settings.get("vllm") or {}).get("batch_size") or batch_size)
+        elif getattr(target, "parts", None) is not None:  # the trainer holds parts of the target (core/target_parts.py):
+            extract = WholeTargetExtract(extract, target)  # the rest is loaded to build the store, dropped after
         try:
             store = ensure_feature_store(
                 self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
                 batch_size=batch_size, examples_per_shard=int(self.settings["examples_per_shard"]),
                 device=accelerator.device, accelerator=accelerator,
+                overwrite=bool(self.settings.get("overwrite") or False),
             )
         finally:
-            if isinstance(extract, VllmHiddenStates):
+            if isinstance(extract, (VllmHiddenStates, WholeTargetExtract)):
                 extract.close()
         pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
         return store["train"], store.get("eval"), pad
@@ -225,6 +236,33 @@ class VllmHiddenStates:
             self.session = None
 
 
+class WholeTargetExtract:
+    """An extract function run on the whole target where the trainer holds only parts of it (a store-fed run,
+    selfspec.core.target_parts): the first batch loads the rest of the target in place, :meth:`close` drops it again,
+    so a run that builds its store holds the whole target while it builds, and trains with the parts. Never called
+    when the store exists already."""
+
+    def __init__(self, extract: Extract, target: Any):
+        self.extract, self.target, self.loaded = extract, target, False
+
+    def __call__(self, batch: dict[str, torch.Tensor]):
+        if not self.loaded:
+            from selfspec.core.target_parts import load_rest
+
+            print("[selfspec] feature store: building it runs the whole target; loading its decoder layers until it "
+                  "is built.", file=sys.stderr)
+            load_rest(self.target)
+            self.loaded = True
+        return self.extract(batch)
+
+    def close(self) -> None:
+        if self.loaded:
+            from selfspec.core.target_parts import drop_rest
+
+            drop_rest(self.target)
+            self.loaded = False
+
+
 def hidden_states_fields(layers: Sequence[int] | None) -> str:
     """The ``fields`` identity of a :func:`hidden_states_extract` store of ``layers``. Every family that reads the
     last hidden state and the same layers (EAGLE-3's inputs of layers i, DFlash's outputs of layers i - 1) names it
@@ -287,6 +325,7 @@ def ensure_feature_store(
     examples_per_shard: int = 256,
     device: torch.device | str = "cpu",
     accelerator: Any = None,
+    overwrite: bool = False,
 ) -> dict[str, "FeatureDataset"]:
     """Open the store at ``path``, building it first if it is missing or was built for something else.
 
@@ -294,24 +333,59 @@ def ensure_feature_store(
     ``extract(batch)``: batch (collated, on ``device``) -> {field: [B, T, ...]} per-token features, stored in the
     dtype they come in. ``identity``: what the features depend on (target fingerprint, fields, dtype, ...).
     Every process must call this. Returns name -> :class:`FeatureDataset`.
+
+    The main process holds the store's file lock (:func:`store_lock`) from its first look at ``path`` until every
+    process has read it: another process building the same store is waited for, and its store reused. A folder at
+    ``path`` that is to be rebuilt is replaced only when selfspec made it; anything else is refused before the target
+    runs, or with ``overwrite`` moved to ``<name>.bak-<YYYYmmdd-HHMMSS>``.
     """
     path = Path(path)
     ident = store_identity(splits, identity)
     is_main = accelerator is None or accelerator.is_main_process
-    meta = read_meta(path)
-    if meta is None or meta.get("identity") != _plain(ident):
-        if is_main and meta is not None:
-            print(f"[selfspec] feature store {path} was built for other data, target or fields: rebuilding it.",
-                  file=sys.stderr)
-        _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator)
+    with store_lock(path, is_main):
+        _barrier(accelerator)  # every process looks once the main one holds the lock
         meta = read_meta(path)
-        if meta is None:
-            raise FeatureStoreError(f"Feature store {path} was not written (is the folder shared by all processes?).")
-        if is_main:
-            print(f"[selfspec] feature store: {describe(meta, path)}", file=sys.stderr)
-    elif is_main:
-        print(f"[selfspec] feature store (reused): {describe(meta, path)}", file=sys.stderr)
+        if meta is None or meta.get("identity") != _plain(ident):
+            folders.in_the_way(path, KIND, overwrite, key="feature_store.overwrite", setting="feature_store.dir")
+            if is_main and meta is not None:
+                print(f"[selfspec] feature store {path} was built for other data, target or fields: rebuilding it.",
+                      file=sys.stderr)
+            _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator,
+                   overwrite)
+            meta = read_meta(path)
+            if meta is None:
+                raise FeatureStoreError(f"Feature store {path} was not written (is the folder shared by all "
+                                        "processes?).")
+            if is_main:
+                print(f"[selfspec] feature store: {describe(meta, path)}", file=sys.stderr)
+        elif is_main:
+            print(f"[selfspec] feature store (reused): {describe(meta, path)}", file=sys.stderr)
+        _barrier(accelerator)  # every process has read meta.json before another build may replace the folder
     return {name: FeatureDataset(path, name, meta) for name in splits}
+
+
+@contextmanager
+def store_lock(path: str | os.PathLike, hold: bool = True):
+    """The file lock of the store at ``path`` (``.<name>.lock`` beside it), held for the block when ``hold`` (the main
+    process; the others wait at its barriers). A second holder waits, and says so once."""
+    if not hold:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"[selfspec] feature store {path}: another process is building or reading it; waiting for its lock "
+              f"({lock.lock_file})", file=sys.stderr)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -335,18 +409,22 @@ def _plain(x: Any) -> Any:
     return json.loads(json.dumps(x, sort_keys=True, default=str))
 
 
-def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator) -> None:
+def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator,
+           overwrite: bool = False) -> None:
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     is_main = rank == 0
-    tmp = path.with_name(f".{path.name}.tmp")
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tmp = None
+    if is_main:  # under the store's lock: a temporary folder of this store is a killed build's
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):
+            folders.discard(stale, KIND)
+        tmp = folders.temp_dir(path, KIND)  # a name of this build's own
         for name in splits:
             (tmp / name).mkdir(parents=True, exist_ok=True)
+    tmp = _from_main(tmp, accelerator)
     _barrier(accelerator)
 
     plan = []  # (split, shard index, start, stop) for every shard, in order
@@ -384,13 +462,26 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
     _barrier(accelerator)
 
     if is_main:  # rank 0 wrote the first shard, so it knows the fields
-        _publish(path, tmp, splits, plan, {"identity": _plain(ident), "fields": fields, "splits": {}, "bytes": 0})
+        _publish(path, tmp, splits, plan, {"identity": _plain(ident), "fields": fields, "splits": {}, "bytes": 0},
+                 overwrite)
     _barrier(accelerator)
 
 
-def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple], meta: dict[str, Any]) -> None:
-    """Write meta.json (every split's shards, sizes, token counts) into the finished ``tmp`` and rename it to
-    ``path``, replacing an older store."""
+def _from_main(value: Any, accelerator: Any) -> Any:
+    """The main process's ``value`` on every process (the temporary folder's name)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple], meta: dict[str, Any],
+             overwrite: bool = False) -> None:
+    """Write meta.json (every split's shards, sizes, token counts) into the finished ``tmp``, last and atomically,
+    and rename it to ``path``, replacing an older store selfspec made (selfspec.core.folders.replace_dir)."""
     for name, ds in splits.items():
         shards, tokens = [], 0
         for split, s, start, stop in plan:
@@ -404,10 +495,10 @@ def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple]
         for shard in shards:
             tokens += _shard_tokens(tmp / shard["file"])
         meta["splits"][name] = {"num_examples": len(ds), "num_tokens": tokens, "shards": shards}
-    (tmp / META_NAME).write_text(json.dumps(meta, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    written = tmp / f"{META_NAME}.tmp"
+    written.write_text(json.dumps(meta, indent=1))
+    os.replace(written, tmp / META_NAME)  # last: a folder with meta.json is a complete store
+    folders.replace_dir(tmp, path, overwrite, kind=KIND, key="feature_store.overwrite", setting="feature_store.dir")
 
 
 def _shard_tokens(file: Path) -> int:

@@ -297,7 +297,7 @@ class LayerSkipMethod(TrainMethod):
         from selfspec.decode.session import depth_policy
 
         if not self._stats:
-            raise RuntimeError("layer-skip exits are chosen from an evaluation: give the run an eval split "
+            raise SettingError("layer-skip exits are chosen from an evaluation: give the run an eval split "
                                "(data.eval_fraction > 0).")
         model = decode_copy(target.model, self.decode_dtype)  # costs as decoding will pay them
         costs = measure_layer_costs(model, {e: core[e] for e in core.layers})

@@ -2,7 +2,9 @@
 
 Call them from the main process only. ``NoLogger`` writes metrics to ``metrics.jsonl`` in the run folder and nothing
 remote. ``WandbLogger`` logs through wandb; with no API key or no network it runs offline into the run folder and says
-so (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later). :func:`make_logger` builds the configured one.
+so (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it later). It keeps its W&B run id in
+``<run_dir>/wandb-run-id``, and a run resumed from a checkpoint goes on logging into that W&B run. :func:`make_logger`
+builds the configured one.
 
 :class:`LogWindow` holds what the training loop logs (loss, metrics, tokens) summed on the device over the steps since
 the last log line, and reduces it over the ranks when the line is written.
@@ -50,10 +52,14 @@ class WandbLogger(NoLogger):
         mode: str | None = None,
         tags: list[str] | None = None,
         name: str | None = None,
+        resume: bool = False,
     ):
         super().__init__(run_dir, config)
         import wandb
 
+        run_id = wandb_run_id(run_dir, resume)
+        ids = {"id": run_id, "resume": "allow"} if run_id else {}
+        self._id_to_keep = (Path(run_dir), run_id) if run_id else None  # written once the run has logged
         mode = mode or os.environ.get("WANDB_MODE")
         if mode is None:
             mode = "online" if _has_wandb_key() else "offline"
@@ -62,19 +68,50 @@ class WandbLogger(NoLogger):
                   "upload later with `wandb sync`.", file=sys.stderr)
         try:
             self.run = wandb.init(project=project, entity=entity, mode=mode, dir=str(run_dir) if run_dir else None,
-                                  config=config, name=name, tags=list(tags or []))
+                                  config=config, name=name, tags=list(tags or []), **ids)
         except Exception as err:  # no network although a key exists: keep the run, go offline
             print(f"[selfspec] wandb could not go online ({err}); logging offline instead.", file=sys.stderr)
             self.run = wandb.init(project=project, entity=entity, mode="offline",
                                   dir=str(run_dir) if run_dir else None, config=config, name=name,
-                                  tags=list(tags or []))
+                                  tags=list(tags or []), **ids)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         super().log(metrics, step)
         self.run.log(_plain(metrics), step=step)
+        if self._id_to_keep:  # not before: a run refused at its start (RunExistsError) leaves the kept id alone
+            keep_wandb_run_id(*self._id_to_keep)
+            self._id_to_keep = None
 
     def finish(self) -> None:
         self.run.finish()
+
+
+WANDB_ID_FILE = "wandb-run-id"  # in the run folder: the W&B run a resumed run goes on logging into
+
+
+def wandb_run_id(run_dir: str | os.PathLike | None, resume: bool) -> str | None:
+    """The W&B run id of the run in ``run_dir``: the one kept there (:func:`keep_wandb_run_id`) when the run resumes
+    from a checkpoint, else a new one (None without a run folder: wandb picks one)."""
+    if not run_dir:
+        return None
+    path = Path(run_dir) / WANDB_ID_FILE
+    if resume and path.is_file() and path.read_text().strip():
+        run_id = path.read_text().strip()
+        print(f"[selfspec] wandb: the resumed run goes on in W&B run {run_id} ({path})", file=sys.stderr)
+        return run_id
+    import secrets
+    import string
+
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # as wandb makes them
+
+
+def keep_wandb_run_id(run_dir: Path, run_id: str) -> None:
+    """Write ``run_id`` into ``<run_dir>/wandb-run-id`` (atomically), for a resume of the run to go on with."""
+    path = run_dir / WANDB_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
 
 
 def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
@@ -83,12 +120,25 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     from hydra.utils import get_object
 
     from selfspec.core.config import to_dict
+    from selfspec.core.errors import SettingError
 
     kwargs = to_dict(logger_cfg)
     target = kwargs.pop("_target_", None)
     if not target:
-        raise ValueError("logger config has no _target_: use logger=none or logger=wandb.")
-    return get_object(target)(run_dir=str(run_dir), config=config, **kwargs)
+        raise SettingError("logger config has no _target_: use logger=none or logger=wandb.")
+    return get_object(target)(run_dir=str(run_dir), config=config, resume=_resumes(config, run_dir), **kwargs)
+
+
+def _resumes(config: dict, run_dir: Path) -> bool:
+    """Whether the run resumes from a checkpoint (``trainer.resume`` names one that is there): its logger then goes on
+    with the run it logged to before. A ``trainer.resume`` that names nothing is left to the loop to refuse."""
+    from selfspec.train.checkpoint import CheckpointError, resolve_resume
+
+    resume = (config.get("trainer") or {}).get("resume")
+    try:
+        return resolve_resume(resume, Path(run_dir) / "checkpoints") is not None
+    except CheckpointError:
+        return False
 
 
 @dataclass

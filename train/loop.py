@@ -3,13 +3,14 @@
     result = train(cfg, method)   # cfg: a composed entry config (model, data, trainer, logger, run_dir, ...)
 
 ``method`` says what is trained and how (a :class:`selfspec.train.method.TrainMethod`); the loop owns everything else, in this
-order (one function per phase, below): **setup** (the frozen target, data loading and sharding, the drafter, AdamW with
-a warmup + cosine/linear/constant schedule, mixed precision, all prepared by accelerate; the logger), **resume** (from a
-checkpoint, or a check that the run folder holds no earlier run), the **training steps** (gradient accumulation,
-clipping, logging and a progress bar on the main process, evaluation every ``trainer.eval_every`` steps, atomic
-checkpoints every ``trainer.save_every`` steps with the last ``trainer.keep_last`` kept), the final **evaluation** and
-the **save** of the drafter. With ``trainer.max_minutes`` the run's step count is sized to a time budget from its
-own pace, and it stops where the budget runs out (train/budget.py).
+order (one function per phase, below): **setup** (the frozen target, or from a feature store only the tensors the
+method reads of it; data loading and sharding, the drafter, AdamW with a warmup + cosine/linear/constant schedule,
+mixed precision, all prepared by accelerate; the logger), **resume** (from a checkpoint, or a check that the run
+folder holds no earlier run), the **training steps** (gradient accumulation, clipping, logging and a progress bar on
+the main process, evaluation every ``trainer.eval_every`` steps, atomic checkpoints every ``trainer.save_every`` steps
+with the last ``trainer.keep_last`` kept), the final **evaluation** and the **save** of the drafter. With
+``trainer.max_minutes`` the run's step count is sized to a time budget from its own pace, and it stops where the
+budget runs out (train/budget.py).
 
 Determinism and resume. The data order of epoch e is a permutation seeded by (trainer.seed, e), the same on every
 rank; accelerate shards each global batch over the ranks. A step reads exactly ``gradient_accumulation_steps``
@@ -38,7 +39,6 @@ the logger's files (``metrics.jsonl``, ``wandb/``).
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,8 +49,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from selfspec.core import folders
 from selfspec.core.config import cfg_get, to_dict
-from selfspec.core.errors import SelfspecError
+from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
 from selfspec.train import budget as time_budget
 from selfspec.train.accelerator import check_accumulation, make_accelerator
@@ -96,6 +97,7 @@ class TrainResult:
     wall_s: float = 0.0
     peak_memory_bytes: int = 0  # CUDA peak allocated on GPU, else the process's peak resident set
     last_checkpoint: Path | None = None
+    whole_target: bool = True  # False: a store-fed run held only parts of the target (core/target_parts.py)
 
 
 # --- the loop ---------------------------------------------------------------------------------------------------------
@@ -175,12 +177,17 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: f
     run_dir = Path(str(cfg.run_dir))
     accelerator = make_accelerator(tc, run_dir)
     set_seed(tc.seed)
+    # before anything runs: a heads/ folder selfspec did not write is refused on every rank, or backed up (overwrite)
+    heads_in_the_way = folders.in_the_way(run_dir / "heads", "heads", tc.overwrite, key="trainer.overwrite")
     if accelerator.is_main_process:
+        folders.enter(run_dir, "run")  # marked when new or empty; a folder of the user's is used as it is
+        if heads_in_the_way:
+            folders.back_up(run_dir / "heads", key="trainer.overwrite")
         write_resolved_config(cfg, run_dir)
         if (run_dir / "checkpoints").exists():
             prune_checkpoints(run_dir / "checkpoints", None)  # removes temporary folders a killed run left behind
     if target is None:
-        target = _load_target(cfg, accelerator, tc.target_dtype, method.trains_target)
+        target = _load_target(cfg, accelerator, tc.target_dtype, method.trains_target, method.store_target_layers())
     else:
         target.model.to(accelerator.device)
     packed_collate = packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
@@ -229,15 +236,27 @@ def _fused_adamw(groups: list[dict]) -> bool | None:
     return True if ok else None
 
 
-def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False):
-    """The frozen target, in ``trainer.target_dtype`` (:func:`training_dtype`)."""
+def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_target: bool = False,
+                 store_layers: list[int] | None = None):
+    """The frozen target, in ``trainer.target_dtype`` (:func:`training_dtype`). ``store_layers`` (a store-fed method's
+    :meth:`TrainMethod.store_target_layers`): only its embeddings, final norm, LM head and those decoder layers are
+    materialised, the rest stays on the meta device (selfspec.core.target_parts); a store still to be built loads the
+    rest while it is built (selfspec.train.feature_store)."""
     from selfspec.core.target import load_target
 
     model_cfg = to_dict(cfg.model)
     model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)
     model_cfg["dtype"] = training_dtype(target_dtype, accelerator.device, model_cfg.get("dtype", "auto"),
                                         trains_target)
-    return load_target(model_cfg)
+    if store_layers is None or trains_target:
+        return load_target(model_cfg)
+    from selfspec.core.target_parts import load_target_parts
+
+    target = load_target_parts(model_cfg, store_layers)
+    if accelerator.is_main_process:
+        print(f"[selfspec] features=store: the trainer holds the target's {target.parts.describe(target.model)}; "
+              "the rest stays on the meta device.", file=sys.stderr)
+    return target
 
 
 # --- resume -----------------------------------------------------------------------------------------------------------
@@ -259,7 +278,8 @@ def _resume(run: _Run) -> _Progress:
 
 
 def _clear_earlier_run(run: _Run) -> None:
-    """A fresh run refuses a folder with an earlier run's checkpoints, or deletes them with trainer.overwrite."""
+    """A fresh run refuses a folder with an earlier run's checkpoints, or deletes them with trainer.overwrite (those
+    selfspec wrote; any other is moved to a backup)."""
     earlier = list_checkpoints(run.ckpt_dir)
     if earlier and not run.tc.overwrite:
         raise RunExistsError(
@@ -272,7 +292,8 @@ def _clear_earlier_run(run: _Run) -> None:
             print(f"[selfspec] trainer.overwrite=true: deleting {len(earlier)} checkpoint(s) of an earlier run in "
                   f"{run.ckpt_dir}.", file=sys.stderr)
             for _, folder in earlier:
-                shutil.rmtree(folder)
+                if not folders.discard(folder, "checkpoint"):
+                    folders.back_up(folder, key="trainer.overwrite")
         run.accelerator.wait_for_everyone()
 
 
@@ -289,7 +310,7 @@ def _restore(run: _Run, resume_from: Path) -> _Progress:
               "continues from the same number of optimizer steps but will not repeat the original exactly.",
               file=sys.stderr)
     if step > tc.max_steps:
-        raise ValueError(
+        raise SettingError(
             f"{resume_from} is at step {step}, past trainer.max_steps={tc.max_steps}: resume with "
             f"trainer.max_steps >= {step} to train on (the learning-rate schedule is rebuilt for the new length), "
             f"or use the heads that run saved."
@@ -437,6 +458,8 @@ def _update(run: _Run, step: int) -> None:
     grad_norm = None
     if tc.max_grad_norm:
         grad_norm = accelerator.clip_grad_norm_(run.module.parameters(), tc.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, replicated on every rank
+            grad_norm = grad_norm.full_tensor()
     if grad_norm is not None and accelerator.mixed_precision != "fp16":
         _stop_if_not_finite(accelerator, torch.as_tensor(grad_norm).detach().float(), "gradient norm", step,
                             run.ckpt_dir)
@@ -501,6 +524,7 @@ def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
         history=progress.history, train_tokens=progress.trained_tokens,
         train_tokens_per_s=progress.trained_tokens / progress.train_time if progress.train_time > 0 else 0.0,
         wall_s=time.perf_counter() - progress.started, peak_memory_bytes=peak_memory_bytes(run.accelerator.device),
+        whole_target=getattr(run.target, "parts", None) is None,
         last_checkpoint=progress.last_checkpoint,
     )
     if run.is_main:

@@ -92,7 +92,7 @@ class MedusaSettings:
         if out.type == "medusa2":
             problems += out._medusa2_problems()
         if problems:
-            raise ValueError("; ".join(problems) + ".")
+            raise SettingError("; ".join(problems) + ".")
         return out
 
     def _medusa2_problems(self) -> list[str]:
@@ -199,8 +199,8 @@ class MedusaMethod(TrainMethod):
         self.name = self.settings.type
         self.features = FeatureSource.from_cfg(cfg)
         if not self.features.online and self.settings.loss == "kl" and not self.features.settings.get("teacher_topk"):
-            raise ValueError("heads.loss=kl with features=store needs the target's logits in the store: set "
-                             "feature_store.teacher_topk (e.g. 64), or use features=online.")
+            raise SettingError("heads.loss=kl with features=store needs the target's logits in the store: set "
+                               "feature_store.teacher_topk (e.g. 64), or use features=online.")
         self.token_map: torch.Tensor | None = None  # the draft vocabulary, counted in prepare_data
         self.draft_vocab_coverage: float | None = None
 
@@ -295,6 +295,11 @@ class Medusa1Method(MedusaMethod):
 
     def build_module(self, target) -> nn.Module:
         return self.build_heads(target)
+
+    def store_target_layers(self) -> list[int] | None:
+        """From a store, Medusa-1 reads the target's LM head (the heads' LM heads start from it, or share it) and
+        its embeddings (the store's and the heads' fingerprint); no decoder layer."""
+        return None if self.features.online else []
 
     def wrap_module(self, drafter: nn.Module, target) -> nn.Module:
         """Loaded heads as they are (Medusa-1 trains the heads module itself), with their draft vocabulary."""
@@ -471,7 +476,7 @@ def medusa_method(cfg: Any) -> MedusaMethod:
     """The method ``cfg.heads.type`` names: Medusa-1 (``medusa``) or Medusa-2 (``medusa2``)."""
     kind = cfg.heads.type
     if kind not in METHODS:
-        raise ValueError(f"heads.type={kind!r}: train/medusa.py trains medusa or medusa2 (heads=medusa|medusa2).")
+        raise SettingError(f"heads.type={kind!r}: train/medusa.py trains medusa or medusa2 (heads=medusa|medusa2).")
     return METHODS[kind](cfg)
 
 

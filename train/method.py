@@ -4,15 +4,16 @@ The whole contract is this class. Five methods are required (``build_module``, `
 ``evaluate``, ``save``; a subclass that lacks one cannot be instantiated) plus a ``name``; every optional capability
 is declared here with its default, so a family overrides only what it offers and the loop calls each member directly:
 
-=====================  ==================================================================================
-capability             default
-=====================  ==================================================================================
-``trains_target``      False: the target is frozen, and may run in bfloat16 where that is native
-``supports_packing``   False: ``trainer.packing=true`` is refused
-``prepare_data``       the splits and the collate function unchanged
-``param_groups``       one group: every trainable parameter of the module ``build_module`` built
-``wrap_module``        refused: the module around a drafter built elsewhere (learning while decoding)
-=====================  ==================================================================================
+=======================  ==================================================================================
+capability               default
+=======================  ==================================================================================
+``trains_target``        False: the target is frozen, and may run in bfloat16 where that is native
+``supports_packing``     False: ``trainer.packing=true`` is refused
+``prepare_data``         the splits and the collate function unchanged
+``param_groups``         one group: every trainable parameter of the module ``build_module`` built
+``wrap_module``          refused: the module around a drafter built elsewhere (learning while decoding)
+``store_target_layers``  None: the loop loads the whole target (a store-fed method says what it reads of it)
+=======================  ==================================================================================
 
 One normalisation rule: a loss is a sum over the items a micro-batch trains on divided by ``num_items``, their count
 over the whole optimizer step (``count_items`` summed over the step's micro-batches and every rank), so how a step is
@@ -100,6 +101,13 @@ class TrainMethod(ABC):
         """The module ``build_module`` would build, around a drafter that exists already (heads loaded for decoding,
         which train/online.py trains between requests). Families that learn while decoding implement it."""
         raise NotImplementedError(f"The {self.name} family does not train heads it did not build (no wrap_module).")
+
+    def store_target_layers(self) -> list[int] | None:
+        """The target's decoder layers this training reads besides its input embeddings, final norm and LM head,
+        when it reads nothing else of the target (trained from a feature store): e.g. [] or the layer a drafter
+        starts from; the loop then holds only those tensors (selfspec.core.target_parts). None (the default, and
+        online training): the whole target."""
+        return None
 
     def param_groups(self, module: nn.Module, lr: float) -> list[dict]:
         """The optimizer's parameter groups (e.g. a learning-rate multiplier for some of them); ``lr`` is

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import random
 import shutil
-import tempfile
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any, Iterable
 
 import torch
 
+from selfspec.core import folders
 from selfspec.core.errors import SelfspecError, SettingError
 
 LEARNING_FAMILIES = ("eagle", "eagle3", "dflash", "medusa")  # Medusa-1: Medusa-2's adapter is refused
@@ -66,12 +66,14 @@ class LearnSettings:
     max_length: int
     mixed_precision: str
     seed: int
+    overwrite: bool = False  # a folder at dir that selfspec did not make: moved to a backup (else refused)
 
     @classmethod
     def from_dict(cls, values: dict) -> "LearnSettings":
         names = [f for f in cls.__dataclass_fields__]
         unknown = sorted(set(values) - set(names))
-        missing = [n for n in names if n not in values]
+        optional = {"overwrite"}
+        missing = [n for n in names if n not in values and n not in optional]
         if unknown or missing:
             raise SettingError(f"learner: {'unknown key ' + repr(unknown[0]) if unknown else 'missing ' + missing[0]}"
                                f"; it takes {', '.join(names)} (conf/decode/decode.yaml).")
@@ -81,7 +83,7 @@ class LearnSettings:
                 min_tokens=int(values["min_tokens"]), guard=bool(values["guard"]), guard_z=float(values["guard_z"]),
                 save_every=int(values["save_every"]), every_tokens=int(values["every_tokens"]),
                 max_length=int(values["max_length"]), mixed_precision=str(values["mixed_precision"]),
-                seed=int(values["seed"]))
+                seed=int(values["seed"]), overwrite=bool(values.get("overwrite", False)))
         problems = [f"learner.{k}={getattr(s, k)} must be >= {lo}" for k, lo in
                     (("buffer_tokens", 1), ("holdout_every", 2), ("steps", 0), ("batch_size", 1), ("min_tokens", 1),
                      ("save_every", 0), ("every_tokens", 0), ("max_length", 2)) if getattr(s, k) < lo]
@@ -338,6 +340,8 @@ class OnlineLearner:
         # on: the next update's "before" while that set is unchanged
         self._guarded: tuple[int, list[float]] | None = None
         self.dir = Path(settings.dir)
+        # before any request: a folder at learner.dir that selfspec did not write is refused (or backed up)
+        folders.make_way(self.dir, "learner", settings.overwrite, key="learner.overwrite", setting="learner.dir")
         if settings.resume and (self.dir / STATE_FILE).is_file():
             self._resume()
 
@@ -498,8 +502,7 @@ class OnlineLearner:
     def save(self) -> Path:
         """The adapted heads (a heads folder: decode, export and serve it like any other) and the learner's state
         (optimizer, buffers, counters), written together into ``learner.dir`` atomically."""
-        self.dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{self.dir.name}.tmp-", dir=self.dir.parent))
+        tmp = folders.temp_dir(self.dir, "learner")
         try:
             meta = {k: v for k, v in self.heads_config.items()
                     if k not in ("format_version", "head_type", "base_model", "target_fingerprint", "hidden_size",
@@ -514,9 +517,8 @@ class OnlineLearner:
                      "counters": {"requests": self.requests, "updates": self.updates, "rollbacks": self.rollbacks,
                                   "steps": self.steps}}
             torch.save(state, tmp / STATE_FILE)
-            from selfspec.heads.io import _replace_dir
-
-            _replace_dir(tmp, self.dir)
+            folders.replace_dir(tmp, self.dir, self.settings.overwrite, kind="learner", key="learner.overwrite",
+                                setting="learner.dir")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -529,7 +531,7 @@ class OnlineLearner:
 
         try:
             loaded = load_heads(self.dir / HEADS_DIR, target=self.target)
-            state = torch.load(self.dir / STATE_FILE, weights_only=False)
+            state = torch.load(self.dir / STATE_FILE, weights_only=True)  # tensors and plain containers
             self.core.load_state_dict(loaded.module.state_dict())
             self.optimizer.load_state_dict(state["optimizer"])
             buffer, holdout, rng, torch_rng, c = (state[k] for k in ("buffer", "holdout", "rng", "torch_rng",

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from selfspec.core import folders
 from selfspec.core.errors import SettingError
 from selfspec.core.vllm_env import VllmSettings
 from selfspec.train.data import (
@@ -113,29 +114,34 @@ def to_prompt(record: Any, index: int) -> tuple[Prompt | None, str | None]:
     return Prompt(id=str(record.get("id", index)), turns=turns, system=system), None
 
 
-def read_done(out_path: Path) -> tuple[set[str], bool]:
-    """Ids already in ``out_path``; cuts off a partial last line (from a killed run). Returns (ids, cut_off)."""
+def read_done(out_path: Path, cut_partial: bool = True) -> tuple[set[str], bool]:
+    """Ids already in ``out_path``; cuts off a partial last line (from a killed run; with ``cut_partial``). Returns
+    (ids, cut_off). A file that is not this script's output is refused before anything in it changes."""
     if not out_path.exists():
         return set(), False
     data = out_path.read_bytes()
-    cut = False
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        with open(out_path, "r+b") as f:
-            f.truncate(keep)
-        data, cut = data[:keep], True
+    keep = len(data) if not data or data.endswith(b"\n") else data.rfind(b"\n") + 1
     done = set()
     # lines end at b"\n" only: str.splitlines would also cut a record at a U+2028 or a form feed inside its text,
     # which json.dumps(ensure_ascii=False) writes as they are
-    for line_no, raw in enumerate(data.split(b"\n"), 1):
-        line = raw.decode("utf-8")
-        if not line.strip():
-            continue
+    lines = data[:keep].split(b"\n")
+    for line_no, raw in enumerate(lines, 1):
         try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
             done.add(str(json.loads(line)["id"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
             raise DataError(f"{out_path} line {line_no} is not a regenerated record ({err}): it is not this "
                             "script's output. Choose another out=PATH, or delete the file to start over.") from None
+    cut = keep < len(data)
+    if cut and not data[keep:].startswith(b'{"id": '):  # not the start of a record this script writes
+        raise DataError(f"{out_path} line {len(lines)} is not a regenerated record (nor the start of one cut by a "
+                        "kill): it is not this script's output. Choose another out=PATH, or delete the file to start "
+                        "over.")
+    if cut and cut_partial:
+        with open(out_path, "r+b") as f:
+            f.truncate(keep)
     return done, cut
 
 
@@ -437,6 +443,22 @@ def usable_length(data_max_length: int | None, max_positions: int | None, max_ne
     return min(data_max_length, room) if data_max_length else room
 
 
+def _check_output(out_path: Path, beside: list[Path]) -> None:
+    """Before anything is written: ``out_path`` is missing or this script's output (else DataError, the file
+    untouched), its folder is made (marked as selfspec's when new or empty; a folder of the user's keeps its files),
+    and the files written ``beside`` it replace none of the user's: in a folder selfspec did not make, they may exist
+    only where ``out_path`` does (an earlier run's, resumed)."""
+    read_done(out_path, cut_partial=False)
+    ours = folders.enter(out_path.parent, "regenerate")
+    if ours or out_path.exists():
+        return
+    for path in beside:
+        if path.exists() or path.is_symlink():
+            raise folders.FolderNotOursError(
+                f"{path} exists and was not written by this script (there is no {out_path.name} beside it): nothing "
+                "was changed. Choose another out=PATH.")
+
+
 def run(cfg) -> RegenerateReport:
     """Read prompts (``cfg.prompts`` or ``cfg.data``), start ``cfg.engine`` on the target of ``cfg.model``,
     regenerate into ``cfg.out``."""
@@ -454,10 +476,11 @@ def run(cfg) -> RegenerateReport:
         settings = VllmSettings.from_config(cfg.vllm)
         vllm_python(settings.venv)  # say at once when vLLM's venv is missing
     out_path = Path(cfg.out)
+    config_path = out_path.with_name(out_path.stem + ".config.yaml")
+    log_path = out_path.with_name(out_path.stem + ".vllm.log")
+    _check_output(out_path, [config_path, log_path] if cfg.engine == "vllm" else [config_path])
     records = read_records(cfg.prompts) if cfg.get("prompts") else open_records(cfg.data)
     torch.manual_seed(answering.seed)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path = out_path.with_name(out_path.stem + ".config.yaml")
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.engine == "vllm":
         from transformers import AutoConfig
@@ -467,8 +490,7 @@ def run(cfg) -> RegenerateReport:
         path, tokenizer = served_model(cfg.model)
         max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
-        engine = open_vllm_engine(path, tokenizer, cfg.model, settings, answering,
-                                  log_path=out_path.with_name(out_path.stem + ".vllm.log"))
+        engine = open_vllm_engine(path, tokenizer, cfg.model, settings, answering, log_path=log_path)
     else:
         from selfspec.core.target import load_target
 

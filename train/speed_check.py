@@ -19,8 +19,11 @@ SPEED_CHECK_PROMPTS = (
 )
 
 
-def after_training(cfg: Any, heads_dir: str | Path) -> None:
-    """:func:`speed_check` as ``cfg.speed_check`` says, on the main process only (the one that saved the heads)."""
+def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -> None:
+    """:func:`speed_check` as ``cfg.speed_check`` says, on the main process only (the one that saved the heads).
+    After a run that held only parts of the target (``whole_target`` false: trained from a feature store, perhaps for
+    a target the trainer's device cannot hold) the decoding is left out, with a line saying so: it would load the
+    whole target; the decode command is printed as always."""
     from accelerate import PartialState
 
     check = to_dict(cfg_get(cfg, "speed_check"))
@@ -29,7 +32,13 @@ def after_training(cfg: Any, heads_dir: str | Path) -> None:
         raise SettingError(f"Missing speed_check option(s) {missing}: compose the entry's config from conf/ "
                            "(conf/<family>.yaml writes them).")
     if check["prompts"] is not None and PartialState().is_main_process:
-        speed_check(heads_dir, int(check["prompts"]), int(check["max_new_tokens"]))
+        prompts = int(check["prompts"])
+        if prompts > 0 and not whole_target:
+            print("[selfspec] quick speed check skipped: this run trained from a feature store holding only the "
+                  "target's embeddings, final norm and LM head, and decoding loads the whole target. Decode or "
+                  "benchmark the heads where it fits (the command below; scripts/bench.py).", file=sys.stderr)
+            prompts = 0
+        speed_check(heads_dir, prompts, int(check["max_new_tokens"]))
 
 
 def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: TextIO = sys.stderr) -> dict:

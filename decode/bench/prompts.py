@@ -25,6 +25,9 @@ def load_prompts(prompts: Any, limit: int | None = None, per_category: int | Non
     if prompts in (None, ""):
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form: question_id, category, turns) or "
                                "prompts=humaneval.")
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise DecodeSetupError(f"{name}={value!r}: give a whole number >= 1, or null for every question.")
     sources = [prompts] if isinstance(prompts, (str, Path)) else list(prompts)
     questions = [{**q, "source": source_name(source)} for source in sources for q in _read_source(source, limit)]
     questions = [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from selfspec.core.folders import claim
 from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
 from selfspec.decode.bench.report import machine_info
 from selfspec.decode.session import load_session
@@ -68,7 +69,7 @@ def record_stream(session, questions: list[dict], path: Path, identity: dict) ->
 
 def load_record(path: Path, identity: dict) -> list[dict[str, torch.Tensor]]:
     try:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)  # tensors and plain containers only: nothing is executed
         examples, theirs = saved["examples"], saved["identity"]
     except Exception as err:  # noqa: BLE001 - named with the fix
         raise DecodeSetupError(f"record={path} does not load as a recorded stream ({type(err).__name__}: {err}). "
@@ -89,8 +90,7 @@ def run_replay(cfg: Any, command: str = "") -> dict:
     if c["heads"] in (None, "random"):
         raise DecodeSetupError("heads=FOLDER: the trained heads the replay starts from (e.g. the hour recipe's).")
     plain = OmegaConf.to_container(cfg, resolve=True)
-    out = Path(str(c["out"]))
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim(Path(str(c["out"])), "replay", bool(cfg.get("overwrite", False)), setting="out")  # a user's: refused
     # the learner as configured, never resumed and never saved: the replay leaves no state behind
     learner = dict(plain["learner"], resume=False, save_every=0, dir=str(out / "unused"))
     session = load_session(OmegaConf.create({**plain, "learn": True, "learner": learner}))

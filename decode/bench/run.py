@@ -22,6 +22,7 @@ from selfspec.decode.session import Session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
 from selfspec.core.config import to_dict
+from selfspec.core.folders import claim
 
 
 def first_difference(reference: list[int], tokens: list[int]) -> int | None:
@@ -105,6 +106,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     names = method_names(c["methods"])
     questions = load_prompts(c["prompts"], c["limit"], c["per_category"])
     folders = heads_folders(c["heads"]) if {"heads", "hybrid", "vllm_heads"} & set(names) else []
+    # before anything loads: a folder of the user's at out is refused (or moved to a backup with overwrite=true)
+    claim(Path(str(c["out"])), "bench", bool(cfg.get("overwrite", False)), setting="out")
     base, sessions = load_sessions(cfg, folders)
     methods = build_methods(base, sessions, names, int(c["prompt_lookup_num_tokens"]), to_dict(c["draft"]))
     rounds = rounds_of(questions, int(c["vllm_rounds"])) if set(names) & set(VLLM_METHODS) else [questions]

@@ -28,6 +28,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from selfspec.core.folders import claim
 from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
 from selfspec.decode.bench.report import machine_info
 from selfspec.decode.bench.run import first_difference
@@ -67,8 +68,7 @@ def run_stream(cfg: Any, command: str = "") -> dict:
     if c["heads"] in (None, "random"):
         raise DecodeSetupError("heads=FOLDER: the trained heads the stream starts from (e.g. the hour recipe's).")
     window = int(c["window"])
-    out = Path(str(c["out"]))
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim(Path(str(c["out"])), "stream", bool(cfg.get("overwrite", False)), setting="out")  # a user's: refused
     questions = load_prompts(c["prompts"], c["limit"])
     sessions = load_stream_sessions(cfg, names, out)
     base = sessions["frozen"]  # (a family that cannot learn was refused by the learning sessions' loading)

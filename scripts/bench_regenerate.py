@@ -133,4 +133,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from selfspec.core.errors import reported_errors
+
+    with reported_errors():  # a mistyped key or a bad setting: one error line, exit 2
+        main()

@@ -28,14 +28,14 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline HYDRA_FULL_ERROR=1
 if [ "$dry" = 1 ]; then
     device=cpu; dtype=float32
     shape8b="model.tiny.hidden_size=64 model.tiny.num_hidden_layers=4 model.tiny.num_attention_heads=4 model.tiny.num_key_value_heads=2 model.tiny.intermediate_size=128"
-    steps=2; limit_tests=300; limit=300
+    steps=2; limit_tests=300; limit=300; records=64
     pytest_args=(--collect-only -q -n 0)
     engine_args=(--prompts 1 --prompt-tokens 16 --new-tokens 8 --depths 1,2 --curve-repeats 1 -- model=tiny)
     bench_args=(model=tiny limit=2 max_new_tokens=8 "methods=[hf,vanilla,heads,training_free]")
 else
     device=cuda; dtype=bfloat16
     shape8b="model.tiny.vocab_size=128256 model.tiny.hidden_size=4096 model.tiny.num_hidden_layers=32 model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=14336 model.tiny.max_position_embeddings=8192"
-    steps=30; limit_tests=270; limit=90
+    steps=30; limit_tests=270; limit=90; records=2000
     pytest_args=(--device cuda -m "not vllm_archs" -n 8 -p no:cacheprovider)
     engine_args=(--shape llama3b --prompts 4 --prompt-tokens 128 --new-tokens 128 --depths 1,2,4,8 -- model=tiny device=cuda dtype=bfloat16)
     bench_args=(model=smollm2 limit=8 max_new_tokens=128 device=cuda)
@@ -69,7 +69,8 @@ step tests "$limit_tests" "$py" -m pytest "${pytest_args[@]}"
 tail -n 3 "$out/tests.log" >> "$summary"
 
 common=(model=tiny $shape8b "model.dtype=$dtype" "model.device=$device" "trainer.max_steps=$steps"
-        trainer.eval_every=100000 trainer.save_every=100000 trainer.log_every=5 speed_check.prompts=0 "${data[@]}")
+        trainer.eval_every=100000 trainer.save_every=100000 trainer.log_every=5 speed_check.prompts=0 "${data[@]}"
+        "data.max_records=$records")
 for family in eagle3 dflash; do
     entry=train/eagle.py; extra=(heads=eagle3)
     [ "$family" = dflash ] && { entry=train/dflash.py; extra=(); }

@@ -1,17 +1,18 @@
 """Peak memory of store-fed training against the target's depth: random Llama targets of one shape (hidden size,
-vocabulary, heads, MLP) with 4 and with 32 decoder layers, each saved as a sharded safetensors checkpoint; a feature
-store built from each (the store's hidden states depend on every layer, so each target builds its own); then
-EAGLE-3 and DFlash trained from the store, each in a fresh process, whose peak resident set (VmHWM, the process's own
-since it started) is reported. A store-fed trainer materialises only the target's embeddings, final norm and LM head
-(core/target_parts.py), so its peak should not grow with the layers; the run that builds the store holds the whole
-target while it builds, which shows what the layers would cost.
+vocabulary, heads, MLP as Llama-3-8B's in proportion) with 4 and with 32 decoder layers, each saved as a sharded
+safetensors checkpoint, and a feature store built from each (its hidden states depend on every layer, so each target
+builds its own); then EAGLE-3 and DFlash trained from the store, each in a fresh process (the entry point, as
+``selfspec-train eagle3 features=store ...`` runs), whose peak resident set is reported: VmHWM, the process's own
+since it started. A store-fed trainer materialises only the target's embeddings, final norm and LM head
+(core/target_parts.py), so its peak should not grow with the layers; the table also gives what the layers weigh.
 
     python scripts/store_memory.py                                  # 4 and 32 layers, hidden 1024, vocab 32768
-    python scripts/store_memory.py --layers 4,32 --hidden 1024 --vocab 32768 --steps 3 --out outputs/store_memory
+    python scripts/store_memory.py --layers 4,32 --hidden 1024 --vocab 32768 --out outputs/store_memory
 
 Writes ``--out``/report.json and prints a Markdown table (docs/benchmarks.md, "Store-fed training memory").
-tests/test_target_parts.py runs it at the default shape. The subcommands ``make-target`` and ``train`` are the
-processes it starts.
+tests/test_target_parts.py runs it at the default shape. The processes it starts are this script's subcommands
+``prepare`` (the targets and their stores, in one process whose memory is not measured) and ``train FAMILY
+OVERRIDES...`` (one measured run); the measured runs go ``--jobs`` at a time (memory is per process).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 PEAK = "store_memory peak_rss_bytes"
 
 
-def make_target(out: Path, layers: int, hidden: int, vocab: int, shard: str) -> None:
-    """A random Llama of the given shape (heads of 128, 4 query heads per key-value head, MLP 3.5x as Llama-3-8B's),
-    saved with the byte-level tokenizer as a safetensors checkpoint in shards of ``shard``."""
+def make_target(out: Path, layers: int, hidden: int, vocab: int, shard: str = "200MB") -> None:
+    """A random Llama of the given shape (heads of 128, 4 query heads per key-value head, MLP 3.5x the hidden size as
+    Llama-3-8B's), saved with the byte-level tokenizer as a safetensors checkpoint in shards of ``shard``."""
     from selfspec.core.target import build_tiny
 
     heads = max(1, hidden // 128)
@@ -44,15 +46,53 @@ def make_target(out: Path, layers: int, hidden: int, vocab: int, shard: str) -> 
     os.replace(tmp, out)  # whole or absent: a folder with config.json is a finished checkpoint
 
 
-def conversations(path: Path, n: int = 32) -> None:
-    """``n`` ShareGPT conversations of arithmetic sequences (the byte tokenizer: a token per character)."""
+def conversations(path: Path, n: int) -> None:
+    """``n`` short ShareGPT conversations of arithmetic sequences (the byte tokenizer: a token per character, ~40 in
+    all with the chat template)."""
     rows = []
     for i in range(n):
         start, step = 3 + 7 * i, 2 + i % 5
-        seq = [str(start + step * t) for t in range(30)]
-        rows.append({"conversations": [{"from": "human", "value": "Continue: " + " ".join(seq[:4])},
-                                       {"from": "gpt", "value": " ".join(seq[4:])}]})
+        seq = [str(start + step * t) for t in range(7)]
+        rows.append({"conversations": [{"from": "human", "value": "Go: " + " ".join(seq[:2])},
+                                       {"from": "gpt", "value": " ".join(seq[2:])}]})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def overrides_for(out: Path, layers: int, family: str, examples: int) -> list[str]:
+    """The training overrides of ``family`` on the ``layers``-layer target: from its store, one step, no speed check.
+    EAGLE-3 fuses the inputs of its default layers, DFlash the outputs of the layers before them: one store."""
+    from selfspec.heads.eagle import default_layer_ids
+
+    eagle3 = default_layer_ids(layers)
+    common = ["model.source=hub", f"model.name_or_path={out / f'target-{layers}'}", "model.dtype=float32",
+              "model.device=cpu", "trainer.target_dtype=float32", "data=file", f"data.path={out / 'data.jsonl'}",
+              "data.max_length=48", f"data.max_records={examples}", "trainer.max_steps=1", "trainer.batch_size=4",
+              "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
+              "speed_check.prompts=null", "logger=none", "features=store", "feature_store.dtype=float16",
+              f"feature_store.dir={out / f'features-{layers}'}", "trainer.overwrite=true",
+              f"run_dir={out / 'runs' / f'{family}-{layers}'}"]
+    if family == "eagle3":
+        return common + [f"heads.layer_ids=[{','.join(map(str, eagle3))}]"]
+    if family == "dflash":
+        return common + [f"heads.target_layer_ids=[{','.join(str(i - 1) for i in eagle3)}]",
+                         "heads.anchors_per_sequence=4"]
+    raise SystemExit(f"--families: eagle3 or dflash, not {family!r}")
+
+
+def prepare(out: Path, layer_counts: list[int], hidden: int, vocab: int, family: str, examples: int) -> None:
+    """Each target (when missing) and its store (a run of ``family`` that builds it, when missing), in this process."""
+    from selfspec.core.config import compose
+    from selfspec.core.families import FAMILIES
+    from selfspec.train.loop import train
+
+    chosen = FAMILIES[family]
+    for layers in layer_counts:
+        folder = out / f"target-{layers}"
+        if not (folder / "config.json").is_file():
+            make_target(folder, layers, hidden, vocab)
+        if not (out / f"features-{layers}" / "meta.json").is_file():
+            cfg = compose(chosen.train_conf, chosen.train_overrides() + overrides_for(out, layers, family, examples))
+            train(cfg, chosen.load("method")(cfg))
 
 
 def train_child(family: str, overrides: list[str]) -> None:
@@ -70,20 +110,39 @@ def train_child(family: str, overrides: list[str]) -> None:
     main(family)
 
 
-def _run(args: list[str], log: Path) -> tuple[int | None, float]:
-    """Run this script with ``args`` in a fresh process; (its peak resident set in bytes, seconds)."""
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=f, text=True)
+def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, float, Any]:
+    f = open(log, "w")
+    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=f, text=True), \
+        time.perf_counter(), f
+
+
+def _finish(started: tuple[subprocess.Popen, float, Any], log: Path) -> tuple[int | None, float]:
+    """(the peak resident set a started run printed, its seconds); exits with where to look when it failed."""
+    proc, start, f = started
+    stdout, _ = proc.communicate()
     seconds = time.perf_counter() - start
+    f.close()
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:2])} failed (exit {proc.returncode}); see {log}")
-    found = re.findall(rf"^{PEAK} (\d+)$", proc.stdout, re.M)
+        raise SystemExit(f"{' '.join(proc.args[2:4])} failed (exit {proc.returncode}); see {log}")
+    found = re.findall(rf"^{PEAK} (\d+)$", stdout, re.M)
     return (int(found[-1]) if found else None), seconds
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+def _sizes(folder: Path) -> tuple[int, int]:
+    """(bytes of a checkpoint's tensors, of its decoder layers), read from the safetensors headers."""
+    from safetensors import safe_open
+
+    total = layers = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                size = {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 4)
+                for d in sl.get_shape():
+                    size *= d
+                total += size
+                layers += size if ".layers." in key else 0
+    return total, layers
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,63 +150,54 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", default="4,32", help="the decoder layer counts compared")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=2, help="training steps of each run")
+    parser.add_argument("--examples", type=int, default=6, help="conversations (the store's examples)")
     parser.add_argument("--families", default="eagle3,dflash")
+    parser.add_argument("--jobs", type=int, default=4, help="measured runs at a time")
     parser.add_argument("--out", default="outputs/store_memory")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / "conversations.jsonl"
-    conversations(data)
-    report: dict = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(), "command": " ".join(sys.argv),
-                    "shape": {"hidden": args.hidden, "vocab": args.vocab}, "runs": {}}
-    from selfspec.heads.eagle import default_layer_ids
-
-    for layers in map(int, args.layers.split(",")):
-        folder = out / f"target-{layers}"
-        if not (folder / "config.json").is_file():
-            _run(["make-target", "--layers", str(layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-                  "--out", str(folder)], out / f"make-target-{layers}.log")
-        eagle3 = default_layer_ids(layers)  # DFlash's are one less: the outputs of the layers before (one store)
-        common = ["model.source=hub", f"model.name_or_path={folder}", "model.dtype=float32", "model.device=cpu",
-                  "trainer.target_dtype=float32", "data=file", f"data.path={data}", "data.max_length=160",
-                  "data.max_records=32", f"trainer.max_steps={args.steps}", "trainer.batch_size=4",
-                  "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
-                  "speed_check.prompts=null", "logger=none", "features=store", "feature_store.dtype=float16",
-                  f"feature_store.dir={out / f'features-{layers}'}", "trainer.overwrite=true"]
-        per_family = {"eagle3": [f"heads.layer_ids=[{','.join(map(str, eagle3))}]"],
-                      "dflash": [f"heads.target_layer_ids=[{','.join(str(i - 1) for i in eagle3)}]"]}
-        runs = {"checkpoint_bytes": _folder_bytes(folder)}
-        families = args.families.split(",")
-        for i, family in enumerate(families):
-            name = f"{family}-{layers}"
-            overrides = common + per_family[family] + [f"run_dir={out / 'runs' / name}"]
-            if i == 0 and not (out / f"features-{layers}" / "meta.json").is_file():  # builds the store first
-                peak, seconds = _run(["train", family, *overrides], out / f"build-{name}.log")
-                runs["build_and_train"] = {"family": family, "peak_rss_bytes": peak, "seconds": seconds}
-                print(f"[store_memory] {layers} layers: store built and {family} trained, peak "
-                      f"{peak / 2**20:,.0f} MiB in {seconds:.0f} s", file=sys.stderr)
-            peak, seconds = _run(["train", family, *overrides], out / f"{name}.log")
-            runs[family] = {"peak_rss_bytes": peak, "seconds": seconds}
-            print(f"[store_memory] {layers} layers: {family} from the store, peak {peak / 2**20:,.0f} MiB in "
-                  f"{seconds:.0f} s", file=sys.stderr)
-        report["runs"][str(layers)] = runs
+    conversations(out / "data.jsonl", args.examples)
+    families, counts = args.families.split(","), [int(n) for n in args.layers.split(",")]
+    started = time.perf_counter()
+    log = out / "prepare.log"
+    _finish(_start(["prepare", "--out", str(out), "--layers", args.layers, "--hidden", str(args.hidden), "--vocab",
+                    str(args.vocab), "--examples", str(args.examples), "--family", families[0]], log), log)
+    prepared = time.perf_counter() - started
+    print(f"[store_memory] targets and stores ready in {prepared:.0f} s", file=sys.stderr)
+    runs = [(layers, family) for layers in counts for family in families]
+    peaks: dict[tuple[int, str], tuple[int | None, float]] = {}
+    for i in range(0, len(runs), max(1, args.jobs)):
+        batch = runs[i:i + max(1, args.jobs)]
+        logs = {run: out / f"{run[1]}-{run[0]}.log" for run in batch}
+        live = {run: _start(["train", run[1], *overrides_for(out, *run, args.examples)], logs[run]) for run in batch}
+        for run, handle in live.items():
+            peaks[run] = _finish(handle, logs[run])
+            print(f"[store_memory] {run[0]} layers, {run[1]} from the store: peak {peaks[run][0] / 2**20:,.0f} MiB "
+                  f"({peaks[run][1]:.0f} s)", file=sys.stderr)
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"), "machine": _machine(), "families": families,
+        "command": "python scripts/store_memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "shape": {"hidden": args.hidden, "vocab": args.vocab}, "prepare_seconds": prepared, "runs": {}}
+    for layers in counts:
+        total, layer_bytes = _sizes(out / f"target-{layers}")
+        report["runs"][str(layers)] = {
+            "target_bytes": total, "layers_bytes": layer_bytes,
+            **{f: {"peak_rss_bytes": peaks[(layers, f)][0], "seconds": peaks[(layers, f)][1]} for f in families}}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(table(report))
     return report
 
 
 def table(report: dict) -> str:
-    """The report as a Markdown table: a row per layer count, peak resident set of each run in MiB."""
-    runs = report["runs"]
-    families = [k for k in next(iter(runs.values())) if k not in ("checkpoint_bytes", "build_and_train")]
-    head = ["layers", "checkpoint", "store build + training"] + [f"{f} from the store" for f in families]
+    """The report as a Markdown table: a row per layer count, the target's sizes and each run's peak resident set."""
+    head = ["layers", "target (float32)", "its decoder layers"] + [f"{f} from the store: peak RSS"
+                                                                   for f in report["families"]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    mib = lambda b: f"{b / 2**20:,.0f} MiB" if b else "-"  # noqa: E731
-    for layers, r in runs.items():
-        build = r.get("build_and_train", {}).get("peak_rss_bytes")
-        lines.append("| " + " | ".join([layers, mib(r["checkpoint_bytes"]), mib(build)]
-                                       + [mib(r[f]["peak_rss_bytes"]) for f in families]) + " |")
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    for layers, r in report["runs"].items():
+        lines.append("| " + " | ".join([layers, mib(r["target_bytes"]), mib(r["layers_bytes"])]
+                                       + [mib(r[f]["peak_rss_bytes"]) for f in report["families"]]) + " |")
     return "\n".join(lines)
 
 
@@ -161,14 +211,15 @@ def _machine() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["make-target"]:
+    if sys.argv[1:2] == ["prepare"]:
         p = argparse.ArgumentParser()
-        for key in ("--layers", "--hidden", "--vocab"):
-            p.add_argument(key, type=int, required=True)
         p.add_argument("--out", required=True)
-        p.add_argument("--shard", default="200MB")
+        p.add_argument("--layers", required=True)
+        for key in ("--hidden", "--vocab", "--examples"):
+            p.add_argument(key, type=int, required=True)
+        p.add_argument("--family", required=True)
         a = p.parse_args(sys.argv[2:])
-        make_target(Path(a.out), a.layers, a.hidden, a.vocab, a.shard)
+        prepare(Path(a.out), [int(n) for n in a.layers.split(",")], a.hidden, a.vocab, a.family, a.examples)
     elif sys.argv[1:2] == ["train"]:
         train_child(sys.argv[2], sys.argv[3:])
     else:

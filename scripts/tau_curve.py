@@ -189,4 +189,7 @@ def plot(result: dict, groups: list[str], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from selfspec.core.errors import reported_errors
+
+    with reported_errors():  # a mistyped key or a bad setting: one error line, exit 2
+        main()

@@ -103,6 +103,7 @@ def test_every_console_script_has_a_mistyped_key_and_a_bad_value():
         assert (BIN / name).is_file(), f"{name} is not installed: pip install -e ."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, name, args, message", CASES, ids=[c[0] for c in CASES])
 def test_a_mistake_is_one_error_line_and_exit_2(runs, case, name, args, message):
     proc = runs[case].result()
@@ -114,6 +115,7 @@ def test_a_mistake_is_one_error_line_and_exit_2(runs, case, name, args, message)
     assert not any(line.startswith("error: ") for line in lines[:-1])  # one line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FULL_ERROR)
 def test_hydra_full_error_gives_the_whole_trace(runs, case):
     proc = runs[case + "/full"].result()

@@ -6,6 +6,7 @@
     selfspec-train dflash --cfg job                          # print the composed config
     torchrun --nproc_per_node 2 -m selfspec.train.cli layerskip       # two processes (python -m selfspec.train.cli works alike)
     selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
+    selfspec-features model=smollm2 feature_store.dir=outputs/stores/smollm2     # = python scripts/build_features.py
 
 A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
 ``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's
@@ -89,6 +90,19 @@ def regenerate_main() -> None:
             regenerate_run(cfg)
 
     hydra_app(regenerate, "regenerate", job_name="regenerate")
+
+
+def features_main() -> None:
+    """``selfspec-features``: scripts/build_features.py (conf/features.yaml, train/features.py): build a feature
+    store once, for every later ``features=store feature_store.dir=...`` run."""
+
+    def features(cfg: DictConfig) -> None:
+        from selfspec.train.features import run as features_run
+
+        with reported_errors():
+            features_run(cfg)
+
+    hydra_app(features, "features", job_name="build_features")
 
 
 if __name__ == "__main__":

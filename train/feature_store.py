@@ -12,14 +12,28 @@ Layout (one folder per store)::
         offsets [n + 1] int64                  example i is tokens offsets[i]:offsets[i + 1]
         <field> [N, ...]                       each field the extract function returns (e.g. hidden [N, H])
 
-The folder is written under a temporary name unique to the build (``.<store>.tmp-XXXXXXXX``), meta.json last, and
-renamed when complete, so a store is never read half-made. An existing store whose identity matches is reused; one
-that does not match (other target, data or fields) is rebuilt, replacing the old folder only when selfspec made it
-(its ``.selfspec`` marker, selfspec.core.folders): a folder of the user's is refused, or moved to
+The folder is written under a temporary name unique to the build (``.<store>.tmp-XXXXXXXX``, with a ``build.json``
+naming what it is built for), each shard written whole and renamed, meta.json last, and the folder renamed when
+complete, so a store is never read half-made. A killed build resumes: the next build of the same store (same identity
+and ``examples_per_shard``) takes the killed one's temporary folder and computes only the shards missing from it.
+
+Identity: the target (its embedding digest and name), the tokenizer (its vocabulary's digest), the stored dtype, the
+fields (which hidden-state layers, teacher logits, ...) and each split's token ids. A store of hidden states serves
+any run that reads a subset of its layers (one store of the union of EAGLE-3's and DFlash's layers serves both). An
+existing store that matches is reused and nothing is run. One that does not match is named and refused in one line
+when the user named it (``feature_store.dir=``; ``feature_store.rebuild=true`` rebuilds it, ``selfspec-features``
+builds it), and rebuilt when it is the run's own ``<run_dir>/features``, replacing the old folder only when selfspec
+made it (its ``.selfspec`` marker, selfspec.core.folders): a folder of the user's is refused, or moved to
 ``<store>.bak-<date-time>`` with ``feature_store.overwrite=true``. Builds of one store take a file lock
-(``.<store>.lock`` beside it): a second process building the same store waits, then reuses what the first built.
-Under several processes each rank writes every world_size-th shard (a shared filesystem is needed) and the main
-process publishes the folder.
+(``.<store>.lock`` beside it): a second process building or reading the same store waits, then reuses what the first
+built.
+
+Several processes. ``selfspec-features`` (train/features.py) builds a store once, for every later run; under
+``accelerate launch`` (engine=hf) each of its ranks writes every world_size-th shard and the main one publishes the
+folder. A training run under ``accelerate launch`` never builds on every rank: rank 0 opens the store, builds it
+alone if it is missing (the other ranks wait on the process group's key-value store, not a collective, so a long
+build does not time out), and every rank then reads the same folder (shared storage across nodes): each reads the
+examples of its share of every global batch (train/loaders.py), which together are the one-process order.
 """
 
 from __future__ import annotations
@@ -27,11 +41,14 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,12 +85,14 @@ class FeatureSource:
     run_dir: Path
     model: dict[str, Any] | None = None  # cfg.model: what feature_store.engine=vllm serves
     max_length: int | None = None  # cfg.data.max_length: the longest example (vLLM's max_model_len)
+    data: dict[str, Any] | None = None  # cfg.data: for the selfspec-features command that builds this run's store
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "FeatureSource":
         out = cls(kind=str(cfg_get(cfg, "features", "online")), settings=to_dict(cfg_get(cfg, "feature_store")),
                   run_dir=Path(str(cfg_get(cfg, "run_dir", "."))), model=to_dict(cfg_get(cfg, "model")),
-                  max_length=cfg_get(cfg_get(cfg, "data", {}) or {}, "max_length", None))
+                  max_length=cfg_get(cfg_get(cfg, "data", {}) or {}, "max_length", None),
+                  data=to_dict(cfg_get(cfg, "data")))
         if out.kind not in ("online", "store"):
             raise SettingError(f"features={out.kind!r}: use online or store.")
         if out.engine not in ("hf", "vllm"):
@@ -98,13 +117,26 @@ class FeatureSource:
         """The dtype the store keeps features in (``feature_store.dtype``)."""
         return getattr(torch, str(self.settings["dtype"]))
 
-    def open_store(self, datasets: Mapping[str, Any], target: Any, accelerator: Any, collate_fn: Callable,
-                   extract: Extract, fields: Mapping[str, Any]):
-        """The loop's ``(train, eval or None, collate_fn)`` read from the store at ``feature_store.dir`` (default
-        ``<run_dir>/features``), built first with ``extract`` when missing or built for something else.
+    @property
+    def build_batch_size(self) -> int:
+        """Examples per extract call while building: ``feature_store.vllm.batch_size`` for vLLM, else
+        ``feature_store.batch_size``."""
+        if self.engine == "vllm":
+            return int((self.settings.get("vllm") or {}).get("batch_size") or self.settings["batch_size"])
+        return int(self.settings["batch_size"])
 
-        ``fields``: what the stored features depend on besides the target, the data and the dtype (which layers,
-        how many teacher logits, ...). Every process must call this.
+    def open_store(self, datasets: Mapping[str, Any], target: Any, accelerator: Any, collate_fn: Callable,
+                   extract: Extract, fields: Mapping[str, Any], build: bool = False):
+        """The loop's ``(train, eval or None, collate_fn)`` read from the store at ``feature_store.dir`` (default
+        ``<run_dir>/features``), built first with ``extract`` when missing (rank 0 alone under several processes).
+
+        ``fields``: what the stored features depend on besides the target, the tokenizer, the data and the dtype
+        (which layers, how many teacher logits, ...). A store built for something else is refused by name when the
+        user named it (``feature_store.dir``) unless ``feature_store.rebuild=true``, and rebuilt when it is the run's
+        own. ``build``: the ``selfspec-features`` command's own call (train/features.py): every rank writes its
+        share of the shards; else (training) rank 0 builds alone and the others wait.
+        No engine starts (and the target's other layers are not loaded) unless a shard is to be computed. Every
+        process must call this.
         """
         from selfspec.core.target import fingerprint
 
@@ -112,36 +144,65 @@ class FeatureSource:
         if datasets.get("eval") is not None and len(datasets["eval"]) > 0:
             splits["eval"] = datasets["eval"]
         identity = {"target": fingerprint(target.model)["digest"], "target_name": target.name,
-                    "dtype": str(self.dtype), **fields}
-        batch_size = int(self.settings["batch_size"])
-        if self.engine == "vllm":
-            if not isinstance(extract, HiddenStatesExtract):
-                raise FeatureStoreError(
-                    f"feature_store.engine=vllm captures the target's hidden states only; this store keeps "
-                    f"{fields.get('fields', 'other fields')} beyond them (e.g. heads.loss=kl's teacher logits: "
-                    "feature_store.teacher_topk=0 drops them). Use feature_store.engine=hf.")
-            from selfspec.core.vllm_env import vllm_available
-
-            reason = vllm_available(self.settings.get("vllm", {}).get("venv"))
-            if reason:
-                raise FeatureStoreError(f"feature_store.engine=vllm: {reason}")
-            extract = VllmHiddenStates(extract, self.model, self.settings.get("vllm") or {}, self.max_length,
-                                       self.run_dir / "features-vllm.log")
-            batch_size = int((self.settings.get("vllm") or {}).get("batch_size") or batch_size)
-        elif getattr(target, "parts", None) is not None:  # the trainer holds parts of the target (core/target_parts.py):
-            extract = WholeTargetExtract(extract, target)  # the rest is loaded to build the store, dropped after
+                    "tokenizer": tokenizer_digest(target.tokenizer), "dtype": str(self.dtype), **fields}
+        if self.engine == "vllm" and not isinstance(extract, HiddenStatesExtract):
+            raise FeatureStoreError(
+                f"feature_store.engine=vllm captures the target's hidden states only; this store keeps "
+                f"{fields.get('fields', 'other fields')} beyond them (e.g. heads.loss=kl's teacher logits: "
+                "feature_store.teacher_topk=0 drops them). Use feature_store.engine=hf.")
+        named = bool(self.settings.get("dir"))
+        layers = _hidden_layers(identity)
+        command = features_command(self.settings["dir"] or self.run_dir / "features", layers, self.settings,
+                                   self.model, self.data)
+        engine = EngineExtract(self, extract, target)  # starts nothing until a shard is to be computed
         try:
             store = ensure_feature_store(
-                self.settings["dir"] or self.run_dir / "features", splits, extract, identity, collate_fn,
-                batch_size=batch_size, examples_per_shard=int(self.settings["examples_per_shard"]),
-                device=accelerator.device, accelerator=accelerator,
+                self.settings["dir"] or self.run_dir / "features", splits, engine, identity, collate_fn,
+                batch_size=self.build_batch_size, examples_per_shard=int(self.settings["examples_per_shard"]),
+                device=accelerator.device if accelerator is not None else input_device(target.model),
+                accelerator=accelerator,
                 overwrite=bool(self.settings.get("overwrite") or False),
+                refuse_other=named and not bool(self.settings.get("rebuild") or False),
+                build_on="all" if build else "main", command=command,
             )
         finally:
-            if isinstance(extract, (VllmHiddenStates, WholeTargetExtract)):
-                extract.close()
+            engine.close()
         pad = functools.partial(collate_features, pad_token_id=target.tokenizer.pad_token_id)
         return store["train"], store.get("eval"), pad
+
+
+class EngineExtract:
+    """The extract function a store is built with, chosen on its first call (so a run whose store exists starts no
+    engine and loads nothing more): ``feature_store.engine=vllm``'s :class:`VllmHiddenStates`, or the HF target's
+    ``extract`` (through :class:`WholeTargetExtract` where the trainer holds only parts of the target)."""
+
+    def __init__(self, source: FeatureSource, extract: Extract, target: Any):
+        self.source, self.extract, self.target = source, extract, target
+        self.engine: Any = None
+
+    def __call__(self, batch: dict[str, torch.Tensor]):
+        if self.engine is None:
+            self.engine = self._start()
+        return self.engine(batch)
+
+    def _start(self):
+        source = self.source
+        if source.engine == "vllm":
+            from selfspec.core.vllm_env import vllm_available
+
+            reason = vllm_available(source.settings.get("vllm", {}).get("venv"))
+            if reason:
+                raise FeatureStoreError(f"feature_store.engine=vllm: {reason}")
+            return VllmHiddenStates(self.extract, source.model, source.settings.get("vllm") or {}, source.max_length,
+                                    source.run_dir / "features-vllm.log")
+        if getattr(self.target, "parts", None) is not None:  # the trainer holds parts of the target
+            return WholeTargetExtract(self.extract, self.target)  # (core/target_parts.py): the rest is loaded
+        return self.extract
+
+    def close(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+        self.engine = None
 
 
 class HiddenStatesExtract:
@@ -311,8 +372,94 @@ def dataset_digest(dataset: Any) -> str:
 
 
 def store_identity(splits: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    """What a store must match to be reused: the caller's ``extra`` (target, fields, dtype) and each split's digest."""
+    """What a store must match to be reused: the caller's ``extra`` (target, tokenizer, fields, dtype) and each
+    split's digest."""
     return {"format": FORMAT, **dict(extra), "splits": {name: dataset_digest(ds) for name, ds in splits.items()}}
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary (every token and its id, added ones included): the same tokenizer
+    loaded from another folder or hub id has the same digest."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's input ids go: its input embedding's device (the first GPU of a ``device_map`` target); the
+    CPU for one on the meta device (a target of parts, whose store vLLM computes)."""
+    device = model.get_input_embeddings().weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+_HIDDEN_FIELDS = re.compile(r"(eagle|layerskip|medusa)-last-hidden(?:\+layers\[([0-9, -]*)\])?")
+
+
+def _hidden_layers(identity: Mapping[str, Any]) -> list[int] | None:
+    """The layers of a store of hidden states alone (:class:`HiddenStatesExtract`'s fields, whichever family named
+    it: EAGLE's and DFlash's, layer-skip's, Medusa's without teacher logits), [] for the last hidden state alone;
+    None for a store of other fields."""
+    fields = identity.get("fields")
+    match = _HIDDEN_FIELDS.fullmatch(fields) if isinstance(fields, str) else None
+    if match is None or (match.group(1) == "medusa" and identity.get("teacher_topk")):
+        return None
+    return [int(i) for i in (match.group(2) or "").split(",") if i.strip()]
+
+
+IDENTITY_NAMES = {"format": "store format", "target": "target", "target_name": "target", "tokenizer": "tokenizer",
+                  "dtype": "dtype", "fields": "fields", "teacher_topk": "teacher logits"}
+
+
+def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What keeps a store (its recorded identity ``stored``) from serving a run that needs ``wanted``: (what differs,
+    how) pairs, none when it serves. A store of hidden states serves a run that reads a subset of its layers; one
+    written before the tokenizer was recorded is matched on its token ids (the data digests) alone."""
+    stored, wanted = _plain(stored), _plain(wanted)
+    out: list[tuple[str, str]] = []
+    skip = {"splits"} | ({"tokenizer"} if "tokenizer" not in stored else set())
+    have, need = _hidden_layers(stored), _hidden_layers(wanted)
+    if have is not None and need is not None:
+        skip |= {"fields", "teacher_topk"}
+        missing = [i for i in need if i not in have]
+        if missing:
+            out.append(("layer set", f"it holds the hidden states of layers {have}, this run reads {need} "
+                                     f"({missing} missing)"))
+    if "target" not in skip and (stored.get("target"), stored.get("target_name")) != \
+            (wanted.get("target"), wanted.get("target_name")):
+        out.append(("target", f"it was built for {stored.get('target_name')} (weights {stored.get('target')}), this "
+                              f"run's is {wanted.get('target_name')} ({wanted.get('target')})"))
+    skip |= {"target", "target_name"}
+    for key in sorted(set(stored) | set(wanted), key=lambda k: (k not in IDENTITY_NAMES, k)):
+        if key in skip or stored.get(key) == wanted.get(key):
+            continue
+        what = {"tokenizer": "vocabulary", "dtype": "features in", "format": "format"}.get(key, key)
+        out.append((IDENTITY_NAMES.get(key, key), f"{what} {stored.get(key)}, this run's {wanted.get(key)}"))
+    changed = [name for name, digest in wanted.get("splits", {}).items()
+               if (stored.get("splits") or {}).get(name) != digest]
+    if changed:
+        out.append(("data", f"the token ids of its {' and '.join(changed)} split{'s' * (len(changed) > 1)} differ "
+                            "(other data, data.* settings, chat template or tokenizer)"))
+    return out
+
+
+def mismatch_message(path: Path, differs: list[tuple[str, str]], command: str | None) -> str:
+    """One line: which of the store's identity differs, how, and the fix."""
+    names = list(dict.fromkeys(name for name, _ in differs))
+    how = "; ".join(f"{name}: {detail}" for name, detail in differs)
+    build = f"rebuild it with `{command}`, " if command else ""
+    return (f"Feature store feature_store.dir={path} was built for another {' and '.join(names)} ({how}): {build}"
+            "give feature_store.rebuild=true to rebuild it in this run, or point feature_store.dir at another "
+            "folder.")
+
+
+def features_command(path: str | os.PathLike, layers: Sequence[int] | None, settings: Mapping[str, Any],
+                     model: Mapping[str, Any] | None = None, data: Mapping[str, Any] | None = None) -> str | None:
+    """The ``selfspec-features`` command that builds the store a run reads (train/features.py:build_command); None
+    for a store of other fields than hidden states (only a training run builds those)."""
+    if layers is None:
+        return None
+    from selfspec.train.features import build_command
+
+    return build_command(path, layers, settings, model, data)
 
 
 def ensure_feature_store(
@@ -326,13 +473,20 @@ def ensure_feature_store(
     device: torch.device | str = "cpu",
     accelerator: Any = None,
     overwrite: bool = False,
+    refuse_other: bool = False,
+    build_on: str = "all",
+    command: str | None = None,
 ) -> dict[str, "FeatureDataset"]:
-    """Open the store at ``path``, building it first if it is missing or was built for something else.
+    """Open the store at ``path``, building it first if it is missing or (unless ``refuse_other``) was built for
+    something else.
 
     ``splits``: name -> dataset of examples with input_ids/labels (e.g. the DatasetDict from selfspec.train.data).
     ``extract(batch)``: batch (collated, on ``device``) -> {field: [B, T, ...]} per-token features, stored in the
-    dtype they come in. ``identity``: what the features depend on (target fingerprint, fields, dtype, ...).
-    Every process must call this. Returns name -> :class:`FeatureDataset`.
+    dtype they come in; called only for shards still to be computed. ``identity``: what the features depend on
+    (target fingerprint, tokenizer, fields, dtype, ...). ``refuse_other``: a store built for something else is a
+    :class:`FeatureStoreError` naming what differs and ``command``, the fix. ``build_on``: ``all`` (each process
+    writes every world_size-th shard) or ``main`` (the main process builds alone; the others wait, see
+    :func:`_wait_for_main`). Every process must call this. Returns name -> :class:`FeatureDataset`.
 
     The main process holds the store's file lock (:func:`store_lock`) from its first look at ``path`` until every
     process has read it: another process building the same store is waited for, and its store reused. A folder at
@@ -341,27 +495,113 @@ def ensure_feature_store(
     """
     path = Path(path)
     ident = store_identity(splits, identity)
+    world = accelerator.num_processes if accelerator is not None else 1
     is_main = accelerator is None or accelerator.is_main_process
-    with store_lock(path, is_main):
-        _barrier(accelerator)  # every process looks once the main one holds the lock
-        meta = read_meta(path)
-        if meta is None or meta.get("identity") != _plain(ident):
-            folders.in_the_way(path, KIND, overwrite, key="feature_store.overwrite", setting="feature_store.dir")
-            if is_main and meta is not None:
-                print(f"[selfspec] feature store {path} was built for other data, target or fields: rebuilding it.",
-                      file=sys.stderr)
-            _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator,
-                   overwrite)
-            meta = read_meta(path)
-            if meta is None:
-                raise FeatureStoreError(f"Feature store {path} was not written (is the folder shared by all "
-                                        "processes?).")
-            if is_main:
-                print(f"[selfspec] feature store: {describe(meta, path)}", file=sys.stderr)
-        elif is_main:
+    opening = functools.partial(_open_or_build, path, splits, extract, ident, collate_fn, batch_size,
+                                examples_per_shard, device, overwrite=overwrite, refuse_other=refuse_other,
+                                command=command)
+    if build_on not in ("all", "main"):
+        raise ValueError(f"build_on={build_on!r}: all or main")
+    if build_on == "main" and world > 1:
+        meta = _built_by_main(path, ident, accelerator, opening)
+    else:
+        with store_lock(path, is_main):
+            _barrier(accelerator)  # every process looks once the main one holds the lock
+            meta = opening(accelerator=accelerator)
+            _barrier(accelerator)  # every process has read meta.json before another build may replace the folder
+    layers = _hidden_layers(identity)
+    return {name: FeatureDataset(path, name, meta, layers=layers) for name in splits}
+
+
+def _open_or_build(path: Path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device,
+                   accelerator=None, overwrite: bool = False, refuse_other: bool = False,
+                   command: str | None = None) -> dict[str, Any]:
+    """The store's meta.json: the store at ``path`` when it serves ``ident``, else built (by every process of
+    ``accelerator``) and published. Under the store's lock."""
+    is_main = accelerator is None or accelerator.is_main_process
+    meta = read_meta(path)
+    differs = None if meta is None else store_mismatch(meta.get("identity") or {}, ident)
+    if meta is not None and not differs:
+        if is_main:
             print(f"[selfspec] feature store (reused): {describe(meta, path)}", file=sys.stderr)
-        _barrier(accelerator)  # every process has read meta.json before another build may replace the folder
-    return {name: FeatureDataset(path, name, meta) for name in splits}
+        return meta
+    if differs and refuse_other:
+        raise FeatureStoreError(mismatch_message(path, differs, command))
+    folders.in_the_way(path, KIND, overwrite, key="feature_store.overwrite", setting="feature_store.dir")
+    if is_main and differs:
+        print(f"[selfspec] feature store {path} was built for another "
+              f"{' and '.join(dict.fromkeys(n for n, _ in differs))}: rebuilding it.", file=sys.stderr)
+    _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator, overwrite)
+    meta = read_meta(path)
+    if meta is None:
+        raise FeatureStoreError(f"Feature store {path} was not written (is the folder shared by all processes?).")
+    if is_main:
+        print(f"[selfspec] feature store: {describe(meta, path)}", file=sys.stderr)
+    return meta
+
+
+_OPENED = itertools.count()  # stores opened by this process: the same sequence on every rank
+WAIT_POLL_S = 2.0  # how often a rank waiting for rank 0's build looks for its word
+
+
+def _built_by_main(path: Path, ident: Mapping[str, Any], accelerator: Any, opening: Callable) -> dict[str, Any]:
+    """Several processes, one build: the main process opens the store under its lock, building it alone (without
+    the others) when it must, then tells the others through the process group's key-value store; they wait for that
+    word by polling it (not at a collective, whose timeout a long build would pass), then read the same folder. A
+    failure of the main process's is each rank's error."""
+    key = f"selfspec/feature-store/{next(_OPENED)}"
+    if accelerator.is_main_process:
+        with store_lock(path):
+            try:
+                meta = opening(accelerator=None)
+            except BaseException as err:
+                said = str(err) if isinstance(err, SelfspecError) and str(err) else \
+                    f"rank 0 failed while opening or building feature store {path} ({type(err).__name__}): see its output."
+                _tell_ranks(key, "error:" + " ".join(said.split()), accelerator)
+                raise
+            _tell_ranks(key, "ok", accelerator)
+            _barrier(accelerator)  # every process has read meta.json before another build may replace the folder
+        return meta
+    said = _wait_for_main(key, accelerator)
+    if said.startswith("error:"):
+        raise FeatureStoreError(said.removeprefix("error:"))
+    meta = read_meta(path)
+    if meta is None or store_mismatch(meta.get("identity") or {}, ident):
+        raise FeatureStoreError(
+            f"Feature store {path}: rank 0 opened it, but rank {accelerator.process_index} does not find it there: "
+            "put feature_store.dir on storage every node shares.")
+    _barrier(accelerator)
+    return meta
+
+
+def _rank_store():
+    """The process group's key-value store (torch.distributed's default), or None where there is none."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _tell_ranks(key: str, word: str, accelerator: Any) -> None:
+    store = _rank_store()
+    if store is not None:
+        store.set(key, word)
+    else:  # no key-value store: a collective (which a long build may time out)
+        _from_main(word, accelerator)
+
+
+def _wait_for_main(key: str, accelerator: Any) -> str:
+    store = _rank_store()
+    if store is None:
+        return _from_main(None, accelerator)
+    while not store.check([key]):
+        time.sleep(WAIT_POLL_S)
+    return store.get(key).decode()
 
 
 @contextmanager
@@ -409,33 +649,34 @@ def _plain(x: Any) -> Any:
     return json.loads(json.dumps(x, sort_keys=True, default=str))
 
 
+BUILD_NAME = "build.json"  # in a store's temporary folder: what it is built for, so that a killed build resumes
+BASE_TENSORS = ("input_ids", "labels", "offsets")  # a shard's tensors besides the extract's fields
+
+
 def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device, accelerator,
            overwrite: bool = False) -> None:
+    """Write every shard still missing from the build's temporary folder (this process's share of them: every
+    world_size-th), then publish the folder (the main process)."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     is_main = rank == 0
-    tmp = None
-    if is_main:  # under the store's lock: a temporary folder of this store is a killed build's
-        for stale in path.parent.glob(f".{path.name}.tmp-*"):
-            folders.discard(stale, KIND)
-        tmp = folders.temp_dir(path, KIND)  # a name of this build's own
-        for name in splits:
-            (tmp / name).mkdir(parents=True, exist_ok=True)
-    tmp = _from_main(tmp, accelerator)
-    _barrier(accelerator)
-
     plan = []  # (split, shard index, start, stop) for every shard, in order
     for name, ds in splits.items():
         for s, start in enumerate(range(0, len(ds), examples_per_shard)):
             plan.append((name, s, start, min(start + examples_per_shard, len(ds))))
+    tmp = _build_folder(path, splits, ident, examples_per_shard, len(plan)) if is_main else None
+    tmp = _from_main(tmp, accelerator)
+    _barrier(accelerator)
+
     mine = [p for i, p in enumerate(plan) if i % world == rank]
-    fields: dict[str, dict[str, Any]] = {}
+    todo = [p for p in mine if not (tmp / p[0] / f"shard-{p[1]:05d}.safetensors").is_file()]
     bar = tqdm(total=sum(stop - start for _, _, start, stop in mine), desc="feature store", unit="ex",
                disable=not is_main)
-    for name, s, start, stop in mine:
+    bar.update(sum(stop - start for _, _, start, stop in mine) - sum(stop - start for _, _, start, stop in todo))
+    for name, s, start, stop in todo:
         ds = splits[name]
         ids, labels, offsets, values = [], [], [0], {}
         for b in range(start, stop, batch_size):
@@ -455,16 +696,46 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
                    "offsets": torch.tensor(offsets, dtype=torch.int64)}
         for key, chunks in values.items():
             tensors[key] = torch.cat(chunks)
-            fields[key] = {"dtype": str(tensors[key].dtype).removeprefix("torch."),
-                           "shape": list(tensors[key].shape[1:])}
-        save_file(tensors, str(tmp / name / f"shard-{s:05d}.safetensors"))
+        file = tmp / name / f"shard-{s:05d}.safetensors"
+        partial = file.with_name(file.name + ".partial")  # whole or absent: a kill while saving leaves no shard
+        save_file(tensors, str(partial), metadata={"fields": json.dumps(list(values))})
+        os.replace(partial, file)
     bar.close()
     _barrier(accelerator)
 
-    if is_main:  # rank 0 wrote the first shard, so it knows the fields
-        _publish(path, tmp, splits, plan, {"identity": _plain(ident), "fields": fields, "splits": {}, "bytes": 0},
+    if is_main:
+        _publish(path, tmp, splits, plan, {"identity": _plain(ident), "fields": {}, "splits": {}, "bytes": 0},
                  overwrite)
     _barrier(accelerator)
+
+
+def _build_folder(path: Path, splits: Mapping[str, Any], ident: Mapping[str, Any], examples_per_shard: int,
+                  shards: int) -> Path:
+    """The temporary folder to build the store at ``path`` in (the main process, under the store's lock): a killed
+    build's of the same identity and shard size, whose shards are kept, or a new one. Any other temporary folder of
+    this store is a killed build's of something else, and deleted (when selfspec made it)."""
+    wanted = _plain({"identity": ident, "examples_per_shard": int(examples_per_shard)})
+    resumed = None
+    for stale in sorted(path.parent.glob(f".{path.name}.tmp-*")):
+        try:
+            recorded = json.loads((stale / BUILD_NAME).read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if resumed is None and recorded == wanted and folders.is_ours(stale, KIND) and \
+                not folders.foreign_entries(stale):
+            resumed = stale
+        else:
+            folders.discard(stale, KIND)
+    if resumed is not None:
+        done = sum(1 for name in splits for _ in (resumed / name).glob("shard-*.safetensors"))
+        print(f"[selfspec] feature store {path}: resuming a killed build ({done} of {shards} shards written, in "
+              f"{resumed})", file=sys.stderr)
+        return resumed
+    tmp = folders.temp_dir(path, KIND)  # a name of this build's own
+    for name in splits:
+        (tmp / name).mkdir(parents=True, exist_ok=True)
+    (tmp / BUILD_NAME).write_text(json.dumps(wanted, indent=1))
+    return tmp
 
 
 def _from_main(value: Any, accelerator: Any) -> Any:
@@ -480,8 +751,9 @@ def _from_main(value: Any, accelerator: Any) -> Any:
 
 def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple], meta: dict[str, Any],
              overwrite: bool = False) -> None:
-    """Write meta.json (every split's shards, sizes, token counts) into the finished ``tmp``, last and atomically,
-    and rename it to ``path``, replacing an older store selfspec made (selfspec.core.folders.replace_dir)."""
+    """Write meta.json (every split's shards, sizes, token counts, the fields of the first shard) into the finished
+    ``tmp``, last and atomically, and rename it to ``path``, replacing an older store selfspec made
+    (selfspec.core.folders.replace_dir)."""
     for name, ds in splits.items():
         shards, tokens = [], 0
         for split, s, start, stop in plan:
@@ -495,10 +767,29 @@ def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple]
         for shard in shards:
             tokens += _shard_tokens(tmp / shard["file"])
         meta["splits"][name] = {"num_examples": len(ds), "num_tokens": tokens, "shards": shards}
+    name, s = plan[0][0], plan[0][1]
+    meta["fields"] = _shard_fields(tmp / name / f"shard-{s:05d}.safetensors")
+    for leftover in [tmp / BUILD_NAME, *tmp.glob("*/*.partial")]:
+        leftover.unlink(missing_ok=True)
     written = tmp / f"{META_NAME}.tmp"
     written.write_text(json.dumps(meta, indent=1))
     os.replace(written, tmp / META_NAME)  # last: a folder with meta.json is a complete store
     folders.replace_dir(tmp, path, overwrite, kind=KIND, key="feature_store.overwrite", setting="feature_store.dir")
+
+
+def _shard_fields(file: Path) -> dict[str, dict[str, Any]]:
+    """{field: {dtype, shape of one token's}} of a shard, in the order the extract returned them."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        names = json.loads((f.metadata() or {}).get("fields") or "null") or \
+            [k for k in f.keys() if k not in BASE_TENSORS]
+        fields = {}
+        for key in names:
+            piece = f.get_slice(key)
+            fields[key] = {"dtype": str(piece[0:1].dtype).removeprefix("torch."),
+                           "shape": list(piece.get_shape()[1:])}
+        return fields
 
 
 def _shard_tokens(file: Path) -> int:
@@ -514,15 +805,26 @@ def _barrier(accelerator) -> None:
 
 
 class FeatureDataset(Dataset):
-    """One split of a feature store: item i is {input_ids [T], labels [T], <field> [T, ...]} as tensors."""
+    """One split of a feature store: item i is {input_ids [T], labels [T], <field> [T, ...]} as tensors.
 
-    def __init__(self, path: str | os.PathLike, split: str, meta: Mapping[str, Any] | None = None):
+    ``layers``: the hidden-state layers the reader wants (``aux`` [T, len(layers), H] in that order) of a store that
+    holds more (a union of several families' layers, :func:`store_mismatch`); None: every field as stored."""
+
+    def __init__(self, path: str | os.PathLike, split: str, meta: Mapping[str, Any] | None = None,
+                 layers: Sequence[int] | None = None):
         self.path = Path(path)
         meta = meta or read_meta(self.path)
         if meta is None or split not in meta.get("splits", {}):
             raise FeatureStoreError(f"No split {split!r} in feature store {self.path}.")
         self.split = split
         self.fields = list(meta["fields"])
+        self.aux_index: list[int] | None = None  # the stored aux layers this reader keeps, in its order
+        have = _hidden_layers(meta.get("identity") or {})
+        if layers is not None and have is not None and list(layers) != have:
+            if not layers:
+                self.fields = [k for k in self.fields if k != "aux"]
+            else:
+                self.aux_index = [have.index(i) for i in layers]
         self.shards = meta["splits"][split]["shards"]
         self.starts = [s["start"] for s in self.shards]
         self.num_examples = meta["splits"][split]["num_examples"]
@@ -558,6 +860,8 @@ class FeatureDataset(Dataset):
                 "labels": handle.get_slice("labels")[lo:hi].long()}
         for key in self.fields:
             item[key] = handle.get_slice(key)[lo:hi]
+        if self.aux_index is not None:
+            item["aux"] = item["aux"][:, self.aux_index]
         return item
 
 

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from selfspec.decode.bench.prompts import first_turn_ids
 from selfspec.decode.engine import SpeculativeDecoder
 from selfspec.decode.session import Session
+from selfspec.decode.types import DecodeSetupError
 
 
 def sweep_decoders(session: Session, decoders: dict[str, SpeculativeDecoder], questions: list[dict],
@@ -18,7 +19,8 @@ def sweep_decoders(session: Session, decoders: dict[str, SpeculativeDecoder], qu
     greedy acceptance: trees change speed, never the output). What scripts/sweep_trees.py prints to choose a tree."""
     s = session.settings
     if not decoders:
-        raise ValueError("Give at least one decoder to sweep.")
+        raise DecodeSetupError("Give at least one decoder to sweep (--trees, --eagle or --layerskip, or leave out "
+                               "--no-vanilla).")
     if warmup:
         ids = first_turn_ids(session, {"turns": ["Hi"]})
         for decoder in decoders.values():

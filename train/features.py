@@ -1,0 +1,244 @@
+"""Build a feature store once, by its own command, for every later training run that reads it.
+
+    selfspec-features model=llama8b feature_store.dir=/shared/stores/llama8b        # = python scripts/build_features.py
+    selfspec-features ... feature_store.engine=vllm feature_store.vllm.tensor_parallel_size=2 \
+        feature_store.vllm.data_parallel_size=4                                      # one vLLM engine per 2 GPUs
+    selfspec-features ... feature_store.device_map=auto                              # HF, a target over several GPUs
+    accelerate launch --num_processes 8 scripts/build_features.py ...                # HF, a replica per GPU
+
+The store (train/feature_store.py) is the one a training run with the same model and data settings reads with
+``features=store feature_store.dir=DIR``: the hidden states of the union of the layers ``families`` read (EAGLE-3's and
+DFlash's by default, one set for both) or of ``layers``, and the last one, in ``feature_store.dtype``. Such a run
+opens it and starts no engine; under ``accelerate launch`` every rank reads the same folder.
+
+Engines: ``feature_store.engine=hf`` runs the target here, on ``model.device`` or spread over the GPUs with
+``feature_store.device_map`` (from_pretrained's), and under ``accelerate launch`` as one replica per process, each
+writing every world_size-th shard. ``feature_store.engine=vllm`` runs one engine for the machine in vLLM's venv
+(``feature_store.vllm.*``: tensor and pipeline parallel within an engine, ``data_parallel_size`` engines on their own
+GPUs); this process holds only the target's embeddings, final norm and LM head (core/target_parts.py).
+
+A build that is killed resumes from the shards it wrote when the same command runs again; the store appears under its
+name only when complete. A store at ``feature_store.dir`` built for something else is rebuilt (when selfspec made it);
+one that matches is left as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from selfspec.core.config import MISSING, cfg_get, to_dict
+from selfspec.core.errors import SettingError
+
+FAMILIES = ("eagle3", "dflash", "eagle", "medusa", "layerskip")  # what ``families`` may name
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Build (or find complete) the store ``cfg`` describes (conf/features.yaml); returns {"dir", "layers",
+    "train", "eval", "wall_s"} (the splits as :class:`~selfspec.train.feature_store.FeatureDataset`)."""
+    from selfspec.train.data import collate
+    from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields
+
+    started = time.perf_counter()
+    settings = to_dict(cfg_get(cfg, "feature_store"))
+    if settings.get("dir") in (None, "", MISSING):
+        raise SettingError("feature_store.dir is not set: give the store's folder, feature_store.dir=DIR (on storage "
+                           "every node shares, for a training run on several).")
+    data = cfg_get(cfg, "data", {}) or {}
+    source = FeatureSource(kind="store", settings=settings, run_dir=Path(str(cfg_get(cfg, "run_dir", "."))),
+                           model=to_dict(cfg_get(cfg, "model")), max_length=cfg_get(data, "max_length", None),
+                           data=to_dict(data))
+    if source.engine not in ("hf", "vllm"):
+        raise SettingError(f"feature_store.engine={source.engine!r}: use hf (the target's forward here) or vllm.")
+    accelerator = _accelerator(source)
+    target = _load_target(cfg, source, accelerator)
+    datasets = _load_datasets(cfg, target.tokenizer, accelerator)
+    layers = store_layers(cfg, target.model)
+    extract = hidden_states_extract(target.model, layers, source.dtype)
+    collate_fn = functools.partial(collate, pad_token_id=target.tokenizer.pad_token_id)
+    train, evaluation, _ = source.open_store(datasets, target, accelerator, collate_fn, extract,
+                                             {"fields": hidden_states_fields(layers)}, build=True)
+    wall = time.perf_counter() - started
+    if accelerator is None or accelerator.is_main_process:
+        print(f"[selfspec] selfspec-features: the store at {settings['dir']} holds the hidden states of layers "
+              f"{layers} and the last one ({wall:.1f} s). Train from it with the same model= and data settings: "
+              f"train/eagle.py heads=eagle3 features=store feature_store.dir={settings['dir']} (or train/dflash.py "
+              "...); no engine starts there.", file=sys.stderr)
+    return {"dir": Path(str(settings["dir"])), "layers": layers, "train": train, "eval": evaluation, "wall_s": wall}
+
+
+def _accelerator(source: Any):
+    """None for one process; under ``accelerate launch`` / torchrun (engine=hf only) the processes' Accelerator."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if source.engine == "vllm":
+        raise SettingError("feature_store.engine=vllm runs one engine for the machine: start selfspec-features as one "
+                           "process (not under accelerate launch or torchrun) and spread it over the GPUs with "
+                           "feature_store.vllm.tensor_parallel_size / pipeline_parallel_size / data_parallel_size.")
+    if source.settings.get("device_map") is not None:
+        raise SettingError("feature_store.device_map spreads one target over the GPUs of one process: start "
+                           "selfspec-features as one process (not under accelerate launch or torchrun), or drop "
+                           "device_map for a replica of the target per process.")
+    from accelerate import Accelerator
+
+    return Accelerator()
+
+
+def _load_target(cfg: Any, source: Any, accelerator: Any):
+    """The target the store is built from: for vLLM only its parts this process reads (embeddings, final norm and LM
+    head, on the CPU); for HF the whole of it, on this process's device or spread by ``feature_store.device_map``."""
+    model_cfg = to_dict(cfg_get(cfg, "model"))
+    if source.engine == "vllm":
+        from selfspec.core.target_parts import load_target_parts
+
+        return load_target_parts({**model_cfg, "device": "cpu"}, [])
+    from selfspec.core.target import load_target
+
+    device_map = source.settings.get("device_map")
+    if accelerator is not None:
+        model_cfg["device"] = str(accelerator.device)
+    if device_map is not None:
+        model_cfg["device_map"] = device_map
+    return load_target(model_cfg)
+
+
+def _load_datasets(cfg: Any, tokenizer: Any, accelerator: Any):
+    from contextlib import nullcontext
+
+    from selfspec.train.data import build_dataset
+
+    first = accelerator.main_process_first() if accelerator is not None else nullcontext()
+    with first:  # the main process tokenizes and caches; the others load the cache
+        return build_dataset(cfg.data, tokenizer, verbose=accelerator is None or accelerator.is_main_process)
+
+
+def store_layers(cfg: Any, model: Any) -> list[int]:
+    """The hidden-state layers the store keeps: ``layers`` as given, or with ``layers: auto`` the union of the layers
+    each of ``families`` reads by default (EAGLE-3: ``model.draft_layers.eagle3``, else its rule from the layer count;
+    DFlash: the outputs of ``model.draft_layers.dflash`` or its rule, i.e. those indices + 1), sorted."""
+    from selfspec.heads.dflash import default_target_layer_ids
+    from selfspec.heads.eagle import default_layer_ids
+
+    num = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+    layers = cfg_get(cfg, "layers", "auto")
+    if layers is None or layers == "auto":
+        families = cfg_get(cfg, "families", ["eagle3", "dflash"]) or []
+        if isinstance(families, str):
+            families = [families]
+        draft = to_dict(cfg_get(cfg_get(cfg, "model", {}), "draft_layers"))
+        chosen: set[int] = set()
+        for family in families:
+            if family == "eagle3":
+                chosen |= {int(i) for i in (draft.get("eagle3") or default_layer_ids(num))}
+            elif family == "dflash":
+                chosen |= {int(i) + 1 for i in (draft.get("dflash") or default_target_layer_ids(num))}
+            elif family not in FAMILIES:
+                raise SettingError(f"families: {family!r} is not one of {', '.join(FAMILIES)}.")
+        return sorted(chosen)
+    if isinstance(layers, (str, int)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise SettingError(f"layers={layers!r}: auto, or a list of hidden-state indices such as [2,16,29].")
+    bad = [i for i in layers if not 0 <= i <= num]
+    if bad:
+        raise SettingError(f"layers={list(layers)}: {bad} outside 0..{num}, the hidden-state indices of this "
+                           f"{num}-layer target (i: the input of decoder layer i).")
+    return sorted(set(int(i) for i in layers))
+
+
+# --- the command that builds a run's store -----------------------------------------------------------------------
+
+
+def build_command(path: str | os.PathLike, layers: Sequence[int], settings: Mapping[str, Any],
+                  model: Mapping[str, Any] | None = None, data: Mapping[str, Any] | None = None) -> str:
+    """The ``selfspec-features`` command that builds the store a training run reads at ``path``: its model and data
+    options (Hydra's choices, or the conf/model and conf/data entries they match), every model.* and data.* setting
+    that differs from those entries', the engine's, ``layers``, the dtype and the folder."""
+    from selfspec.core.config import compose
+
+    choices = _choices(model or {}, data or {})
+    args = [f"{group}={option}" for group, option in choices.items()]
+    try:
+        base = to_dict(compose("features", [*args, "feature_store.dir=x"]))
+    except Exception:  # noqa: BLE001 - a hint: without the base config, the options alone
+        base = None
+    if base is not None:
+        args += _differing("model", base.get("model") or {}, model or {})
+        args += _differing("data", base.get("data") or {}, data or {})
+    engine = str(settings.get("engine") or "hf")
+    if engine != "hf":
+        args.append(f"feature_store.engine={engine}")
+        if base is not None:
+            args += _differing("feature_store.vllm", base["feature_store"].get("vllm") or {},
+                               dict(settings.get("vllm") or {}))
+    args += [f"layers=[{','.join(str(int(i)) for i in layers)}]", f"feature_store.dtype={settings.get('dtype')}",
+             f"feature_store.dir={_value(str(path))}"]
+    return "selfspec-features " + " ".join(args)
+
+
+def _choices(model: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, str]:
+    """{"model": option, "data": option}: Hydra's choices where Hydra composed this run, else the entries of
+    conf/model/ and conf/data/ whose source (and name_or_path) the settings match."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            chosen = HydraConfig.get().runtime.choices
+            found = {g: str(chosen[g]) for g in ("model", "data") if chosen.get(g)}
+            if len(found) == 2:
+                return found
+    except Exception:  # noqa: BLE001 - fall back to matching the entries
+        pass
+    from omegaconf import OmegaConf
+
+    from selfspec.core.config import CONF_DIR
+
+    out = {}
+    for group, mine, keys in (("model", model, ("source", "name_or_path")), ("data", data, ("source",))):
+        for file in sorted((CONF_DIR / group).glob("*.yaml")):
+            entry = OmegaConf.load(file)
+            if all(entry.get(k) == mine.get(k) for k in keys):
+                out[group] = file.stem
+                break
+    return out
+
+
+def _differing(prefix: str, base: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
+    """Overrides that turn ``base`` into ``mine``: ``prefix.key=value`` where they differ, ``+prefix.key=value`` for
+    a key ``base`` lacks (nested mappings key by key)."""
+    out = []
+    for key, value in mine.items():
+        if key in base and isinstance(value, Mapping) and isinstance(base[key], Mapping) and value:
+            out += _differing(f"{prefix}.{key}", base[key], value)
+        elif key not in base:
+            out.append(f"+{prefix}.{key}={_value(value)}")
+        elif base[key] != value:
+            out.append(f"{prefix}.{key}={_value(value)}")
+    return out
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_./:@-]+")
+
+
+def _value(value: Any) -> str:
+    """``value`` as a Hydra override writes it (quoted for the shell where it must be)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    text = str(value)
+    if _PLAIN.fullmatch(text) and text not in ("null", "true", "false"):
+        return text
+    return "'\"" + text.replace("\\", "\\\\").replace('"', '\\"') + "\"'"
+
+
+__all__ = ["build_command", "run", "store_layers"]

@@ -130,13 +130,19 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
     device = resolve_device(cfg_get(cfg, "device", "auto"))
     dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
     attn = cfg_get(cfg, "attn_implementation", "sdpa")
+    device_map = cfg_get(cfg, "device_map")  # from_pretrained's, over model.device (selfspec-features)
+    if device_map is not None and source == "tiny":  # built in memory: one device
+        if not isinstance(device_map, str) or device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise TargetLoadError(f"device_map={device_map!r} spreads a checkpoint over devices; model.source=tiny "
+                                  "is built on one: give a device (cpu, cuda:0) or none.")
+        device, device_map = resolve_device(device_map), None
     if source == "tiny":
         tiny = dict(cfg_get(cfg, "tiny", {}) or {})
         model, tokenizer = build_tiny(**tiny, attn_implementation=attn)
         name = f"tiny-{tiny.get('arch', 'llama')}"  # the row of core/archs.py (Gemma 3's model type is gemma3_text)
     elif source == "smollm2":
         folder = ensure_smollm2()
-        model, tokenizer = _load_hf(str(folder), None, dtype, attn)
+        model, tokenizer = _load_hf(str(folder), None, dtype, attn, device_map)
         name = SMOLLM2_ID
     elif source == "hub":
         name = cfg_get(cfg, "name_or_path")
@@ -145,11 +151,11 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
         if config_only:
             model, tokenizer = _build_from_config(name, dtype, attn)
         else:
-            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn)
+            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn, device_map)
     else:
         raise TargetLoadError(f"Unknown model.source={source!r}; use hub, smollm2 or tiny.")
     model = text_only(model)
-    if not config_only:
+    if not config_only and device_map is None:  # a device_map placed (and typed) it already
         model = model.to(device=device, dtype=dtype)
     freeze(model)
     return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only)
@@ -189,8 +195,10 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")  # what a folder with weights holds
 
 
-def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn: str):
+def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn: str, device_map: Any = None):
     kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     local = Path(name_or_path).expanduser()

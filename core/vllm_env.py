@@ -39,6 +39,12 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false", 
 # tokens/s against 16.2 and 17.7, ngram 32.8 and 27.1 against 26.4 and 21.4 (two alternating rounds, 6 MT-bench
 # prompts, docs/serving.md), and an engine starts in ~5 s instead of ~20. Set it to 1 for vLLM's own default layout.
 ENGINE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# What torchrun / accelerate launch give a training rank, and a vLLM engine started from one must not read as its own:
+# the engine is a world of its own (its tensor and pipeline parallel ranks), not a member of the trainer's.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 class ServingError(SelfspecError, RuntimeError):
@@ -74,6 +80,8 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
     # shadow the standard library's types module (in vLLM's worker processes too, which inherit it)
     env = {**ENGINE_ENV_DEFAULTS, **os.environ, **ENGINE_ENV, "PYTHONSAFEPATH": "1"}
     env.pop("PYTHONPATH", None)  # selfspec's venv must not leak into vLLM's
+    for key in LAUNCHER_ENV:  # nor a training rank's process group (a store built by rank 0 of accelerate launch)
+        env.pop(key, None)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     env.update({k: str(v) for k, v in (extra or {}).items()})
@@ -358,8 +366,16 @@ def llm_kwargs(settings: VllmSettings, model: str, dtype: str, max_model_len: in
 def replica_env(settings: VllmSettings, visible: list[str]) -> list[dict[str, str]]:
     """Per data-parallel replica, the variables that give it its own devices: replica ``r`` sees the ``r``-th run of
     tensor x pipeline devices among ``visible`` (``$CUDA_VISIBLE_DEVICES``, else every GPU). One replica keeps the
-    devices as they are (a multi-node engine finds its GPUs through Ray)."""
+    devices as they are (a multi-node engine finds its GPUs through Ray). Engines start from one process of a
+    distributed launch only (rank 0, which builds a training run's feature store alone): on any other rank, whose
+    engines would all land on the same first GPUs, this refuses in one line."""
     replicas, per = settings.data_parallel_size, settings.tensor_parallel_size * settings.pipeline_parallel_size
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and rank != 0:
+        # every rank of a launch sees the same devices: an engine per rank would put them all on the first ones
+        raise SettingError(f"a vLLM engine was to start on rank {rank} of a distributed launch, where every rank "
+                           "would start one on the same GPUs: build the feature store first, as one process "
+                           "(selfspec-features ... feature_store.engine=vllm), or let rank 0 build it alone.")
     if replicas == 1:
         return [{}]
     if not visible:

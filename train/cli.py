@@ -6,7 +6,7 @@
     selfspec-train dflash --cfg job                          # print the composed config
     torchrun --nproc_per_node 2 -m selfspec.train.cli layerskip       # two processes (python -m selfspec.train.cli works alike)
     selfspec-regenerate model=smollm2 n=200 out=outputs/regen/sharegpt.jsonl    # = python scripts/regenerate.py
-    selfspec-features model=smollm2 feature_store.dir=outputs/stores/smollm2     # = python scripts/build_features.py
+    selfspec-features model=smollm2 feature_store.dir=outputs/stores/smollm2    # = python scripts/build_features.py
 
 A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
 ``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's

@@ -555,8 +555,9 @@ def _built_by_main(path: Path, ident: Mapping[str, Any], accelerator: Any, openi
             try:
                 meta = opening(accelerator=None)
             except BaseException as err:
-                said = str(err) if isinstance(err, SelfspecError) and str(err) else \
-                    f"rank 0 failed while opening or building feature store {path} ({type(err).__name__}): see its output."
+                said = str(err) if isinstance(err, SelfspecError) and str(err) else (
+                    f"rank 0 failed while opening or building feature store {path} ({type(err).__name__}): see its "
+                    "output.")
                 _tell_ranks(key, "error:" + " ".join(said.split()), accelerator)
                 raise
             _tell_ranks(key, "ok", accelerator)
@@ -699,6 +700,7 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
         file = tmp / name / f"shard-{s:05d}.safetensors"
         partial = file.with_name(file.name + ".partial")  # whole or absent: a kill while saving leaves no shard
         save_file(tensors, str(partial), metadata={"fields": json.dumps(list(values))})
+        os.chmod(partial, file.parent.stat().st_mode & 0o666)  # the folder's read bits (safetensors writes 0600)
         os.replace(partial, file)
     bar.close()
     _barrier(accelerator)

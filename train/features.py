@@ -7,9 +7,9 @@
     accelerate launch --num_processes 8 scripts/build_features.py ...                # HF, a replica per GPU
 
 The store (train/feature_store.py) is the one a training run with the same model and data settings reads with
-``features=store feature_store.dir=DIR``: the hidden states of the union of the layers ``families`` read (EAGLE-3's and
-DFlash's by default, one set for both) or of ``layers``, and the last one, in ``feature_store.dtype``. Such a run
-opens it and starts no engine; under ``accelerate launch`` every rank reads the same folder.
+``features=store feature_store.dir=DIR``: the hidden states of the union of the layers the ``read_by`` families read
+(EAGLE-3's and DFlash's by default, one set for both) or of ``layers``, and the last one, in ``feature_store.dtype``.
+Such a run opens it and starts no engine; under ``accelerate launch`` every rank reads the same folder.
 
 Engines: ``feature_store.engine=hf`` runs the target here, on ``model.device`` or spread over the GPUs with
 ``feature_store.device_map`` (from_pretrained's), and under ``accelerate launch`` as one replica per process, each
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 from selfspec.core.config import MISSING, cfg_get, to_dict
 from selfspec.core.errors import SettingError
 
-FAMILIES = ("eagle3", "dflash", "eagle", "medusa", "layerskip")  # what ``families`` may name
+FAMILIES = ("eagle3", "dflash", "eagle", "medusa", "layerskip")  # what ``read_by`` may name
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -73,7 +73,8 @@ def run(cfg: Any) -> dict[str, Any]:
 
 
 def _accelerator(source: Any):
-    """None for one process; under ``accelerate launch`` / torchrun (engine=hf only) the processes' Accelerator."""
+    """None for one process; under ``accelerate launch`` / torchrun (engine=hf only) accelerate's state of the
+    processes."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     if source.engine == "vllm":
@@ -84,9 +85,12 @@ def _accelerator(source: Any):
         raise SettingError("feature_store.device_map spreads one target over the GPUs of one process: start "
                            "selfspec-features as one process (not under accelerate launch or torchrun), or drop "
                            "device_map for a replica of the target per process.")
-    from accelerate import Accelerator
+    import torch
+    from accelerate import PartialState
 
-    return Accelerator()
+    # the processes (rank, device, barriers), nothing of training's settings; without a GPU, accelerate sees the
+    # launch as distributed (gloo) only with cpu=True (train/accelerator.py)
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def _load_target(cfg: Any, source: Any, accelerator: Any):
@@ -119,15 +123,15 @@ def _load_datasets(cfg: Any, tokenizer: Any, accelerator: Any):
 
 def store_layers(cfg: Any, model: Any) -> list[int]:
     """The hidden-state layers the store keeps: ``layers`` as given, or with ``layers: auto`` the union of the layers
-    each of ``families`` reads by default (EAGLE-3: ``model.draft_layers.eagle3``, else its rule from the layer count;
-    DFlash: the outputs of ``model.draft_layers.dflash`` or its rule, i.e. those indices + 1), sorted."""
+    each family of ``read_by`` reads by default (EAGLE-3: ``model.draft_layers.eagle3``, else its rule from the layer
+    count; DFlash: the outputs of ``model.draft_layers.dflash`` or its rule, i.e. those indices + 1), sorted."""
     from selfspec.heads.dflash import default_target_layer_ids
     from selfspec.heads.eagle import default_layer_ids
 
     num = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     layers = cfg_get(cfg, "layers", "auto")
     if layers is None or layers == "auto":
-        families = cfg_get(cfg, "families", ["eagle3", "dflash"]) or []
+        families = cfg_get(cfg, "read_by", ["eagle3", "dflash"]) or []
         if isinstance(families, str):
             families = [families]
         draft = to_dict(cfg_get(cfg_get(cfg, "model", {}), "draft_layers"))
@@ -138,7 +142,7 @@ def store_layers(cfg: Any, model: Any) -> list[int]:
             elif family == "dflash":
                 chosen |= {int(i) + 1 for i in (draft.get("dflash") or default_target_layer_ids(num))}
             elif family not in FAMILIES:
-                raise SettingError(f"families: {family!r} is not one of {', '.join(FAMILIES)}.")
+                raise SettingError(f"read_by: {family!r} is not one of {', '.join(FAMILIES)}.")
         return sorted(chosen)
     if isinstance(layers, (str, int)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
         raise SettingError(f"layers={layers!r}: auto, or a list of hidden-state indices such as [2,16,29].")

@@ -70,7 +70,7 @@ class TargetParts:
     whole: bool = False  # load_rest() materialised everything else (until drop_rest())
 
     def describe(self, model: nn.Module) -> str:
-        """"embeddings, final norm, LM head (+ layer i): 12.3 M of 456.7 M parameters, 49.2 MB"."""
+        """"embeddings, final norm, LM head (, layer i): 67.1 M of 121.6 M parameters, 256.0 MiB"."""
         names = ["embeddings", "final norm", "LM head"] + [f"layer {i}" for i in self.layers]
         kept = set(self.kept)
         seen: dict[int, tuple[int, int, bool]] = {}
@@ -79,7 +79,8 @@ class TargetParts:
         held = sum(n for n, _, k in seen.values() if k)
         size = sum(n * s for n, s, k in seen.values() if k)
         total = sum(n for n, _, _ in seen.values())
-        return f"{', '.join(names)}: {held / 1e6:.1f} M of {total / 1e6:.1f} M parameters, {size / 1e6:.1f} MB"
+        millions = lambda n: f"{n / 1e6:,.1f}" if n >= 1e6 else f"{n / 1e6:.2g}"  # noqa: E731
+        return f"{', '.join(names)}: {millions(held)} M of {millions(total)} M parameters, {size / 2**20:,.1f} MiB"
 
 
 def part_names(model: nn.Module, layers: Sequence[int] = ()) -> list[str]:

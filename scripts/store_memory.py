@@ -31,18 +31,43 @@ from typing import Any
 PEAK = "store_memory peak_rss_bytes"
 
 
-def make_target(out: Path, layers: int, hidden: int, vocab: int, shard: str = "200MB") -> None:
+def make_target(out: Path, layers: int, hidden: int, vocab: int, shard_bytes: int = 200 * 2**20) -> None:
     """A random Llama of the given shape (heads of 128, 4 query heads per key-value head, MLP 3.5x the hidden size as
-    Llama-3-8B's), saved with the byte-level tokenizer as a safetensors checkpoint in shards of ``shard``."""
-    from selfspec.core.target import build_tiny
+    Llama-3-8B's), saved with the byte-level tokenizer as a safetensors checkpoint in shards of about
+    ``shard_bytes``: random normal matrices (scaled as build_tiny scales them), norms at one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from selfspec.core.target import build_tiny_tokenizer
 
     heads = max(1, hidden // 128)
-    model, tokenizer = build_tiny("llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 4),
-                                  intermediate_size=int(3.5 * hidden), max_position_embeddings=512)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 4), intermediate_size=int(3.5 * hidden),
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
     tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp, max_shard_size=shard)
-    tokenizer.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    shards: list[dict] = [{}]
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            tensor = torch.ones(shape)
+        else:  # as selfspec.core.target.build_tiny scales them: peaked, varied next-token distributions
+            std = 1.0 if "embed" in name else 0.4 if "lm_head" in name else 0.08
+            tensor = torch.randn(shape, generator=gen) * std
+        if sum(t.numel() * 4 for t in shards[-1].values()) + tensor.numel() * 4 > shard_bytes and shards[-1]:
+            shards.append({})
+        shards[-1][name] = tensor
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, tensors in zip(files, shards):
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * 4 for s in shards for t in s.values())},
+             "weight_map": {name: file for file, s in zip(files, shards) for name in s}}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config.save_pretrained(tmp)
+    build_tiny_tokenizer().save_pretrained(tmp)
     os.replace(tmp, out)  # whole or absent: a folder with config.json is a finished checkpoint
 
 
@@ -66,7 +91,8 @@ def overrides_for(out: Path, layers: int, family: str, examples: int) -> list[st
     eagle3 = default_layer_ids(layers)
     common = ["model.source=hub", f"model.name_or_path={out / f'target-{layers}'}", "model.dtype=float32",
               "model.device=cpu", "trainer.target_dtype=float32", "data=file", f"data.path={out / 'data.jsonl'}",
-              "data.max_length=48", f"data.max_records={examples}", "trainer.max_steps=1", "trainer.batch_size=4",
+              "data.max_length=48", f"data.max_records={examples}", "data.eval_fraction=0", "trainer.max_steps=1",
+              "trainer.batch_size=4",
               "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
               "speed_check.prompts=null", "logger=none", "features=store", "feature_store.dtype=float16",
               f"feature_store.dir={out / f'features-{layers}'}", "trainer.overwrite=true",

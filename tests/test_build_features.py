@@ -352,6 +352,34 @@ def test_device_map_loads_the_checkpoint_through_from_pretrained(built, tmp_path
         load_target({"source": "tiny", "device_map": "auto"})
 
 
+def test_the_command_builds_in_vllm_the_store_it_builds_here(tmp_path, monkeypatch):
+    """feature_store.engine=vllm through the command (one engine; this process holds the target's parts): the store
+    of the HF forward within float32 rounding (tests/test_feature_store_vllm.py's bound), and EAGLE-3 trains from it
+    with no engine. Skipped without vLLM's venv."""
+    import math
+
+    from test_feature_store_vllm import HIDDEN, LAYERS, TINY, store_tensors
+    from test_serving import vllm_or_skip
+
+    from selfspec.train.features import run
+
+    vllm_or_skip()
+    shape = [*TINY[1:], "feature_store.dtype=float32", "feature_store.vllm.batch_size=5"]
+    hf = run(features_cfg(tmp_path / "hf", *shape))
+    vllm = run(features_cfg(tmp_path / "vllm", *shape, "feature_store.engine=vllm"))
+    a, b = store_tensors(hf["dir"]), store_tensors(vllm["dir"])
+    assert sorted(a) == sorted(b) and "train/aux" in a
+    bound = 4 * torch.finfo(torch.float32).eps * math.sqrt(max(HIDDEN, 128)) * (LAYERS + 1)  # 128: intermediate
+    for key in a:
+        if key.endswith(("input_ids", "labels", "offsets")):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            per_token = (a[key].double() - b[key].double()).norm(dim=-1) / a[key].double().norm(dim=-1)
+            assert per_token.max() < bound, key
+    forbid_engines(monkeypatch)
+    assert train_eagle3(tmp_path / "run", vllm["dir"], *TINY[1:], "feature_store.dtype=float32").steps == 2
+
+
 def test_vllm_engines_start_from_one_process_of_a_launch(monkeypatch):
     from selfspec.core.errors import SettingError
     from selfspec.core.vllm_env import VllmSettings, replica_env, worker_env

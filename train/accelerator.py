@@ -58,8 +58,24 @@ def make_accelerator(tc: TrainerConfig, run_dir: Path):
     )
     if fsdp_plugin is not None:
         fsdp_over_gloo(accelerator, fsdp_plugin)
+    if deepspeed:
+        _no_zero3_init(accelerator)
     check_processes(accelerator)
     return accelerator
+
+
+def _no_zero3_init(accelerator) -> None:
+    """``zero3_init_flag: false`` (every shipped config): models are built whole, and ``prepare`` shards only the
+    drafter, so a frozen target run outside the DeepSpeed engine stays whole on every rank. accelerate nonetheless
+    points transformers at its ZeRO-3 config whatever the flag, and transformers then builds every later model (the
+    target, loaded next) already partitioned by ``deepspeed.zero.Init``: its forward outside the engine fails on
+    empty weights. Unpointed here, as the flag says."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and not plugin.zero3_init_flag:
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        plugin.dschf = None
 
 
 def _env_flag(name: str) -> bool:

@@ -151,13 +151,13 @@ class FeatureSource:
                 f"{fields.get('fields', 'other fields')} beyond them (e.g. heads.loss=kl's teacher logits: "
                 "feature_store.teacher_topk=0 drops them). Use feature_store.engine=hf.")
         named = bool(self.settings.get("dir"))
-        layers = _hidden_layers(identity)
-        command = features_command(self.settings["dir"] or self.run_dir / "features", layers, self.settings,
-                                   self.model, self.data)
+        path = Path(str(self.settings["dir"])) if named else self.run_dir / "features"
+        command = functools.partial(features_command, path, _hidden_layers(identity), self.settings, self.model,
+                                    self.data)  # for a refusal's message only
         engine = EngineExtract(self, extract, target)  # starts nothing until a shard is to be computed
         try:
             store = ensure_feature_store(
-                self.settings["dir"] or self.run_dir / "features", splits, engine, identity, collate_fn,
+                path, splits, engine, identity, collate_fn,
                 batch_size=self.build_batch_size, examples_per_shard=int(self.settings["examples_per_shard"]),
                 device=accelerator.device if accelerator is not None else input_device(target.model),
                 accelerator=accelerator,
@@ -423,8 +423,7 @@ def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
         if missing:
             out.append(("layer set", f"it holds the hidden states of layers {have}, this run reads {need} "
                                      f"({missing} missing)"))
-    if "target" not in skip and (stored.get("target"), stored.get("target_name")) != \
-            (wanted.get("target"), wanted.get("target_name")):
+    if (stored.get("target"), stored.get("target_name")) != (wanted.get("target"), wanted.get("target_name")):
         out.append(("target", f"it was built for {stored.get('target_name')} (weights {stored.get('target')}), this "
                               f"run's is {wanted.get('target_name')} ({wanted.get('target')})"))
     skip |= {"target", "target_name"}
@@ -441,8 +440,15 @@ def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
     return out
 
 
-def mismatch_message(path: Path, differs: list[tuple[str, str]], command: str | None) -> str:
-    """One line: which of the store's identity differs, how, and the fix."""
+def mismatch_message(path: Path, differs: list[tuple[str, str]],
+                     command: str | Callable[[], str | None] | None) -> str:
+    """One line: which of the store's identity differs, how, and the fix (``command``, or a function that makes it:
+    the ``selfspec-features`` command that builds the run's store)."""
+    if callable(command):
+        try:
+            command = command()
+        except Exception:  # noqa: BLE001 - a hint only: the message goes out without it
+            command = None
     names = list(dict.fromkeys(name for name, _ in differs))
     how = "; ".join(f"{name}: {detail}" for name, detail in differs)
     build = f"rebuild it with `{command}`, " if command else ""
@@ -475,7 +481,7 @@ def ensure_feature_store(
     overwrite: bool = False,
     refuse_other: bool = False,
     build_on: str = "all",
-    command: str | None = None,
+    command: str | Callable[[], str | None] | None = None,
 ) -> dict[str, "FeatureDataset"]:
     """Open the store at ``path``, building it first if it is missing or (unless ``refuse_other``) was built for
     something else.
@@ -515,7 +521,7 @@ def ensure_feature_store(
 
 def _open_or_build(path: Path, splits, extract, ident, collate_fn, batch_size, examples_per_shard, device,
                    accelerator=None, overwrite: bool = False, refuse_other: bool = False,
-                   command: str | None = None) -> dict[str, Any]:
+                   command: str | Callable[[], str | None] | None = None) -> dict[str, Any]:
     """The store's meta.json: the store at ``path`` when it serves ``ident``, else built (by every process of
     ``accelerator``) and published. Under the store's lock."""
     is_main = accelerator is None or accelerator.is_main_process

@@ -56,6 +56,12 @@ def run(cfg: Any) -> dict[str, Any]:
     if source.engine not in ("hf", "vllm"):
         raise SettingError(f"feature_store.engine={source.engine!r}: use hf (the target's forward here) or vllm.")
     accelerator = _accelerator(source)
+    if source.engine == "vllm":  # before anything loads (a training run checks it only when it must build)
+        from selfspec.core.vllm_env import vllm_available
+
+        reason = vllm_available((settings.get("vllm") or {}).get("venv"))
+        if reason:
+            raise SettingError(f"feature_store.engine=vllm: {reason}")
     target = _load_target(cfg, source, accelerator)
     datasets = _load_datasets(cfg, target.tokenizer, accelerator)
     layers = store_layers(cfg, target.model)

@@ -90,7 +90,7 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
 
 def selfspec_pythonpath() -> str:
     """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.decode`` and ``selfspec.core`` (a
-    ``custom_class`` proposer such as ``selfspec.decode.vllm_suffix.SuffixProposer``) from this installation, whether
+    ``custom_class`` proposer such as ``selfspec.decode.vllm_suffix.SuffixProposer``, and what it imports) from this installation, whether
     editable (the repository's folders) or a wheel (site-packages), and nothing else of selfspec's venv: a
     ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
     import importlib.util
@@ -100,7 +100,7 @@ def selfspec_pythonpath() -> str:
     root = cache_dir() / "vllm-path"
     pkg = root / "selfspec"
     pkg.mkdir(parents=True, exist_ok=True)
-    for name in ("core", "decode"):
+    for name in ("core", "decode", "heads", "train", "conf"):
         where = Path(importlib.util.find_spec(f"selfspec.{name}").submodule_search_locations[0]).resolve()
         link = pkg / name
         if link.is_symlink() and link.resolve() == where:

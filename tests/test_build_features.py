@@ -240,6 +240,8 @@ def test_a_store_for_another_target_layer_set_or_tokenizer_is_refused_by_name(bu
 
     meta = (built / "meta.json").read_text()
     cases = [
+        # the same name and, whatever the embeddings, another config: other layers make other features
+        ((["model.tiny.intermediate_size=96"]), "another target", "model.tiny.intermediate_size=96"),
         ((["model.tiny.seed=1"]), "another target", "model.tiny.seed=1"),
         ((["heads.layer_ids=[0,1,3]"]), "another layer set", "layers=[0,1,3]"),
     ]

@@ -102,8 +102,9 @@ def _compare(one: Path, two: Path, noise: float, family: str = "medusa") -> None
     prefix = "" if family.startswith("medusa") else "eval/"
     assert eval_a[prefix + "positions"] == eval_b[prefix + "positions"] > 0
     # DFlash's evaluation draws its anchors from a generator seeded alike on every rank, so each rank's batches get
-    # other anchors than one process's: the same count of positions, not the same loss.
-    keys = ("acc1", "acc5", "loss") if family.startswith("medusa") else ("loss",) if family == "eagle3" else ()
+    # other anchors than one process's: the same count of positions, not the same loss. Medusa-2's LoRA moves the
+    # target's own logits too, and one near-tie of 174 positions flips its top-1 within the rounding noise: its loss.
+    keys = {"medusa": ("acc1", "acc5", "loss"), "medusa2": ("loss",), "eagle3": ("loss",)}.get(family, ())
     for key in keys:
         torch.testing.assert_close(torch.tensor(eval_a[prefix + key]), torch.tensor(eval_b[prefix + key]),
                                    rtol=1e-4, atol=1e-5)
@@ -207,10 +208,11 @@ def _torchrun() -> list[str]:
 
 
 def test_two_ddp_processes_train_the_same_heads_as_one(one_process_run, rounding_noise):
+    """conf/accelerate/ddp.yaml (torchrun itself: the tests below)."""
     two = one_process_run.parent / "two"
-    proc = _launch(two, _torchrun(), *STEPS, "trainer.batch_size=2")
+    proc = _launch(two, _accelerate("ddp"), *STEPS, "trainer.batch_size=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 processes" in proc.stdout
+    assert "2 processes, DistributedType.MULTI_CPU, torch.distributed world size 2" in proc.stdout
     _compare(one_process_run, two, rounding_noise)
     # Every rank wrote its RNG state into the same checkpoint; only complete checkpoints are left.
     ckpt = two / "checkpoints" / "step-00000004"

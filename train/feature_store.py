@@ -143,7 +143,9 @@ class FeatureSource:
         splits = {"train": datasets["train"]}
         if datasets.get("eval") is not None and len(datasets["eval"]) > 0:
             splits["eval"] = datasets["eval"]
-        identity = {"target": fingerprint(target.model)["digest"], "target_name": target.name,
+        fp = fingerprint(target.model)
+        # the config's hash too: two targets with the same embeddings and name but other layers make other features
+        identity = {"target": fp["digest"], "target_config": fp.get("config_sha256"), "target_name": target.name,
                     "tokenizer": tokenizer_digest(target.tokenizer), "dtype": str(self.dtype), **fields}
         if self.engine == "vllm" and not isinstance(extract, HiddenStatesExtract):
             raise FeatureStoreError(
@@ -406,7 +408,7 @@ def _hidden_layers(identity: Mapping[str, Any]) -> list[int] | None:
 
 
 IDENTITY_NAMES = {"format": "store format", "target": "target", "target_name": "target", "tokenizer": "tokenizer",
-                  "dtype": "dtype", "fields": "fields", "teacher_topk": "teacher logits"}
+                  "target_config": "target config", "dtype": "dtype", "fields": "fields", "teacher_topk": "teacher logits"}
 
 
 def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -415,7 +417,7 @@ def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
     written before the tokenizer was recorded is matched on its token ids (the data digests) alone."""
     stored, wanted = _plain(stored), _plain(wanted)
     out: list[tuple[str, str]] = []
-    skip = {"splits"} | ({"tokenizer"} if "tokenizer" not in stored else set())
+    skip = {"splits"} | {k for k in ("tokenizer", "target_config") if k not in stored}
     have, need = _hidden_layers(stored), _hidden_layers(wanted)
     if have is not None and need is not None:
         skip |= {"fields", "teacher_topk"}
@@ -430,7 +432,8 @@ def store_mismatch(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list
     for key in sorted(set(stored) | set(wanted), key=lambda k: (k not in IDENTITY_NAMES, k)):
         if key in skip or stored.get(key) == wanted.get(key):
             continue
-        what = {"tokenizer": "vocabulary", "dtype": "features in", "format": "format"}.get(key, key)
+        what = {"tokenizer": "vocabulary", "dtype": "features in", "format": "format",
+                "target_config": "the target's config hash"}.get(key, key)
         out.append((IDENTITY_NAMES.get(key, key), f"{what} {stored.get(key)}, this run's {wanted.get(key)}"))
     changed = [name for name, digest in wanted.get("splits", {}).items()
                if (stored.get("splits") or {}).get(name) != digest]

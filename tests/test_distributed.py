@@ -20,7 +20,8 @@ kills one family's run mid-way and resumes it, and its checkpoints hold the trai
 
 Run as a script by torchrun, this file is the worker: ``test_distributed.py <run_dir> [overrides...]``; with
 ``SELFSPEC_TEST_FAMILIES=medusa,eagle3,...`` it trains each of them into ``<run_dir>/<family>``, and with
-``SELFSPEC_TEST_RESUME=<family>`` it also kills that family's run in step 3 and resumes it (``<run_dir>/<family>-killed``).
+``SELFSPEC_TEST_RESUME=<family>`` it also kills that family's run in step 3 and resumes it
+(``<run_dir>/<family>-killed``).
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ FLOAT32_EPS = torch.finfo(torch.float32).eps
 
 
 def _heads(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The heads' weights, and Medusa-2's LoRA adapter (``adapter.<name>``) where there is one."""
     from safetensors.torch import load_file
 
-    return load_file(str(run_dir / "heads" / "model.safetensors"))
+    weights = load_file(str(run_dir / "heads" / "model.safetensors"))
+    adapter = run_dir / "heads" / "adapter" / "adapter_model.safetensors"
+    if adapter.is_file():
+        weights.update({f"adapter.{k}": v for k, v in load_file(str(adapter)).items()})
+    return weights
 
 
 def _rounding_noise(one: Path, reordered: Path) -> float:
@@ -102,9 +108,8 @@ def _compare(one: Path, two: Path, noise: float, family: str = "medusa") -> None
     prefix = "" if family.startswith("medusa") else "eval/"
     assert eval_a[prefix + "positions"] == eval_b[prefix + "positions"] > 0
     # DFlash's evaluation draws its anchors from a generator seeded alike on every rank, so each rank's batches get
-    # other anchors than one process's: the same count of positions, not the same loss. Medusa-2's LoRA moves the
-    # target's own logits too, and one near-tie of 174 positions flips its top-1 within the rounding noise: its loss.
-    keys = {"medusa": ("acc1", "acc5", "loss"), "medusa2": ("loss",), "eagle3": ("loss",)}.get(family, ())
+    # other anchors than one process's: the same count of positions, not the same loss.
+    keys = ("acc1", "acc5", "loss") if family.startswith("medusa") else ("loss",) if family == "eagle3" else ()
     for key in keys:
         torch.testing.assert_close(torch.tensor(eval_a[prefix + key]), torch.tensor(eval_b[prefix + key]),
                                    rtol=1e-4, atol=1e-5)
@@ -116,7 +121,9 @@ def _compare(one: Path, two: Path, noise: float, family: str = "medusa") -> None
 # Medusa's drops the duplicates, and gets 7.
 FAMILIES = {
     "medusa": ("test_medusa_train", "medusa_cfg", "selfspec.train.medusa_method:medusa_method", []),
-    "medusa2": ("test_medusa_train", "medusa_cfg", "selfspec.train.medusa_method:medusa_method", ["heads=medusa2"]),
+    # no LoRA dropout: its masks are drawn per micro-batch and rank, so another split would draw others
+    "medusa2": ("test_medusa_train", "medusa_cfg", "selfspec.train.medusa_method:medusa_method",
+                ["heads=medusa2", "heads.lora.dropout=0"]),
     "eagle3": ("test_eagle", "eagle_cfg", "selfspec.train.eagle_method:EagleMethod",
                ["heads=eagle3", "heads.draft_vocab_size=64"]),
     "dflash": ("test_dflash_train", "dflash_cfg", "selfspec.train.dflash_method:DFlashMethod", []),
@@ -227,14 +234,13 @@ def _accelerate(config: str, *args: str) -> list[str]:
             "--main_process_port", str(_free_port()), *args]
 
 
-def _trainable_names(family: str, run_dir: Path) -> set[str]:
-    """The names of the trainable parameters of ``family``'s training module, and of its buffers (the draft
-    vocabulary's maps, rotary frequencies: no weights)."""
+def _frozen_names(family: str, run_dir: Path) -> set[str]:
+    """The names of the frozen parameters of ``family``'s training module (Medusa-2's: the target's own weights)."""
     from test_medusa_train import tiny_target
 
     cfg, method = _family_cfg(family, run_dir)
     module = method(cfg).build_module(tiny_target())
-    return {name for name, p in module.named_parameters() if p.requires_grad} | dict(module.named_buffers()).keys()
+    return {name for name, p in module.named_parameters() if not p.requires_grad}
 
 
 def _checkpoint_weights(ckpt: Path) -> set[str]:
@@ -264,8 +270,9 @@ def _check_resumed(run: Path, family: str, launched: Path, named: bool = True) -
         assert torch.equal(a[k], b[k]), k
     ckpt = launched / f"{family}-killed" / "checkpoints" / "step-00000004"
     held = _checkpoint_weights(ckpt)
-    trainable = _trainable_names(family, run / "names")
-    assert held <= trainable, sorted(held - trainable)[:5]
+    frozen = _frozen_names(family, run / "names")
+    assert frozen or not family.startswith("medusa2")  # Medusa-2's module holds the whole target
+    assert not held & frozen, sorted(held & frozen)[:5]
     assert held or not named
 
 
@@ -357,7 +364,8 @@ def _no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-@pytest.mark.parametrize("case", ["no deepspeed", "more processes than GPUs", "fsdp1 without a GPU", "fp16 without a GPU"])
+@pytest.mark.parametrize("case", ["no deepspeed", "more processes than GPUs", "fsdp1 without a GPU",
+                                  "fp16 without a GPU"])
 def test_a_launch_this_machine_cannot_run_is_refused(monkeypatch, case):
     from types import SimpleNamespace
 
@@ -385,7 +393,7 @@ def test_a_launch_this_machine_cannot_run_is_refused(monkeypatch, case):
         fix = "fsdp_version: 2"
     else:
         _no_gpu(monkeypatch)
-        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the accelerate config's, trainer.mixed_precision null
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the accelerate config's (trainer's null)
         fix = "trainer.mixed_precision=bf16"
     with pytest.raises(SettingError, match=re.escape(fix)) as err:
         check_launch(tc)

@@ -66,24 +66,32 @@ class WandbLogger(NoLogger):
         if mode == "offline":
             print(f"[selfspec] wandb runs offline into {run_dir or '.'}/wandb (no API key or WANDB_MODE=offline); "
                   "upload later with `wandb sync`.", file=sys.stderr)
+        # started at the first log, not here: a run refused at its start (RunExistsError) leaves no W&B run behind
+        self._init = dict(project=project, entity=entity, mode=mode, dir=str(run_dir) if run_dir else None,
+                          config=config, name=name, tags=list(tags or []), **ids)
+        self.run = None
+
+    def _start(self):
+        import wandb
+
         try:
-            self.run = wandb.init(project=project, entity=entity, mode=mode, dir=str(run_dir) if run_dir else None,
-                                  config=config, name=name, tags=list(tags or []), **ids)
+            return wandb.init(**self._init)
         except Exception as err:  # no network although a key exists: keep the run, go offline
             print(f"[selfspec] wandb could not go online ({err}); logging offline instead.", file=sys.stderr)
-            self.run = wandb.init(project=project, entity=entity, mode="offline",
-                                  dir=str(run_dir) if run_dir else None, config=config, name=name,
-                                  tags=list(tags or []), **ids)
+            return wandb.init(**{**self._init, "mode": "offline"})
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         super().log(metrics, step)
+        if self.run is None:
+            self.run = self._start()
         self.run.log(_plain(metrics), step=step)
         if self._id_to_keep:  # not before: a run refused at its start (RunExistsError) leaves the kept id alone
             keep_wandb_run_id(*self._id_to_keep)
             self._id_to_keep = None
 
     def finish(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
 
 
 WANDB_ID_FILE = "wandb-run-id"  # in the run folder: the W&B run a resumed run goes on logging into

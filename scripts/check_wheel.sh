@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build selfspec's wheel, install it into a fresh virtualenv outside the checkout, and run from there, by the console
-# scripts alone, the main job's first steps (Medusa on the tiny target, experiment=debug) and a decode with its heads:
+# scripts alone, the main job's first steps (Medusa on the embedded default, SmolLM2-135M-Instruct and ShareGPT, both
+# from PyPI; two steps on 64 conversations) and a decode with its heads:
 # what a user who installs a released wheel gets. .ci/run runs it; by hand:
 #
 #   bash scripts/check_wheel.sh            # in a temporary folder, removed at the end
@@ -22,8 +23,8 @@ python3 -m venv "$work/venv"
 cd "$work"  # nothing of the checkout on the path: the wheel's own files only
 export WANDB_MODE=offline
 "$work/venv/bin/python" -c "import selfspec.core.config as c, sys; assert str(c.CONF_DIR).startswith(sys.prefix), c.CONF_DIR"
-"$work/venv/bin/selfspec-train" medusa experiment=debug trainer.max_steps=2 trainer.eval_every=2 trainer.save_every=2 \
-    speed_check.prompts=0 run_dir="$work/run"
+"$work/venv/bin/selfspec-train" medusa trainer.max_steps=2 trainer.eval_every=2 trainer.save_every=2 \
+    trainer.eval_max_examples=4 data.max_records=64 speed_check.prompts=0 run_dir="$work/run"
 test -f "$work/run/heads/config.json"
 "$work/venv/bin/selfspec-decode" heads="$work/run/heads" prompt="Hello" max_new_tokens=8 | tee "$work/decode.log"
 grep -q "tau" "$work/decode.log"

@@ -330,4 +330,4 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
     assert result["ratio"] == pytest.approx(expected["heads"] / expected["plain"])
     assert f"{result['ratio']:.2f}x" in text
     quiet = io.StringIO()
-    assert speed_check(folder, prompts=0, max_new_tokens=6, out=quiet) == {} and "decode/run.py" in quiet.getvalue()
+    assert speed_check(folder, prompts=0, max_new_tokens=6, out=quiet) == {} and f"selfspec-decode heads={folder}" in quiet.getvalue()

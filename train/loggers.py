@@ -55,7 +55,7 @@ class WandbLogger(NoLogger):
         resume: bool = False,
     ):
         super().__init__(run_dir, config)
-        import wandb
+        import wandb  # noqa: F401 (a missing wandb fails here, at setup, not at the first log)
 
         run_id = wandb_run_id(run_dir, resume)
         ids = {"id": run_id, "resume": "allow"} if run_id else {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.resources
+import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -57,6 +59,19 @@ def store_open_dict() -> None:
     ConfigStore.instance().store(name=OPEN_DICT, node=node)
 
 
+MODEL_KEY = re.compile(r"^([+~]{0,2})model\.([^=]+)=(.*)$", re.S)
+
+
+def model_keys(overrides: Sequence[str], config_dir: Path) -> list[str]:
+    """``overrides`` with ``model.KEY=VALUE`` read as ``target.KEY=VALUE`` for the configs of conf/decode/, where
+    ``model`` names a target (a plain value: a name in conf/model/, a hub id or a folder) and ``target`` holds settings
+    over its model config: a target setting is then given at decode as at training (``model.attn_implementation=
+    eager``), where ``model`` is the config group itself. Other configs' overrides are returned unchanged."""
+    if Path(config_dir) != CONF_DIR / "decode":
+        return list(overrides)
+    return [MODEL_KEY.sub(lambda m: f"{'~' if '~' in m.group(1) else ''}target.{m.group(2)}={m.group(3)}", o) for o in overrides]
+
+
 def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = CONF_DIR) -> Any:
     """``config_dir/<config_name>.yaml`` composed with ``overrides``, as :func:`hydra_app` composes it from the command
     line: for code that composes an entry config itself (the benchmark, scripts, tests). Inside a running Hydra app
@@ -72,7 +87,7 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            return hydra_compose(config_name=config_name, overrides=model_keys(overrides, config_dir))
     finally:
         if outer is not None:
             restore_gh_from_backup(outer)
@@ -88,6 +103,7 @@ def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, conf
         task(cfg)
 
     store_open_dict()
+    sys.argv[1:] = model_keys(sys.argv[1:], config_dir)  # read by hydra.main: it takes no list of overrides
     app.__module__ = job_name  # Hydra names the job after the task function's module
     with _reported_by_hydra():
         hydra.main(config_path=str(config_dir), config_name=config_name, version_base="1.3")(app)()

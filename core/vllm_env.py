@@ -115,10 +115,12 @@ def selfspec_pythonpath() -> str:
 def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
     a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
-    from selfspec.core.target import SMOLLM2_ID, cache_dir, cache_lock, ensure_smollm2, fingerprint
+    from selfspec.core.embedded import EMBEDDED
+    from selfspec.core.target import cache_dir, cache_lock, fingerprint
 
-    if target.name == SMOLLM2_ID:
-        return ensure_smollm2()
+    embedded = [e for e in EMBEDDED.values() if e.hub_id == target.name]
+    if embedded:  # prompts reach vLLM as token ids: a chat template of the config's own needs no copy
+        return embedded[0].ensure()
     local = Path(str(target.name))
     if local.is_dir() and (local / "config.json").exists():
         if "quantization_config" not in json.loads((local / "config.json").read_text()):
@@ -151,13 +153,14 @@ def served_model(model_cfg: Any) -> tuple[str, Any]:
     from transformers import AutoTokenizer
 
     from selfspec.core.config import cfg_get
-    from selfspec.core.target import TargetLoadError, ensure_smollm2, load_target
+    from selfspec.core.embedded import EMBEDDED
+    from selfspec.core.target import TargetLoadError, load_target, set_chat_template
 
     source = cfg_get(model_cfg, "source", "hub")
     name = None
-    if source == "smollm2":
-        name = str(ensure_smollm2())
-    elif source == "hub" and not cfg_get(model_cfg, "gguf_file"):
+    if source in EMBEDDED:
+        name = str(EMBEDDED[source].ensure())
+    elif source == "hub" and not cfg_get(model_cfg, "gguf_file") and not cfg_get(model_cfg, "revision"):
         name = str(cfg_get(model_cfg, "name_or_path") or "")
         local = Path(name).expanduser()
         if local.is_dir():
@@ -166,7 +169,9 @@ def served_model(model_cfg: Any) -> tuple[str, Any]:
                 else None
     if name:
         try:
-            return name, AutoTokenizer.from_pretrained(name)
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            set_chat_template(tokenizer, cfg_get(model_cfg, "chat_template"))
+            return name, tokenizer
         except OSError as err:
             raise TargetLoadError(f"Could not load the tokenizer of {name!r}: {err}\nDownload the model elsewhere and "
                                   "point model.name_or_path at its folder.") from err

@@ -215,6 +215,7 @@ class CheckSettings:
     max_new_tokens: int
     venv: str | None  # vLLM's venv (None: $SELFSPEC_VLLM_VENV, else .venv-vllm)
     model: Any  # the target (a name in conf/model/, a folder); None: the one the heads record
+    target: dict  # settings over its model config (model.KEY=VALUE)
     out: str | None  # where the exports go (None: a temporary folder)
     warmup: bool  # decode one prompt first in every engine, not reported
     timeout: float | None  # seconds vLLM may take for all its runs
@@ -226,9 +227,11 @@ class CheckSettings:
         """The settings of a composed conf/decode/serve_check.yaml."""
         from selfspec.decode.settings import required
 
-        c = required(cfg, ("k", "max_new_tokens", "model", "out", "warmup", "tolerance", "vocab", "serving"))
+        c = required(cfg, ("k", "max_new_tokens", "model", "target", "out", "warmup", "tolerance", "vocab",
+                           "serving"))
         serving = required(c["serving"], ("vllm_venv", "timeout"))
         return cls(k=c["k"], max_new_tokens=int(c["max_new_tokens"]), venv=serving["vllm_venv"], model=c["model"],
+                   target=dict(c["target"] or {}),
                    out=None if c["out"] is None else str(c["out"]), warmup=bool(c["warmup"]),
                    timeout=None if serving["timeout"] is None else float(serving["timeout"]),
                    tolerance=float(c["tolerance"]), vocab=str(c["vocab"]))
@@ -241,7 +244,7 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
     from selfspec.decode.settings import decode_config
     from selfspec.heads.export import medusa_vocab
 
-    base = {"heads": str(heads_path), "model": settings.model, "acceptance": "greedy",
+    base = {"heads": str(heads_path), "model": settings.model, "target": settings.target, "acceptance": "greedy",
             "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
     chain = load_session(decode_config(base))
     vocab = None

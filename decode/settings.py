@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from selfspec.core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
-from selfspec.core.target import SMOLLM2_ID
+from selfspec.core.embedded import EMBEDDED
 from selfspec.decode.linear_kernels import KERNELS
 from selfspec.decode.types import DecodeSetupError
 from selfspec.decode.verify import Sampling
@@ -63,7 +63,7 @@ def decode_config(overrides: dict | None = None) -> Any:
     return OmegaConf.merge(OmegaConf.load(DECODE_CONFIGS / "decode.yaml"), overrides or {})
 
 
-SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "device", "dtype", "acceptance", "temperature",
+SESSION_KEYS = ("heads", "drafter", "draft", "random_heads", "model", "target", "device", "dtype", "acceptance", "temperature",
                 "top_k", "top_p", "linear_kernel", "max_new_tokens", "stop", "seed", "chat", "system_prompt", "learn",
                 "learner", "heads_check")
 
@@ -78,6 +78,7 @@ class DecodeSettings:
     draft: dict  # the ``draft.*`` settings given (the null ones left out: those keep the saved or default value)
     random_heads: dict  # heads=random's options
     model: Any  # ``model=``: a name in conf/model/, a hub id or folder, or a model config; None: the heads' target
+    target: dict  # ``model.KEY=`` / ``target.KEY=``: settings over that target's model config
     device: str | None  # None: the model config's
     dtype: str | None  # None: the model config's
     sampling: Sampling
@@ -101,7 +102,8 @@ class DecodeSettings:
             heads=None if c["heads"] in (None, "none", "null") else str(c["heads"]),
             family=None if c["drafter"] is None else str(c["drafter"]),
             draft={k: v for k, v in to_dict(c["draft"]).items() if v is not None},
-            random_heads=to_dict(c["random_heads"]), model=c["model"], device=c["device"], dtype=c["dtype"],
+            random_heads=to_dict(c["random_heads"]), model=c["model"], target=to_dict(c["target"]),
+            device=c["device"], dtype=c["dtype"],
             sampling=Sampling(acceptance=str(c["acceptance"]), temperature=number(c, "temperature", float),
                               top_k=number(c, "top_k", int), top_p=number(c, "top_p", float)),
             linear_kernel=kernel, max_new_tokens=number(c, "max_new_tokens", int),
@@ -112,22 +114,24 @@ class DecodeSettings:
 
     def target_config(self, heads_config: dict | None) -> dict:
         """The model config of the target to decode with (:func:`resolve_target_config`)."""
-        return resolve_target_config(self.model, heads_config, self.device, self.dtype)
+        return resolve_target_config(self.model, heads_config, self.device, self.dtype, self.target)
 
 
 # --- the target -------------------------------------------------------------------------------------------------------
 
 
 def target_config_from_heads(heads_config: dict) -> dict:
-    """A model config for the target a heads folder records (``model`` if the trainer saved it, else
-    ``base_model`` + fingerprint): the embedded SmolLM2, a tiny model, or a hub id / local folder."""
+    """A model config for the target a heads folder records: ``model``, how the trainer loaded it (its source,
+    folder or hub id, revision, dtype, attention and chat template; heads/io.py), else (heads saved before that was
+    recorded) ``base_model`` + fingerprint: an embedded model, a tiny model, or a hub id / local folder."""
     if isinstance(heads_config.get("model"), dict):
         return dict(heads_config["model"])
     name = heads_config.get("base_model")
     if not name:
         raise DecodeSetupError("The heads' config.json names no base_model: pass the target with model=NAME.")
-    if name == SMOLLM2_ID:
-        return {"source": "smollm2"}
+    embedded = [e.source for e in EMBEDDED.values() if e.hub_id == name]
+    if embedded:
+        return {"source": embedded[0]}
     if str(name).startswith("tiny-"):
         fp = heads_config.get("target_fingerprint", {})
         tiny = {"arch": str(name)[5:]}
@@ -149,14 +153,19 @@ def model_config(model: Any) -> dict:
 
 
 def resolve_target_config(model: Any, heads_config: dict | None, device: str | None = None,
-                          dtype: str | None = None) -> dict:
-    """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2. ``device`` and
-    ``dtype`` replace the model config's when given."""
+                          dtype: str | None = None, target: dict | None = None) -> dict:
+    """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2. ``target``'s
+    settings (``model.KEY=VALUE``) are set over that config (a tiny model's ``tiny`` recipe key by key), then
+    ``device`` and ``dtype`` where given."""
     model = to_plain(model)
     if model is not None:
         model_cfg = model_config(model)
     else:
         model_cfg = target_config_from_heads(heads_config) if heads_config else {"source": "smollm2"}
+    for key, value in to_dict(target).items():
+        if key == "tiny" and isinstance(value, dict):
+            value = {**dict(model_cfg.get("tiny") or {}), **value}
+        model_cfg[key] = value
     model_cfg.update({k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
     return model_cfg
 
@@ -165,5 +174,5 @@ def target_config_from_overrides(overrides: list[str]) -> dict:
     """The target conf/decode/decode.yaml names under command-line ``overrides`` (its ``model``, ``device``,
     ``dtype``): for scripts that need a target and no drafter (scripts/kernel_plan.py, scripts/engine_ceiling.py)."""
     cfg = compose("decode", overrides, config_dir=DECODE_CONFIGS)
-    c = required(cfg, ("model", "device", "dtype"))
-    return resolve_target_config(c["model"], None, c["device"], c["dtype"])
+    c = required(cfg, ("model", "target", "device", "dtype"))
+    return resolve_target_config(c["model"], None, c["device"], c["dtype"], c["target"])

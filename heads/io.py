@@ -3,7 +3,9 @@
 A heads folder holds:
 
 - ``config.json``: ``head_type`` (a family of core/families.py that has heads), ``head_config`` (what the builder
-  needs to rebuild the module), the target it was trained on (``base_model`` and ``target_fingerprint`` from
+  needs to rebuild the module), how the target was loaded (``model``: source, folder or hub id, revision, dtype,
+  attention, chat template; decode, export, serve-check and bench load it so), the target it was trained on
+  (``base_model`` and ``target_fingerprint`` from
   ``selfspec.core.target.fingerprint``: its shape, the sha256 of embedding rows per dtype, the checkpoint's
   ``revision`` and ``config_sha256``), shape facts (``hidden_size``, ``vocab_size``, ``num_heads``, ``num_layers``), and
   whatever the trainer adds (``data``, ``steps``, ``eval`` metrics, ...); ``weights_sha256`` guards the weights file.
@@ -136,8 +138,11 @@ def save_heads(
         "head_config": dict(config),
         "adapter": None,
     }
+    settings = target_model.settings if isinstance(target_model, Target) else None
     tiny = getattr(base, "tiny_spec", None)
-    if tiny is not None:  # a target built in code (selfspec.core.target.build_tiny): how to build it again
+    if settings:  # how the target was loaded (core/target.py load_settings): decode loads it the same way
+        meta["model"] = dict(settings)
+    elif tiny is not None:  # a target built in code (selfspec.core.target.build_tiny): how to build it again
         meta["model"] = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(tiny),
                          "attn_implementation": getattr(base.config, "_attn_implementation", None) or "sdpa"}
     meta.update(extra_meta or {})

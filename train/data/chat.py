@@ -178,3 +178,28 @@ def _answer(tokenizer, messages: Sequence[Mapping[str, str]], i: int, specials: 
     span = after[len(before):]
     last_special = max((k for k, t in enumerate(span) if t in specials), default=len(span) - 1)
     return before, after, (len(before), len(before) + last_special + 1)
+
+
+FORMATS = ("chat", "text")  # data.format: conversations under the chat template | plain text (a base model's)
+
+
+def text_example(tokenizer, messages: Sequence[Mapping[str, str]], max_length: int,
+                 overflow: str = "truncate") -> list[dict[str, list[int]]]:
+    """The training example of a record as plain text, for a base model (``data.format=text``): the tokenizer's
+    opening special tokens (Gemma's ``<bos>``), then each turn's content tokenized alone and joined with nothing
+    between them, labelled on the assistant's turns: what scripts/regenerate.py's ``format=text`` records hold (an
+    opening and the target's continuation of it). No chat template and no end-of-turn token: the continuation is cut
+    where its budget ended. ``overflow``: ``truncate`` cuts at ``max_length``, ``drop`` leaves a longer record out."""
+    if overflow not in ("truncate", "drop"):
+        raise DataError(f"data.overflow={overflow!r} is not known: use truncate or drop.")
+    ids = list(tokenizer("", add_special_tokens=True)["input_ids"])
+    labels = [IGNORE_INDEX] * len(ids)
+    for message in messages:
+        if message["role"] == "system":
+            continue
+        piece = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if message["role"] == "assistant" else [IGNORE_INDEX] * len(piece)
+    if overflow == "drop" and len(ids) > max_length:
+        return []
+    return [{"input_ids": ids[:max_length], "labels": labels[:max_length]}]

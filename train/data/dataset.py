@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.core.config import cfg_get, to_dict
-from selfspec.train.data.chat import IGNORE_INDEX, ChatTemplateError, _require_chat_template, conversation_examples
+from selfspec.train.data.chat import (
+    FORMATS,
+    IGNORE_INDEX,
+    ChatTemplateError,
+    _require_chat_template,
+    conversation_examples,
+    text_example,
+)
 from selfspec.train.data.conversations import load_conversations, sharegpt_path
 from selfspec.core.records import DataError, ReadReport
 
@@ -84,7 +91,12 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
     """
     import datasets
 
-    _require_chat_template(tokenizer)
+    fmt = str(cfg_get(data_cfg, "format", "chat"))
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r}: chat (conversations under the chat template) or text (plain text, for "
+                        "a base model: an opening and its continuation, as scripts/regenerate.py format=text writes).")
+    if fmt == "chat":
+        _require_chat_template(tokenizer)
     root = Path(cache_dir).expanduser() if cache_dir is not None else data_cache_root()
     folder = root / dataset_cache_key(data_cfg, tokenizer)
     if (folder / "dataset_dict.json").exists():
@@ -94,7 +106,8 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
     max_length = int(cfg_get(data_cfg, "max_length", 1024))
     template_kwargs = to_dict(cfg_get(data_cfg, "chat_template_kwargs"))
     examples, groups = _tokenize_all(conversations, tokenizer, max_length,
-                                     str(cfg_get(data_cfg, "overflow", "truncate")), report, verbose, template_kwargs)
+                                     str(cfg_get(data_cfg, "overflow", "truncate")), report, verbose, template_kwargs,
+                                     text=fmt == "text")
     n = len(examples["input_ids"])
     eval_fraction, seed = float(cfg_get(data_cfg, "eval_fraction", 0.0)), int(cfg_get(data_cfg, "seed", 0))
     # Split conversations, not examples: the examples of one conversation (one per answer for some templates) share
@@ -132,10 +145,12 @@ def _load_cached(folder: Path, verbose: bool):
 
 
 def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str, report: ReadReport,
-                  verbose: bool, template_kwargs: dict | None = None) -> tuple[dict[str, list[list[int]]], list[int]]:
+                  verbose: bool, template_kwargs: dict | None = None,
+                  text: bool = False) -> tuple[dict[str, list[list[int]]], list[int]]:
     """``{"input_ids": [...], "labels": [...]}`` of the conversations that give examples, and each example's
     conversation (0, 1, ... over those conversations, ascending); the others are counted in ``report``. Raises when
-    the chat template fails on most conversations or no example is left."""
+    the chat template fails on most conversations or no example is left. ``text``: each conversation as plain text
+    (:func:`~selfspec.train.data.chat.text_example`), no template."""
     from tqdm.auto import tqdm
 
     examples: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
@@ -144,7 +159,8 @@ def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str
     unstable = 0
     for i, messages in enumerate(tqdm(conversations, desc="tokenizing", unit="conv", disable=not verbose)):
         try:
-            conversation = conversation_examples(tokenizer, messages, max_length, overflow, template_kwargs)
+            conversation = (text_example(tokenizer, messages, max_length, overflow) if text else
+                            conversation_examples(tokenizer, messages, max_length, overflow, template_kwargs))
         except ChatTemplateError as err:
             unstable += 1
             first_template_error = first_template_error or err

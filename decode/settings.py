@@ -152,6 +152,13 @@ def model_config(model: Any) -> dict:
     return {"source": "hub", "name_or_path": model}
 
 
+def model_settings() -> set[str]:
+    """The keys a model config may set: those of the entries of conf/model/ (what ``model.KEY=`` may name)."""
+    from omegaconf import OmegaConf
+
+    return {str(k) for path in MODEL_CONFIGS.glob("*.yaml") for k in OmegaConf.load(path).keys()}
+
+
 def resolve_target_config(model: Any, heads_config: dict | None, device: str | None = None,
                           dtype: str | None = None, target: dict | None = None) -> dict:
     """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2. ``target``'s
@@ -162,7 +169,11 @@ def resolve_target_config(model: Any, heads_config: dict | None, device: str | N
         model_cfg = model_config(model)
     else:
         model_cfg = target_config_from_heads(heads_config) if heads_config else {"source": "smollm2"}
+    known = model_settings()
     for key, value in to_dict(target).items():
+        if key not in known:
+            raise DecodeSetupError(f"model.{key} is not a setting of a model config (conf/model/): use one of "
+                                   f"{', '.join(sorted(known))}.")
         if key == "tiny" and isinstance(value, dict):
             value = {**dict(model_cfg.get("tiny") or {}), **value}
         model_cfg[key] = value

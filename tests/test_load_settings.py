@@ -118,6 +118,15 @@ def test_model_key_value_sets_the_target_s_setting_in_every_decode_side_config(c
     assert resolved["tiny"]["num_hidden_layers"] == 2 and resolved["tiny"]["hidden_size"] == 64
 
 
+def test_a_mistyped_target_setting_is_refused_naming_the_settings():
+    from selfspec.decode.settings import DecodeSettings
+    from selfspec.decode.types import DecodeSetupError
+
+    settings = DecodeSettings.from_config(compose("decode", ["model=tiny", "model.attn_implementaton=eager"]))
+    with pytest.raises(DecodeSetupError, match=r"model.attn_implementaton is not a setting .* attn_implementation, "):
+        settings.target_config(None)
+
+
 def test_training_configs_keep_model_as_their_config_group():
     """Only conf/decode/'s configs read model.KEY as the target's setting: a training config's ``model`` is the group."""
     cfg = compose("medusa", ["model=tiny", "model.attn_implementation=eager", "model.chat_template=x"])

@@ -82,3 +82,21 @@ def test_an_unknown_format_is_refused_by_name(tmp_path):
     cfg = compose("medusa", ["model=tiny", "data.format=prose"])
     with pytest.raises(DataError, match="data.format='prose': chat .* or text"):
         build_dataset(cfg.data, load_target({"source": "tiny"}).tokenizer, cache_dir=tmp_path)
+
+
+def test_document_openings_are_whole_prose_sentences_in_their_length_range(tmp_path):
+    from conftest import load_script
+
+    openings = load_script("openings")
+    text = "First sentence here. Second one is longer than that! Third? Fourth.\n\nNext paragraph."
+    assert openings.opening(text, 20, 60) == "First sentence here."  # whole sentences, from min_chars on
+    assert openings.opening(text, 25, 60) == "First sentence here. Second one is longer than that!"
+    assert openings.opening(text, 10, 15) is None  # no whole sentence in reach
+    assert openings.opening("- a list item. Another.", 5, 100) is None  # a list is not prose
+    assert openings.opening("```python\nx = 1\n```", 1, 100) is None
+    out = tmp_path / "openings.jsonl"
+    assert openings.main(["--out", str(out), "--n", "3", "--skip", "10"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["category"] == "document" and 120 <= len(r["turns"][0]) <= 400 for r in rows)
+    assert all(int(r["question_id"].split("-")[1]) >= 10 for r in rows)
+    assert openings.main(["--out", str(out)]) == 2  # an existing file is never overwritten

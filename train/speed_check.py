@@ -41,14 +41,17 @@ def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -
         speed_check(heads_dir, prompts, int(check["max_new_tokens"]))
 
 
-def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: TextIO = sys.stderr) -> dict:
+def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: TextIO | None = None) -> dict:
     """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
     few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the
-    same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}."""
+    same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}.
+    ``out``: where it prints (None: ``sys.stderr`` as it is at the call, not at import, which a test's capture may
+    have closed since)."""
     from selfspec.decode.prompts import prompt_ids
     from selfspec.decode.session import load_session
     from selfspec.decode.settings import decode_config
 
+    out = out or sys.stderr
     command = f'selfspec-decode heads={heads_dir} prompt="Write a haiku about the sea."'
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)
     if prompts <= 0:

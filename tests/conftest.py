@@ -65,8 +65,22 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# Opt-in markers (registered in pyproject.toml): their tests run only when ``-m`` names the marker (``pytest -m
+# memory``); any other run, the default ``pytest`` included, leaves them out. They measure rather than check a
+# behaviour, which cheaper tests check.
+OPT_IN_MARKERS = ("memory",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow files first (``SLOW_FILES``)."""
+    """The slow files first (``SLOW_FILES``); the tests of an opt-in marker the ``-m`` expression does not name left
+    out (``OPT_IN_MARKERS``)."""
+    expression = config.getoption("markexpr", "") or ""
+    left_out = [m for m in OPT_IN_MARKERS if m not in expression]
+    if left_out:
+        deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item not in deselected]
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order
 

@@ -4,16 +4,25 @@ configs) answers a mistyped key and a bad value with one ``error:`` line and exi
 feature_store.engine=, heads.*, the logger, DeepSpeed's accumulation, resuming past max_steps, a layer-skip exit) are
 the project's own :class:`SettingError`, reported in one line.
 
-The scripts run as subprocesses, several at a time (:func:`runs`): each fails before any model loads (``model=tiny``
-where one would), so the file takes about as long as its slowest few imports of torch."""
+Every case runs in this process (:func:`run_in_process`): the console script's own entry function (as
+pyproject.toml's [project.scripts] names it) or the script file run as ``__main__``, with its command line in
+``sys.argv``, its working folder, and stdout and stderr captured at the file descriptors; what a process would give
+back (exit status, stdout, stderr) is read off it. Each fails before any model loads (``model=tiny`` where one would).
+:data:`SUBPROCESS_CASES` also run as real processes (the installed console script, and a script file run by
+Python), which proves the wiring from the command line to the entry function that the in-process runs call."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+import runpy
 import subprocess
 import sys
 import tomllib
+import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,6 +85,10 @@ CASES = [
      "record is not set: give record="),
 ]
 FULL_ERROR = ("train-key", "bench-key")  # run again under HYDRA_FULL_ERROR=1: the trace comes back
+# Also run as real processes: an installed console script (bin/selfspec-train) and a script file run by Python (its
+# folder first on sys.path). The other console scripts are the same wiring: an entry in [project.scripts], whose
+# function every case calls in process, and the installed file test_every_console_script_... checks.
+SUBPROCESS_CASES = ("train-key", "stream-key")
 
 
 def _run(case: str, name: str, args: list[str], folder: Path, full_error: bool = False) -> subprocess.CompletedProcess:
@@ -88,16 +101,95 @@ def _run(case: str, name: str, args: list[str], folder: Path, full_error: bool =
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case started at once, a few at a time: case -> its future CompletedProcess."""
+def subprocess_runs(tmp_path_factory):
+    """The cases of :data:`SUBPROCESS_CASES` started at once as real processes: case -> its future CompletedProcess."""
     root = tmp_path_factory.mktemp("cli")
-    pool = ThreadPoolExecutor(max_workers=4)
-    futures = {case: pool.submit(_run, case, name, args, root / case) for case, name, args, _ in CASES}
-    for case, name, args, _ in CASES:
-        if case in FULL_ERROR:
-            futures[case + "/full"] = pool.submit(_run, case, name, args, root / (case + "-full"), True)
+    pool = ThreadPoolExecutor(max_workers=len(SUBPROCESS_CASES))
+    futures = {case: pool.submit(_run, case, name, args, root / case) for case, name, args, _ in CASES
+               if case in SUBPROCESS_CASES}
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _entry(name: str):
+    """What the command ``name`` runs: the function [project.scripts] names, or the script file as ``__main__``
+    (``x.py``: scripts/x.py; ``folder/x.py``: that file of the repository). The file's folder is not put first on
+    sys.path as ``python <file>`` puts it (its modules would shadow others in this process for the later tests):
+    :data:`SUBPROCESS_CASES` run a script file by Python."""
+    if name.endswith(".py"):
+        path = REPO / name if "/" in name else REPO / "scripts" / name
+        return lambda: runpy.run_path(str(path), run_name="__main__")
+    module, _, function = SCRIPTS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+@contextmanager
+def _process_state_kept():
+    """What an entry point may change in this process (logging, which Hydra configures; Hydra's job config; the
+    environment; torch's threads) is put back afterwards, so the runs leave nothing to later tests."""
+    import torch
+    from hydra.core.hydra_config import HydraConfig
+
+    def all_loggers() -> list[logging.Logger]:
+        return [logging.root, *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                if isinstance(lg, logging.Logger))]
+
+    saved = {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in all_loggers()}
+    disable, hydra_cfg, environ, threads = logging.root.manager.disable, HydraConfig.instance().cfg, \
+        dict(os.environ), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        for lg in all_loggers():
+            handlers, level, propagate, disabled = saved.get(lg, ([], logging.NOTSET, True, False))
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+        logging.disable(disable)
+        HydraConfig.instance().cfg = hydra_cfg
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+
+
+def run_in_process(name: str, args: list[str], folder: Path, monkeypatch, capfd,
+                   full_error: bool = False) -> subprocess.CompletedProcess:
+    """The command ``name args`` run in this process as :func:`_run` runs it in its own (the same working folder,
+    arguments and HYDRA_FULL_ERROR): its exit status (SystemExit's code; 1 and the trace on stderr for an exception
+    that would have ended the process, as Python reports one), stdout and stderr."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "q.jsonl").write_text(QUESTION)
+    argv = [a.replace("{tmp}", str(folder)) for a in args]
+    entry = _entry(name)  # imported before the capture: an import's own output is no part of the command's
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    if full_error:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    else:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    capfd.readouterr()
+    code = 0
+    with _process_state_kept():
+        try:
+            entry()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+            if not isinstance(exit_.code, int) and exit_.code is not None:
+                print(exit_.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        except Exception:  # noqa: BLE001 - uncaught in a process: its trace on stderr, exit status 1
+            traceback.print_exc()
+            code = 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([name, *argv], code, out, err)
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, message: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
+    assert message in lines[-1]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not any(line.startswith("error: ") for line in lines[:-1])  # one line
 
 
 def test_every_console_script_has_a_mistyped_key_and_a_bad_value():
@@ -108,22 +200,23 @@ def test_every_console_script_has_a_mistyped_key_and_a_bad_value():
         assert (BIN / name).is_file(), f"{name} is not installed: pip install -e ."
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case, name, args, message", CASES, ids=[c[0] for c in CASES])
-def test_a_mistake_is_one_error_line_and_exit_2(runs, case, name, args, message):
-    proc = runs[case].result()
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
-    assert message in lines[-1]
-    assert "Traceback" not in proc.stderr + proc.stdout
-    assert not any(line.startswith("error: ") for line in lines[:-1])  # one line
+def test_a_mistake_is_one_error_line_and_exit_2(case, name, args, message, tmp_path, monkeypatch, capfd):
+    _assert_one_error_line(run_in_process(name, args, tmp_path / case, monkeypatch, capfd), message)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_a_mistake_is_one_error_line_and_exit_2_in_a_process_of_its_own(subprocess_runs, case):
+    """The same as a real command: the installed console script, and a script file run by Python."""
+    *_, message = next(c for c in CASES if c[0] == case)
+    _assert_one_error_line(subprocess_runs[case].result(), message)
+
+
 @pytest.mark.parametrize("case", FULL_ERROR)
-def test_hydra_full_error_gives_the_whole_trace(runs, case):
-    proc = runs[case + "/full"].result()
+def test_hydra_full_error_gives_the_whole_trace(case, tmp_path, monkeypatch, capfd):
+    _, name, args, _ = next(c for c in CASES if c[0] == case)
+    proc = run_in_process(name, args, tmp_path / case, monkeypatch, capfd, full_error=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
     assert "ConfigCompositionException" in proc.stderr
 

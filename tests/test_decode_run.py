@@ -275,23 +275,39 @@ def test_layerskip_sweep_over_exit_layer_depth_and_threshold(tmp_path):
     assert all(w["same_as_first"] == 2 for w in ways.values())
 
 
-@pytest.mark.parametrize("script, args, message", [
+EXPECTED_MISTAKES = [
     ("decode/run.py", ["heads=/no/such/heads", "prompt=hi"], "error: No heads folder at /no/such/heads"),
     ("decode/run.py", ["model=tiny", "draft.tree=nosuch", "prompt=hi"], "error: Unknown tree 'nosuch'"),
     ("train/medusa.py", ["experiment=debug", "trainer.max_steps=abc"], "error: trainer.max_steps='abc' is not a whole"),
-])
-def test_expected_mistakes_print_one_line_without_a_traceback(script, args, message, tmp_path):
+]
+
+
+@pytest.mark.parametrize("script, args, message", EXPECTED_MISTAKES)
+def test_expected_mistakes_print_one_line_without_a_traceback(script, args, message, tmp_path, monkeypatch, capfd):
+    """The entry file run as ``__main__`` in this process (tests/test_cli_errors.py's run_in_process: its exit status,
+    stdout and stderr as a process would give them back); the first case also runs as a real process below."""
+    from test_cli_errors import run_in_process
+
+    args = [*args, f"run_dir={tmp_path}"]
+    proc = run_in_process(script, args, tmp_path, monkeypatch, capfd)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    full = run_in_process(script, args, tmp_path, monkeypatch, capfd, full_error=True)
+    assert full.returncode != 0 and "Traceback" in full.stderr  # the whole trace, for debugging
+    assert not list(tmp_path.rglob("*.log"))  # Hydra's job log is off: no empty <script>.log in run or working folder
+
+
+def test_an_expected_mistake_of_python_decode_run_py_is_one_line(tmp_path):
+    """``python decode/run.py`` as a real process (its folder first on sys.path, a fresh interpreter)."""
     import subprocess
 
+    script, args, message = EXPECTED_MISTAKES[0]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     cmd = [sys.executable, str(CONF.parent / script), *args, f"run_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
-    full = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HYDRA_FULL_ERROR": "1"}, cwd=tmp_path,
-                          timeout=300)
-    assert full.returncode != 0 and "Traceback" in full.stderr  # the whole trace, for debugging
-    assert not list(tmp_path.rglob("*.log"))  # Hydra's job log is off: no empty <script>.log in run or working folder
+    assert not list(tmp_path.rglob("*.log"))
 
 
 def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):

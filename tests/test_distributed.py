@@ -21,7 +21,8 @@ kills one family's run mid-way and resumes it, and its checkpoints hold the trai
 Run as a script by torchrun, this file is the worker: ``test_distributed.py <run_dir> [overrides...]``; with
 ``SELFSPEC_TEST_FAMILIES=medusa,eagle3,...`` it trains each of them into ``<run_dir>/<family>``, and with
 ``SELFSPEC_TEST_RESUME=<family>`` it also kills that family's run in step 3 and resumes it
-(``<run_dir>/<family>-killed``).
+(``<run_dir>/<family>-killed``); with ``SELFSPEC_TEST_BUDGET_THEN_BROKEN=1`` it trains Medusa-1 with a time budget
+into ``<run_dir>/budget``, then with the gradient all-reduce skipped into ``<run_dir>/broken``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -334,27 +336,36 @@ def test_two_nodes_train_the_same_heads_as_one(one_process_run, rounding_noise):
     assert sorted(p.name for p in ckpt.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
-def test_ranks_with_a_time_budget_size_alike_and_stop_together(one_process_run):
+@pytest.fixture(scope="module")
+def torchrun_launch(one_process_run):
+    """One torchrun launch of two processes for the two tests below, one run after the other in the same ranks (as
+    the families of the accelerate launches above): ``<root>/budget``, with a time budget (its probe after step 1,
+    spent on rank 1's clock alone at step 2), then ``<root>/broken``, whose ranks skip the gradient all-reduce."""
+    root = one_process_run.parent / "torchrun"
+    return root, _launch(root, _torchrun(), *STEPS, "trainer.batch_size=2",
+                         env={"SELFSPEC_TEST_BUDGET_THEN_BROKEN": "1"})
+
+
+def test_ranks_with_a_time_budget_size_alike_and_stop_together(torchrun_launch):
     """trainer.max_minutes with two ranks: the main process sizes the run after step 2 and every rank takes its count
     (a 60-minute budget keeps the cap of 4); then the budget is spent on rank 1's clock alone at step 2, and both ranks
     stop there (were that not shared, rank 0 would wait at its next all-reduce for a rank that had left)."""
-    run = one_process_run.parent / "budget"
-    proc = _launch(run, _torchrun(), *STEPS, "trainer.batch_size=2", "trainer.max_minutes=60",
-                   env={"SELFSPEC_TEST_PROBE_STEPS": "1", "SELFSPEC_TEST_SPENT_ON_RANK": "1"})
+    root, proc = torchrun_launch
+    run = root / "budget"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "the cap trainer.max_steps=4 fits" in proc.stderr
+    assert "the cap trainer.max_steps=4 fits" in proc.stderr  # the broken run after it has no budget: says nothing
     assert "spent at step 2 of 4: training stops here" in proc.stderr
     assert (run / "heads" / "model.safetensors").exists()
     assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-00000002"]
 
 
-def test_a_broken_gradient_all_reduce_is_caught(one_process_run, rounding_noise):
+def test_a_broken_gradient_all_reduce_is_caught(one_process_run, rounding_noise, torchrun_launch):
     """The comparison has teeth: ranks that each step on their own gradients (no all-reduce) are told apart."""
-    broken = one_process_run.parent / "broken"
-    proc = _launch(broken, _torchrun(), *STEPS, "trainer.batch_size=2", env={"SELFSPEC_TEST_SKIP_ALLREDUCE": "1"})
+    root, proc = torchrun_launch
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (root / "broken" / "heads" / "model.safetensors").exists()
     with pytest.raises(AssertionError, match=r"blocks\."):
-        _compare(one_process_run, broken, rounding_noise)
+        _compare(one_process_run, root / "broken", rounding_noise)
 
 
 # --- launches this machine cannot run: refused in one line, before any process group starts -------------------------
@@ -423,13 +434,16 @@ def test_processes_the_accelerator_does_not_hold_are_refused(monkeypatch):
     check_processes(SimpleNamespace(num_processes=2, distributed_type=DistributedType.FSDP))
 
 
-def test_a_deepspeed_config_without_deepspeed_ends_in_one_error_line(tmp_path):
-    """Through a training entry: ``error: ...`` on one line with the fix, exit status 2, no traceback."""
-    script = ("import sys; sys.modules['deepspeed'] = None; from selfspec.train.cli import main; "
-              "main('medusa')")
-    env = dict(os.environ, ACCELERATE_USE_DEEPSPEED="true", PYTHONPATH=str(REPO), WANDB_MODE="offline")
-    proc = subprocess.run([sys.executable, "-c", script, "experiment=debug", f"run_dir={tmp_path / 'run'}"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+def test_a_deepspeed_config_without_deepspeed_ends_in_one_error_line(tmp_path, monkeypatch, capfd):
+    """Through a training entry (train/medusa.py, run in this process as tests/test_cli_errors.py runs the console
+    scripts): ``error: ...`` on one line with the fix, exit status 2, no traceback."""
+    from test_cli_errors import run_in_process
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if not installed
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    proc = run_in_process("train/medusa.py", ["experiment=debug", f"run_dir={tmp_path / 'run'}"], tmp_path / "cwd",
+                          monkeypatch, capfd)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: The accelerate config asks for DeepSpeed") and "pip install deepspeed" in last
@@ -454,21 +468,24 @@ def _skip_gradient_all_reduce() -> None:
     DistributedDataParallel.__init__ = init_without_all_reduce
 
 
+@contextmanager
+def _budget_spent_on_rank_1():
+    """The time budget probed after step 1 (past a warm-up of 1), and spent from step 2 on rank 1's clock alone."""
+    import selfspec.train.budget as budget
+
+    kept = budget.WARMUP_STEPS, budget.PROBE_STEPS, budget.TimeBudget.spent
+    budget.WARMUP_STEPS, budget.PROBE_STEPS = 1, 1
+    if os.environ.get("RANK") == "1":
+        calls = iter(range(1, 1000))
+        budget.TimeBudget.spent = lambda self: next(calls) >= 2  # this rank's clock alone: spent from step 2 on
+    try:
+        yield
+    finally:
+        budget.WARMUP_STEPS, budget.PROBE_STEPS, budget.TimeBudget.spent = kept
+
+
 def _worker(run_dir: str, *overrides: str) -> None:
     import faulthandler
-
-    if os.environ.get("SELFSPEC_TEST_SKIP_ALLREDUCE") == "1":
-        _skip_gradient_all_reduce()
-
-    if os.environ.get("SELFSPEC_TEST_PROBE_STEPS"):
-        import selfspec.train.budget
-
-        selfspec.train.budget.WARMUP_STEPS, selfspec.train.budget.PROBE_STEPS = 1, int(os.environ["SELFSPEC_TEST_PROBE_STEPS"])
-    if os.environ.get("SELFSPEC_TEST_SPENT_ON_RANK") == os.environ.get("RANK"):
-        from selfspec.train.budget import TimeBudget
-
-        calls = iter(range(1, 1000))
-        TimeBudget.spent = lambda self: next(calls) >= 2  # this rank's clock alone: spent from step 2 on
 
     faulthandler.dump_traceback_later(WORKER_TIMEOUT, exit=True)
     from accelerate import PartialState
@@ -477,10 +494,18 @@ def _worker(run_dir: str, *overrides: str) -> None:
     from selfspec.train.loop import train
     from selfspec.train.medusa_method import medusa_method
 
-    families = os.environ.get("SELFSPEC_TEST_FAMILIES")
-    if families is None:
-        cfg = medusa_cfg(Path(run_dir), *overrides)
+    def medusa(folder: Path, *more: str) -> None:
+        cfg = medusa_cfg(folder, *overrides, *more)
         train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets(n_eval=7))
+
+    families = os.environ.get("SELFSPEC_TEST_FAMILIES")
+    if os.environ.get("SELFSPEC_TEST_BUDGET_THEN_BROKEN") == "1":  # torchrun_launch
+        with _budget_spent_on_rank_1():
+            medusa(Path(run_dir) / "budget", "trainer.max_minutes=60")
+        _skip_gradient_all_reduce()
+        medusa(Path(run_dir) / "broken")
+    elif families is None:
+        medusa(Path(run_dir))
     for family in (families or "").split(","):
         if family:
             _train_family(family, Path(run_dir) / family, *overrides)

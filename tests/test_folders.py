@@ -10,8 +10,6 @@ feature store at once end with one complete store, built once.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compose, load_script
+from conftest import compose, load_script
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 from selfspec.core.folders import FolderNotOursError
@@ -327,12 +325,14 @@ def test_export_refuses_a_users_folder_or_backs_it_up(tmp_path, heads_folder):
     assert again["out"] == str(out) and backups(out) == [backup]  # its own export: replaced, no new backup
 
 
-def test_the_export_script_says_one_line_and_exits_2(tmp_path, heads_folder):
+def test_the_export_script_says_one_line_and_exits_2(tmp_path, heads_folder, monkeypatch, capfd):
+    """scripts/export.py run as ``__main__`` in this process (tests/test_cli_errors.py's run_in_process, which gives
+    back its exit status and output as a process would; that file also runs script files as real processes)."""
+    from test_cli_errors import run_in_process
+
     out = user_folder(tmp_path / "out2")
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), f"heads={heads_folder}",
-                           "format=selfspec", f"out={out}"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=300)
+    proc = run_in_process("export.py", [f"heads={heads_folder}", "format=selfspec", f"out={out}"], tmp_path / "cwd",
+                          monkeypatch, capfd)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and str(out) in lines[0]
     assert kept(out)

@@ -13,7 +13,7 @@ from typing import Any, Callable, TextIO
 
 from selfspec.decode.engine import DecodeResult
 from selfspec.decode.prompts import prompt_ids, read_questions
-from selfspec.decode.session import Session, hf_generate, load_session
+from selfspec.decode.session import LearnerFactory, Session, hf_generate, load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
 
@@ -136,9 +136,10 @@ def format_summary(summary: dict) -> str:
 RUN_KEYS = ("prompt", "prompts", "max_questions", "out", "stream", "baseline")
 
 
-def run(cfg: Any, out: TextIO | None = None) -> dict:
+def run(cfg: Any, out: TextIO | None = None, learner: LearnerFactory | None = None) -> dict:
     """decode/run.py's body: one streamed prompt, or every question of a prompts file written to ``out=``.
-    Returns the summary (tau, tokens/s, time split, HF speedup with baseline=hf)."""
+    Returns the summary (tau, tokens/s, time split, HF speedup with baseline=hf). ``learner``: what ``learn=true``
+    learns with (decode/run.py hands train/online.py's)."""
     out = out or sys.stdout
     c = required(cfg, RUN_KEYS)
     prompt, prompts, baseline = c["prompt"], c["prompts"], c["baseline"]
@@ -146,7 +147,7 @@ def run(cfg: Any, out: TextIO | None = None) -> dict:
         raise DecodeSetupError('Give one of prompt="..." (one prompt) or prompts=FILE.jsonl (MT-bench form).')
     if baseline not in (None, "hf"):
         raise DecodeSetupError(f"baseline={baseline!r}: use baseline=hf (or leave it unset).")
-    session = load_session(cfg)
+    session = load_session(cfg, learner=learner)
     try:
         return _answer(session, c, cfg, out)
     finally:

@@ -50,48 +50,6 @@ def bench_main() -> None:
         bench()
 
 
-# --- scripts/stream_bench.py ------------------------------------------------------------------------------------------
-
-
-def stream_bench(argv: list[str] | None = None) -> dict:
-    """The learning stream benchmark (conf/decode/stream.yaml with the overrides ``argv``); SystemExit(1) after
-    writing the outputs if a method's output differs from HF generate's."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("stream", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
-    from selfspec.decode.bench.stream import run_stream
-
-    report = run_stream(cfg, command=shlex.join(["python", "scripts/stream_bench.py", *argv]))
-    print((Path(str(cfg.out)) / "stream.md").read_text())
-    if report["mismatches"]:
-        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (stream.json)", file=sys.stderr)
-        raise SystemExit(1)
-    return report
-
-
-def stream_bench_main() -> None:
-    with reported_errors():
-        stream_bench()
-
-
-# --- scripts/learn_replay.py ------------------------------------------------------------------------------------------
-
-
-def learn_replay(argv: list[str] | None = None) -> dict:
-    """Learner settings replayed on a recorded stream (conf/decode/learn_replay.yaml with the overrides ``argv``)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("learn_replay", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
-    from selfspec.decode.bench.replay import run_replay
-
-    report = run_replay(cfg, command=shlex.join(["python", "scripts/learn_replay.py", *argv]))
-    print((Path(str(cfg.out)) / "replay.md").read_text())
-    return report
-
-
-def learn_replay_main() -> None:
-    with reported_errors():
-        learn_replay()
-
-
 # --- selfspec-export: scripts/export.py ------------------------------------------------------------------------------
 
 

@@ -32,10 +32,12 @@ from selfspec.core.errors import reported_errors
 
 
 def decode(cfg: DictConfig) -> None:
-    from selfspec.decode.answers import run  # here: a mistyped key is told before torch loads
+    # here, not at the top: a mistyped key is told before torch loads
+    from selfspec.decode.answers import run
+    from selfspec.train.online import online_learner  # learn=true: this command hands the session its learner
 
     with reported_errors():
-        run(cfg)
+        run(cfg, learner=online_learner)
 
 
 def main() -> None:

@@ -14,20 +14,42 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from selfspec.core.target import Target, load_target
 from selfspec.decode import registry
 from selfspec.decode.adaptive import AdaptiveDepth, measured_cost_curve
-from selfspec.decode.engine import DecodeResult, SpeculativeDecoder
+from selfspec.decode.engine import DecodeResult, Observer, SpeculativeDecoder
 from selfspec.decode.linear_kernels import use_small_batch
 from selfspec.decode.registry import DrafterEntry
 from selfspec.decode.settings import DecodeSettings
 from selfspec.decode.step import synchronize
 from selfspec.decode.types import DecodeSetupError, Drafter
 from selfspec.decode.verify import Sampling
+from selfspec.heads.io import load_heads, read_heads_config, reinitialize
+
+
+class Learner(Protocol):
+    """What a session learns with under ``learn=true``: it trains the session's heads in place between requests.
+    decode builds none: the command that asks for ``learn=true`` hands :func:`load_session` a :data:`LearnerFactory`
+    (decode/run.py and the learning benchmarks hand train/online.py's ``OnlineLearner``)."""
+
+    def recorder(self) -> Observer:
+        """A fresh observer of one request: what the engine shows it becomes the example :meth:`learn` takes."""
+        ...
+
+    def learn(self, example: dict[str, torch.Tensor]) -> dict:
+        """Learn from one request's example; what the update did."""
+        ...
+
+    def save(self) -> None: ...
+
+    def summary(self) -> dict: ...
+
+
+LearnerFactory = Callable[["Session"], Learner]  # the session (its heads, target, family, settings) -> its learner
 
 
 @dataclass
@@ -41,7 +63,7 @@ class Session:
     heads: torch.nn.Module | None  # the module the family's drafter runs (None: a training-free family)
     heads_config: dict | None  # the heads folder's config.json (None: random heads or none)
     decoder: SpeculativeDecoder = field(init=False)
-    learner: Any = field(default=None, init=False)  # learn=true: the selfspec.train.online.OnlineLearner training ``heads``
+    learner: Learner | None = field(default=None, init=False)  # learn=true: what trains ``heads`` between requests
     last_learned: dict | None = field(default=None, init=False)  # what the last request's update did
 
     def __post_init__(self) -> None:
@@ -165,21 +187,18 @@ def load_drafter_heads(chosen: DrafterEntry, heads: str | None, heads_config: di
         return target, None
     if heads_config is None:
         return target, chosen.random_heads(target.model, **random_options)
-    from selfspec.heads.io import load_heads
-
     loaded = load_heads(heads, target=target, heads_check=heads_check)  # refuses heads trained for another target
     return Target(model=loaded.target, tokenizer=target.tokenizer, name=target.name), loaded.module
 
 
-def load_session(cfg: Any, untrained: bool = False) -> Session:
+def load_session(cfg: Any, untrained: bool = False, learner: LearnerFactory | None = None) -> Session:
     """The session of a composed ``conf/decode/decode.yaml`` (its settings read once: :class:`DecodeSettings`).
     ``untrained``: its heads re-initialised as their family builds them before training, their make kept
-    (train/online.py:reinitialize, under ``random_heads.seed``): the stream benchmark's untrained control."""
+    (heads/io.py:reinitialize, under ``random_heads.seed``): the stream benchmark's untrained control. ``learner``:
+    what ``learn=true`` learns with, built from the session (decode itself trains nothing)."""
     settings = DecodeSettings.from_config(cfg)
     heads_config = None
     if settings.heads not in (None, "random"):
-        from selfspec.heads.io import read_heads_config
-
         heads_config = read_heads_config(settings.heads)
     chosen = choose_family(settings.family, settings.heads, heads_config)
     draft_settings = chosen.settings(heads_config, settings.draft)
@@ -187,17 +206,15 @@ def load_session(cfg: Any, untrained: bool = False) -> Session:
     target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads,
                                         settings.heads_check)
     if untrained and module is not None and heads_config is not None:
-        from selfspec.train.online import reinitialize
-
         reinitialize(module, heads_config, target.model, seed=int(settings.random_heads.get("seed", 0)))
         heads_config = {**heads_config, "learned_from": f"untrained (the make of {settings.heads})"}
     session = Session(settings=settings, target=target, family=chosen.name, draft_settings=draft_settings,
                       heads=module, heads_config=heads_config)
     if settings.learn:
-        from selfspec.train.online import LearnSettings, OnlineLearner
-
-        session.learner = OnlineLearner(module, chosen.name, heads_config or {}, target,
-                                        LearnSettings.from_dict(settings.learner))
+        if learner is None:
+            raise DecodeSetupError("learn=true trains the heads while decoding, which this command does not do: run "
+                                   "it with decode/run.py (selfspec-decode), or give learn=false.")
+        session.learner = learner(session)
     return session
 
 

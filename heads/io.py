@@ -296,3 +296,20 @@ __all__ = [
     "read_heads_config",
     "save_heads",
 ]
+
+
+def reinitialize(heads: torch.nn.Module, heads_config: dict, target: torch.nn.Module, seed: int = 0) -> None:
+    """Give ``heads`` (a loaded heads folder's module) the weights its family builds them with before any training,
+    in place: the same shape, layers and draft vocabulary (buffers such as a draft-to-target token map are kept, and a
+    draft LM head starts from the target's rows of that vocabulary, as training starts it), no learned weight. What a
+    learner started "from untrained heads" of the same make starts from."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = head_builder(heads_config["head_type"])(heads_config.get("head_config", {}), target)
+    params = {name for name, _ in heads.named_parameters()}
+    state = {k: v for k, v in fresh.state_dict().items() if k in params}
+    with torch.no_grad():
+        heads.load_state_dict(state, strict=False)
+        # a reduced draft vocabulary is kept, and its LM head restarts from the target's rows of it
+        if hasattr(heads, "set_draft_vocab") and hasattr(heads, "d2t"):
+            heads.set_draft_vocab(heads.d2t.clone(), init_lm_head_from=target.get_output_embeddings())

@@ -14,8 +14,8 @@ Takes the overrides of conf/decode/stream.yaml (which includes conf/decode/decod
         max_new_tokens=16
 """
 
-from selfspec.decode.cli import stream_bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
-from selfspec.decode.cli import stream_bench_main
+from selfspec.train.cli import stream_bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
+from selfspec.train.cli import stream_bench_main
 
 if __name__ == "__main__":
     stream_bench_main()

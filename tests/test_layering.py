@@ -1,7 +1,8 @@
 """The package layering docs/architecture.md states, read from the imports of every module (top-level and inside
-functions): `core` imports none of the other packages; `heads` imports only `core`; `decode` reaches `train` only
-where a session learns while decoding (train/online.py);
-`train` reaches `decode` only where a training run is judged by decoding; inside `decode`, the engine and the
+functions): `core` imports none of the other packages; `heads` imports only `core`; `decode` never imports `train`
+(a session that learns is handed its learner by the command that asks for it); `train` reaches `decode` only where
+a training run is judged by decoding; the commands (the modules pyproject.toml's [project.scripts] names) wire the
+rooms they run and are imported by none; inside `decode`, the engine and the
 drafters meet only in `types.py` and `step.py`. The family table (core/families.py) names each family's code in the
 layer it belongs to. The packages are imported as installed: no file edits sys.path, and no module beside an entry
 file shadows another module of its name."""
@@ -55,6 +56,20 @@ def imports(package: str) -> dict[str, set[str]]:
     return out
 
 
+def commands() -> set[str]:
+    """The modules the installed commands run (pyproject.toml's [project.scripts]), without ``selfspec.``."""
+    from importlib.metadata import distribution
+
+    scripts = [e for e in distribution("selfspec").entry_points if e.group == "console_scripts"]
+    return {short(e.value.partition(":")[0]) for e in scripts}
+
+
+def entry_file(module: str) -> bool:
+    """A file run as ``python train/medusa.py``: it runs a command (``if __name__ == "__main__"``)."""
+    path = (ROOT / Path(*module.split("."))).with_suffix(".py")
+    return path.is_file() and '__name__ == "__main__"' in path.read_text()
+
+
 def test_the_import_graph_is_the_documented_layering():
     core, heads, decode, train = (imports(p) for p in PACKAGES)
     assert len(core) > 5 and len(heads) > 5 and len(decode) > 10 and len(train) > 10  # the walk found the packages
@@ -62,17 +77,25 @@ def test_the_import_graph_is_the_documented_layering():
         assert {n.split(".")[0] for n in names} <= {"core"}, module
     for module, names in heads.items():
         assert {n.split(".")[0] for n in names} <= {"core", "heads"}, module
-    learning = {"decode.session": {"train.online"}}  # learn=true: the session trains its heads between requests
+    wiring = commands()
+    assert {"decode.run", "decode.cli", "train.cli"} <= wiring  # the table was read
+    graph = {**core, **heads, **decode, **train}
+    for module, names in graph.items():  # a command is where the rooms meet, at the top: only an entry file runs it
+        assert entry_file(module) or not {".".join(n.split(".")[:2]) for n in names} & wiring - {module}, module
     for module, names in decode.items():
-        used = {".".join(n.split(".")[:2]) for n in names if n.split(".")[0] == "train"}
-        assert used <= learning.get(module, set()), module
-    judged_by_decoding = {  # the end-of-run speed check, and layer-skip's exits ranked by their decode cost
+        if module not in wiring:
+            assert not [n for n in names if n.split(".")[0] == "train"], module
+    assert "train.online" in {".".join(n.split(".")[:2]) for n in decode["decode.run"]}  # learn=true's learner
+    judged_by_decoding = {  # the end-of-run speed check, layer-skip's exits ranked by their decode cost, and the
+        # benchmarks of learning while decoding
         "train.speed_check": {"decode.prompts", "decode.session", "decode.settings"},
         "train.layerskip_method": {"decode.layerskip", "decode.session"},
+        "train.stream_bench": {"decode.bench", "decode.session", "decode.settings", "decode.types"},
+        "train.learn_replay": {"decode.bench", "decode.session", "decode.settings", "decode.types"},
     }
     for module, names in train.items():
         used = {".".join(n.split(".")[:2]) for n in names if n.startswith("decode")}
-        assert used <= judged_by_decoding.get(module, set()), module
+        assert module in wiring or used <= judged_by_decoding.get(module, set()), module
     assert not {".".join(n.split(".")[:2]) for n in decode["decode.engine"]} & DRAFTERS
     for drafter in DRAFTERS:
         assert "decode.engine" not in decode[drafter], drafter

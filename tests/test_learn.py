@@ -13,6 +13,8 @@ import torch
 
 from conftest import compose, load_script
 from selfspec.decode.session import hf_generate, load_session
+from selfspec.decode.types import DecodeSetupError
+from selfspec.train.online import online_learner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,7 +27,7 @@ def learning_session(tmp_path, family: str, *extra: str, name: str = "learned"):
     """A session on the tiny Llama with untrained heads of ``family`` drafting alone at full depth, learning."""
     return load_session(compose("decode", ["model=tiny", "heads=random", f"drafter={family}", "draft.suffix=false",
                                            "draft.adaptive=false", "max_new_tokens=32",
-                                           f"learner.dir={tmp_path / name}", *LEARN, *extra]))
+                                           f"learner.dir={tmp_path / name}", *LEARN, *extra]), learner=online_learner)
 
 
 def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -182,7 +184,7 @@ def test_a_killed_session_resumes_where_its_last_save_left_off(tmp_path):
 def test_the_learner_state_and_a_recorded_stream_load_with_weights_only(tmp_path):
     """What the learner saves (optimizer, buffers, RNG states, counters) and what the replay records (identity and
     examples) are tensors and plain containers: both load back with ``torch.load(weights_only=True)``, whole."""
-    import selfspec.decode.bench.replay as replay
+    import selfspec.train.learn_replay as replay
     from selfspec.train.online import STATE_FILE
 
     session = learning_session(tmp_path, "eagle3", "learner.save_every=1")
@@ -246,7 +248,10 @@ def test_learn_refuses_what_it_cannot_train(tmp_path):
 
     with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash, medusa heads"):
         load_session(compose("decode", ["model=tiny", "heads=null", "drafter=suffix", "learn=true",
-                                         f"learner.dir={tmp_path / 'l'}"]))
+                                         f"learner.dir={tmp_path / 'l'}"]), learner=online_learner)
+    with pytest.raises(DecodeSetupError, match="learn=true trains the heads while decoding, which this command"):
+        load_session(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3", "learn=true",
+                                         f"learner.dir={tmp_path / 'l'}"]))  # no learner handed: decode trains nothing
     with pytest.raises(Exception, match="learner.steps=-1 must be >= 0"):
         learning_session(tmp_path, "eagle3", "learner.steps=-1")
 
@@ -307,8 +312,7 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
 
 
 def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
-    import selfspec.decode.bench.replay as replay
-    from selfspec.decode.types import DecodeSetupError
+    import selfspec.train.learn_replay as replay
     main = load_script("learn_replay").main
 
     prompts = tiny_stream(tmp_path, 8)
@@ -399,7 +403,7 @@ def test_untrained_heads_of_the_same_make_keep_shape_and_buffers_but_no_learned_
     """The stream's untrained control: a loaded heads folder's weights replaced by those its family builds before
     training (the same as a fresh build under the seed), shapes and buffers (a draft vocabulary's map) kept."""
     from selfspec.heads.io import head_builder, load_heads, save_heads
-    from selfspec.train.online import reinitialize
+    from selfspec.heads.io import reinitialize
 
     seed_session = load_session(compose("decode", ["model=tiny", "heads=random", "drafter=dflash"]))
     target = seed_session.target
@@ -420,3 +424,15 @@ def test_untrained_heads_of_the_same_make_keep_shape_and_buffers_but_no_learned_
     assert own and all(torch.equal(after[k], fresh.state_dict()[k].to(after[k].dtype)) for k in own)
     assert all(not torch.equal(after[k], trained[k]) for k in own)
     assert all(torch.equal(v, dict(heads.named_buffers())[k]) for k, v in buffers.items())
+
+
+def test_decode_run_hands_the_session_its_learner(tmp_path, capsys):
+    """decode/run.py is the command that asks for learn=true: it hands the session train/online.py's learner, which
+    learns from the request and saves on close (decode itself builds none: refused above without one)."""
+    from selfspec.decode.run import decode
+
+    learned = tmp_path / "learned"
+    decode(compose("decode", ["model=tiny", "heads=random", "drafter=eagle3", "draft.suffix=false", "prompt=abc",
+                              "max_new_tokens=8", f"learner.dir={learned}", *LEARN]))
+    assert (learned / "learner.pt").is_file()
+    assert torch.load(learned / "learner.pt", weights_only=True)["counters"]["requests"] == 1

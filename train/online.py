@@ -262,25 +262,6 @@ def significantly_lower(before: list[float], after: list[float], z: float) -> bo
     return mean < -z * se
 
 
-def reinitialize(heads: torch.nn.Module, heads_config: dict, target: torch.nn.Module, seed: int = 0) -> None:
-    """Give ``heads`` (a loaded heads folder's module) the weights its family builds them with before any training,
-    in place: the same shape, layers and draft vocabulary (buffers such as a draft-to-target token map are kept, and a
-    draft LM head starts from the target's rows of that vocabulary, as training starts it), no learned weight. What a
-    learner started "from untrained heads" of the same make starts from."""
-    from selfspec.heads.io import head_builder
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        fresh = head_builder(heads_config["head_type"])(heads_config.get("head_config", {}), target)
-    params = {name for name, _ in heads.named_parameters()}
-    state = {k: v for k, v in fresh.state_dict().items() if k in params}
-    with torch.no_grad():
-        heads.load_state_dict(state, strict=False)
-        # a reduced draft vocabulary is kept, and its LM head restarts from the target's rows of it
-        if hasattr(heads, "set_draft_vocab") and hasattr(heads, "d2t"):
-            heads.set_draft_vocab(heads.d2t.clone(), init_lm_head_from=target.get_output_embeddings())
-
-
 def training_method(head_type: str, heads_config: dict):
     """The family's training method, configured as these heads were trained (their saved ``heads`` settings over the
     family's entry config)."""
@@ -554,5 +535,13 @@ class OnlineLearner:
                 "buffer_bytes": self.buffer.nbytes() + self.holdout.nbytes(), "memory_bound": self.memory_bound()}
 
 
+def online_learner(session: Any) -> OnlineLearner:
+    """The learner ``learn=true`` decodes with (a ``selfspec.decode.session.LearnerFactory``): trains the session's
+    heads in place, as its ``learner.*`` settings say. The commands that decode with learning hand it to
+    ``load_session``."""
+    return OnlineLearner(session.heads, session.family, session.heads_config or {}, session.target,
+                         LearnSettings.from_dict(session.settings.learner))
+
+
 __all__ = ["LearnSettings", "LearnSetupError", "LearningRecorder", "OnlineLearner", "Recorder", "ReplayBuffer",
-           "reinitialize", "training_method", "bytes_per_position", "prefixes"]
+           "online_learner", "training_method", "bytes_per_position", "prefixes"]

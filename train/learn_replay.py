@@ -1,6 +1,6 @@
 """Learner settings measured offline on a recorded stream (scripts/learn_replay.py's body).
 
-The stream benchmark (decode/bench/stream.py) decodes every request with every method: an hour of target forwards
+The stream benchmark (train/stream_bench.py) decodes every request with every method: an hour of target forwards
 for a hundred requests on a CPU. What the learner's settings change (learning rate, steps, the guard) needs none of
 them again: the learner sees only the recorded examples. So the stream is decoded once, its examples (what
 ``learn=true`` records: the target's answer and the hidden states the drafter reads) saved to ``record=``, and each
@@ -39,6 +39,7 @@ from selfspec.decode.bench.report import machine_info
 from selfspec.decode.session import load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
+from selfspec.train.online import online_learner
 
 REPLAY_KEYS = ("heads", "prompts", "limit", "record", "window", "out")
 RECORD_FORMAT = 1
@@ -93,7 +94,7 @@ def run_replay(cfg: Any, command: str = "") -> dict:
     out = claim(Path(str(c["out"])), "replay", bool(cfg.get("overwrite", False)), setting="out")  # a user's: refused
     # the learner as configured, never resumed and never saved: the replay leaves no state behind
     learner = dict(plain["learner"], resume=False, save_every=0, dir=str(out / "unused"))
-    session = load_session(OmegaConf.create({**plain, "learn": True, "learner": learner}))
+    session = load_session(OmegaConf.create({**plain, "learn": True, "learner": learner}), learner=online_learner)
     record = Path(str(c["record"]))
     identity = record_identity(session, c["prompts"], c["limit"])
     if record.is_file():

@@ -8,7 +8,7 @@ Methods (``methods=``; HF generate always runs, the reference):
 - ``frozen``: the heads' default decoder (with the suffix drafter, adaptive depth), never trained;
 - ``learn``: the same decoder from the same heads, learning from every request (train/online.py);
 - ``learn_untrained``: that, from untrained heads of the same make (the heads' shape, layers and draft vocabulary,
-  with the weights their family builds them with: train/online.py:reinitialize).
+  with the weights their family builds them with: heads/io.py:reinitialize).
 
 For ``frozen`` and the learning methods the heads also decode each prompt alone at full depth (no suffix drafter,
 no adaptive depth, nothing learned from it), before the request is decoded and learned from: the drafter's own tau
@@ -35,6 +35,7 @@ from selfspec.decode.bench.run import first_difference
 from selfspec.decode.session import Session, hf_generate, load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
+from selfspec.train.online import online_learner
 
 METHODS = ("suffix", "frozen", "learn", "learn_untrained")
 LEARNING = ("learn", "learn_untrained")
@@ -52,10 +53,11 @@ def load_stream_sessions(cfg: Any, names: list[str], out: Path) -> dict[str, Ses
     learner = dict(plain["learner"], resume=False)
     if "learn" in names:
         sessions["learn"] = load_session(OmegaConf.create(
-            {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned")}}))
+            {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned")}}), learner=online_learner)
     if "learn_untrained" in names:  # the same heads' make (shape, layers, draft vocabulary), none of their training
         sessions["learn_untrained"] = load_session(OmegaConf.create(
-            {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned-untrained")}}), untrained=True)
+            {**plain, "learn": True, "learner": {**learner, "dir": str(out / "learned-untrained")}}), untrained=True,
+            learner=online_learner)
     return sessions
 
 

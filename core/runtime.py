@@ -25,7 +25,8 @@ import torch
 
 def native_bf16(device: torch.device | str) -> bool:
     """Whether ``device`` multiplies bfloat16 natively: CUDA, or a CPU with AVX512-BF16 or AMX (where a bf16 GEMM
-    runs ~2.6x faster than a float32 one; without them PyTorch emulates bf16 and it is slower)."""
+    runs faster than a float32 one: docs/benchmarks.md, training throughput; without them PyTorch emulates bf16 and it
+    is slower)."""
     device = torch.device(device)
     if device.type == "cuda":
         return True

@@ -35,9 +35,9 @@ ENGINE_DEFAULTS = {"enforce_eager": True, "gpu_memory_utilization": 0.3}
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false", "VLLM_PLUGINS": ""}
 # Defaults the caller's environment may override. VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine core and its model
 # worker run in the worker's own process instead of two more (each importing vLLM and torch again, then passing every
-# step between processes). At batch 1 on a 2-core machine that layout ran SmolLM2 faster: plain decoding 21.6 and 20.5
-# tokens/s against 16.2 and 17.7, ngram 32.8 and 27.1 against 26.4 and 21.4 (two alternating rounds, 6 MT-bench
-# prompts, docs/serving.md), and an engine starts in ~5 s instead of ~20. Set it to 1 for vLLM's own default layout.
+# step between processes). At batch 1 on a 2-core machine that layout decoded SmolLM2 faster, plainly and with
+# ngram, and its engine started sooner (docs/serving.md; docs/journal/2026-12-01-figures-from-code.md). Set it to 1
+# for vLLM's own default layout.
 ENGINE_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # What torchrun / accelerate launch give a training rank, and a vLLM engine started from one must not read as its own:
 # the engine is a world of its own (its tensor and pipeline parallel ranks), not a member of the trainer's.

@@ -104,8 +104,8 @@ class Calibration:
 
     Before any evidence a depth-d node is worth ``prior_rate * prior_continue ** (d - 1)`` of its score. With every
     depth at the prior rate instead, the suffix drafter verified one earlier occurrence's whole 16-token continuation
-    (more than two forwards' cost on a CPU) at the start of each answer on text it had not seen; measured on unseen
-    chat answers, a match of one token goes on at 0.4-0.5 a level (docs/benchmarks.md).
+    (a costly verify on a CPU) at the start of each answer on text it had not seen; on unseen chat answers a match of
+    one token was measured to go on at about ``prior_rate`` a level (docs/journal/2026-12-01-figures-from-code.md).
     """
 
     prior_rate: float = 0.5
@@ -170,8 +170,8 @@ class AdaptiveDepth:
     drafter's pass skips the first layers its draft already ran on the chain, whose time is in the drafting cost.
     The choice is optimistic under uncertainty (as UCB bandits are): each ``a_j`` counts ``optimism`` standard errors
     above its estimate, a bonus that shrinks as verified trees accumulate. Without it a few unlucky first drafts
-    switched off a drafter that pays (a layer-skip exit accepted 27% of the time, none of its first 7), and the
-    rare looks that followed took thousands of steps to bring it back (docs/benchmarks.md).
+    switched off a drafter that pays (a layer-skip exit whose first drafts all missed), and the rare looks that
+    followed took many steps to bring it back (docs/journal/2026-12-01-figures-from-code.md).
     """
 
     curve: CostCurve

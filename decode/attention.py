@@ -5,9 +5,9 @@ on 3 key/value heads) transformers' ``sdpa`` attention then repeats each key/val
 (``repeat_kv``): a copy of the layer's whole cache, keys and values, in every layer at every drafted step. It does so
 because on CUDA, PyTorch's SDPA with ``enable_gqa`` and a mask falls back to its slowest kernel. On a CPU, SDPA's
 flash kernel takes ``enable_gqa`` with a mask and reads each key/value head in place: the same products in the same
-order, so the output is the same bit for bit (tests/test_attention.py). On a 2-core AMD EPYC (Zen 5) one layer's
-attention over 330 positions took 91 us instead of 135 for 12 queries, and a 12-node verify forward of SmolLM2 about
-2.4 ms less (docs/benchmarks.md).
+order, so the output is the same bit for bit (tests/test_attention.py). On a 2-core AMD EPYC (Zen 5) that made one
+layer's attention and a verify forward of SmolLM2 faster (docs/benchmarks.md, the engine's cost curve;
+docs/journal/2026-12-01-figures-from-code.md).
 
 :func:`grouped_query_attention` points the modules' ``sdpa`` configs at :data:`GQA_SDPA` for a ``with`` block and back
 after. The function is registered with transformers' ``AttentionInterface`` (and sdpa's mask with

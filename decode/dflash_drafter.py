@@ -28,8 +28,7 @@ engines do:
 - the weights in ``dtype``: by default (``draft.dtype=auto``) bfloat16 where the CPU multiplies it natively
   (:func:`selfspec.core.runtime.native_bf16`), which halves the bytes a proposal reads; the drafter trains under bfloat16
   autocast. A proposal of the SmolLM2 hour recipe's drafter, timed between target forwards on a 2-core AMD EPYC
-  (Zen 5): 3.2 ms through the module in float32, 3.0-3.2 ms in this form in float32, 2.3-2.4 ms in bfloat16
-  (docs/benchmarks.md).
+  (Zen 5), was fastest in this form in bfloat16 (docs/journal/2026-12-01-figures-from-code.md).
 
 The copy is made again when the module's parameters change (training, a new load). The draft's precision never
 touches losslessness: verification keeps or rejects each drafted token against the target's own output.
@@ -270,7 +269,7 @@ class DFlashBlockDrafter(DrafterBase):
         if self._form.length != state.length:  # extend keeps the context at the backlog's end
             raise CacheError(f"the DFlash context covers {self._form.length} positions, the target's cache "
                              f"{state.length}: the drafter missed a start or a commit.")
-        return self._form.logits(state.next_token, depth).float()  # (argmax in bfloat16 is 4x slower on a CPU)
+        return self._form.logits(state.next_token, depth).float()  # (argmax in bfloat16 is slower on a CPU)
 
     @torch.no_grad()
     def propose(self, state: DecodeState, max_depth: int) -> Draft:

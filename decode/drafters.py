@@ -57,14 +57,14 @@ class OracleDrafter(DrafterBase):
         return Draft(tokens=tokens, tree=chain_tree(len(ahead)).to(tokens.device))
 
 
-MEDUSA_TREES = {"cpu": "small_16", "other": "mc_sim_7b_63"}  # tree=auto, by the heads' device (docs/benchmarks.md)
+MEDUSA_TREES = {"cpu": "small_16", "other": "mc_sim_7b_63"}  # tree=auto, by the heads' device (docs/journal/)
 
 
 def medusa_tree(tree: "str | Tree | Sequence[Sequence[int]]",
                 device: torch.device | str) -> "str | Tree | Sequence[Sequence[int]]":
     """The Medusa tree ``tree`` names: ``auto`` is ``small_16`` on a CPU (it ran faster there than Medusa's own tree,
-    whose 40-64-node cuts cost 1.6-2.8 one-token forwards) and Medusa's own ``mc_sim_7b_63`` on an accelerator;
-    anything else is itself."""
+    whose larger cuts cost several one-token forwards: docs/journal/2026-11-benchmarks.md) and Medusa's own
+    ``mc_sim_7b_63`` on an accelerator; anything else is itself."""
     if not (isinstance(tree, str) and tree == "auto"):
         return tree
     return MEDUSA_TREES["cpu" if torch.device(device).type == "cpu" else "other"]

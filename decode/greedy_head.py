@@ -1,8 +1,8 @@
 """Greedy verification's LM head in bfloat16, with the float32 argmax kept exactly.
 
 Greedy verification reads one thing from the target's logits: each node's argmax. On a CPU the LM head is a large
-share of a decode forward's weight traffic (SmolLM2-135M: 28M of its 135M weights, 2.4 ms of a 24 ms step on a 2-core
-AMD EPYC), and a CPU with native bfloat16 products reads it in half the bytes. :class:`GreedyHead` computes the head
+share of a decode forward's weight traffic (SmolLM2-135M: 28M of its 135M weights), and a CPU with native bfloat16
+products reads it in half the bytes. :class:`GreedyHead` computes the head
 in bfloat16, bounds each logit's error, and computes again in float32 only the vocabulary rows that could still be
 the argmax:
 
@@ -32,9 +32,8 @@ one bfloat16 product (with its bound) is timed against the float32 one, and take
 ``lm_head`` applied to its last hidden state (a soft cap, a scale) is left alone: the engine checks that on the
 prefill, once per head (:meth:`GreedyHead.fits`).
 
-Measured on SmolLM2-135M, 2-core AMD EPYC (Zen 5): one row 1.35 ms in float32 against 0.85 ms this way, 12 rows
-2.62 against 2.00 ms (the machine's fast memory mode; about twice the saving in its slow one), 2-4 candidate rows a
-position; a decode step 1-6% faster, interleaved on and off (docs/benchmarks.md).
+On SmolLM2-135M on a 2-core AMD EPYC (Zen 5) the head ran faster this way for one row and for a tree's rows, and so
+did a decode step, timed interleaved on and off (docs/journal/2026-12-01-figures-from-code.md).
 """
 
 from __future__ import annotations

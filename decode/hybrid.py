@@ -92,7 +92,7 @@ class HybridDrafter(DrafterBase):
     the suffix drafter when it chose candidates (on top of the root alone), else the inner drafter. By default for an
     inner drafter with its own verify forward (layer-skip): its chain is drafted one sequential pass per token, and
     beside the suffix's nodes its verify runs the first layers again in a pass of their own, which cost more than
-    the merged nodes earned (docs/benchmarks.md); merged trees otherwise.
+    the merged nodes earned (docs/journal/2026-11-benchmarks.md); merged trees otherwise.
     The depth policy is the engine's (:meth:`depth_control`); without one, the inner drafter drafts its whole tree.
     """
 

@@ -4,10 +4,10 @@ A tree-verify forward runs every linear layer of the target on N rows (the tree'
 most draft steps on one. Which BLAS kernel PyTorch's ``x @ W.T`` reaches for a given number of rows, and how well it
 streams a weight too large for the caches, varies between CPUs, and the differences are large:
 
-- on an AVX2 CPU (MKL), one row takes a matrix-vector kernel that reads each weight once, while 2..16 rows cost about
-  twice as much: the GEMM handles the large weight as the operand it packs, an extra pass over memory;
-- on an AVX-512 CPU (AMD EPYC, 2 cores), one row takes a matrix-vector kernel that streams the weights at about half
-  the bandwidth a two-row product reaches, and 8 rows cost about what 16 do (docs/benchmarks.md).
+- on an AVX2 CPU (MKL), one row takes a matrix-vector kernel that reads each weight once, while 2..16 rows cost far
+  more: the GEMM handles the large weight as the operand it packs, an extra pass over memory;
+- on an AVX-512 CPU (AMD EPYC, 2 cores), one row takes a matrix-vector kernel that streams the weights well below the
+  bandwidth a two-row product reaches, and 8 rows cost about what 16 do (docs/journal/2026-12-01-figures-from-code.md).
 
 Computing the same product as ``(W @ x.T).T`` makes the small activation the packed operand and streams the weight
 once, and padding the rows (with zeros) to a width the BLAS runs fastest keeps it on its best kernel. The best width
@@ -26,15 +26,15 @@ group into one product (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelL
 makes a group's weights (and biases) consecutive row slices of one tensor, once (the values are unchanged, and no
 memory is added: the parameters become views of it); inside the block the group's first linear computes the whole
 group's product and hands each later member its slice when that member is called on the same input tensor (any
-other input: its own product). A plain decoding step of SmolLM2 on a 2-core AMD EPYC (Zen 5) took 23.2 ms instead of
-24.6 ms (docs/benchmarks.md): each product a step skips saves its padding, its kernel call and its copies. Each output
-element is the same dot product as before.
+other input: its own product). A plain decoding step of SmolLM2 on a 2-core AMD EPYC (Zen 5) got faster so
+(docs/journal/2026-12-01-figures-from-code.md): each product a step skips saves its padding, its kernel call and its
+copies. Each output element is the same dot product as before.
 
 **Packed weights (oneDNN).** The fastest product measured for small row counts on a CPU is none of the BLAS calls
 above but oneDNN's, on a weight reordered once into the blocked layout its kernel reads (``PACKED`` in a plan: what
 PyTorch's compiler and vLLM's CPU backend run). It streams the weight once at any row count, so that verifying 16
-rows costs little more than one: on a 2-core AMD EPYC (Zen 5) a 16-node verify forward of SmolLM2 took 34.3 ms
-instead of 64.3, against 26.0 for one token (docs/benchmarks.md). The packed copy is as large as the weight:
+rows costs little more than one (SmolLM2 on a 2-core AMD EPYC, Zen 5: docs/benchmarks.md, the engine's cost curve;
+docs/journal/2026-12-01-figures-from-code.md). The packed copy is as large as the weight:
 it is made at the first decode (:func:`packed_weight`), kept while the module lives and made again when the weight
 changes; the option is measured only where every linear weight of the model packed takes at most
 ``PACK_MEMORY_SHARE`` of the machine's memory (:func:`packing_fits`).
@@ -67,7 +67,7 @@ PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others t
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
 PLAN_METHOD = 3  # part of the cache key: plans measured by an earlier method are measured again
 PACKED = -1  # a RowPlan width: oneDNN's product on the weight packed once for it (see the module doc)
-PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64: within 3%)
+PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64 timed alike)
 PACK_MEMORY_SHARE = 0.25  # packing is measured only if the packed copies take at most this share of the memory
 
 
@@ -293,7 +293,7 @@ def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
 
 def measured_row_plan(*modules: nn.Module | None, dtype: torch.dtype | None = None) -> RowPlan:
     """The :class:`RowPlan` for the linear layers of ``modules`` (those whose weights are in ``dtype``, if given) on
-    this machine: measured on their own weights the first time (about 5 seconds for SmolLM2-135M on a 2-core CPU),
+    this machine: measured on their own weights the first time (a short one-off cost for SmolLM2-135M on a CPU),
     then read from the cache; the packed product is among the options where :func:`packing_offered` says so. Off a
     CPU the small-batch product is not used and the default plan is returned unmeasured."""
     weights = [w for w in linear_weights(*modules) if dtype is None or w.dtype == dtype]
@@ -314,8 +314,8 @@ def measured_row_plans(model: nn.Module, *modules: nn.Module | None) -> dict[tor
     measured on the ``modules``' weights in it (:func:`measured_row_plan`); ``model``'s own dtype takes
     ``measured_row_plan(model)``. A plan holds for the dtype it was measured in: a drafter's decode form in bfloat16
     (decode/dflash_drafter.py) beside a float32 target runs other kernels. Its draft LM head (10,742 x 576, one and
-    two rows) took 0.11-0.15 ms packed, 0.31-0.39 ms through F.linear and 0.54-0.61 ms padded on a 2-core AMD EPYC
-    (Zen 5), where the target's plan pads two rows (docs/benchmarks.md)."""
+    two rows) on a 2-core AMD EPYC (Zen 5) ran fastest packed, slower through F.linear and slowest padded, as the
+    target's plan pads two rows (docs/journal/2026-12-01-figures-from-code.md)."""
     own = {w.dtype for w in linear_weights(model)}
     return {dtype: measured_row_plan(*modules, dtype=dtype)
             for dtype in sorted({w.dtype for w in linear_weights(*modules)} - own, key=str)}

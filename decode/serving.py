@@ -108,8 +108,8 @@ def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = 
     One process per run by default: with the engine in the worker's process (ENGINE_ENV_DEFAULTS), vLLM 0.32 does not
     start every kind of engine reliably after another in the same process (a suffix engine after an ngram one, or an
     ngram one after engines of other models, fails in its executor with ``AttributeError: '_lib_fn_wrapper' object
-    has no attribute 'get'``); a fresh process costs ~15 s of imports on a 2-core machine and leaves each run as a
-    user's own script would run it. Plain, ``medusa``, ``eagle``, ``eagle3``, ``dflash`` and speculators engines do
+    has no attribute 'get'``); a fresh process pays vLLM's imports again (slow on a small CPU) and leaves each run as
+    a user's own script would run it. Plain, ``medusa``, ``eagle``, ``eagle3``, ``dflash`` and speculators engines do
     start one after another in one process (the worker tears each one's distributed state down), also after one that
     failed, on one target or several: :func:`serve_checks` runs them so."""
     python = vllm_python(venv)
@@ -407,7 +407,7 @@ def serve_check(heads_path: str | Path, prompts: list[list[int]] | list[str], fo
 def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout: float | None = None,
                  log_path: str | Path | None = None) -> list[dict | ServingError]:
     """The reports of several planned checks (:func:`plan_check`; heads of any family, on one target or several),
-    their vLLM runs all in one worker process: vLLM's imports (10-15 s a process on 2 cores) are paid once. A plain
+    their vLLM runs all in one worker process: vLLM's imports (slow on a small CPU) are paid once. A plain
     run that two plans share (the same target, prompts and engine settings) runs once. A plan whose target vLLM could
     not decode gets the ServingError :func:`serve_check` would raise in place of its report, so one such target
     leaves the others' reports."""

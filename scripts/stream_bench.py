@@ -2,7 +2,8 @@
 prompt decoded by the suffix drafter alone (with its memory of earlier answers), the heads frozen, and the heads
 learning from every request (train/online.py), from the trained heads and from untrained ones; every output checked
 against HF generate's. Per window of requests: tau, tokens/s (decoding, and with the learning time counted in), the
-learning seconds per request and each drafter's own tau; the issue's aims on the stream's second half. Writes
+learning seconds per request and each drafter's own tau; on the stream's second half, the learning default decoder
+against the suffix drafter alone, and the learning drafter's own tau over its first and last requests. Writes
 stream.json, stream.md and stream.png to ``out=``; exits 1 if any output differs from HF generate's.
 
 Takes the overrides of conf/decode/stream.yaml (which includes conf/decode/decode.yaml: learner.*, draft.*, dtype...).

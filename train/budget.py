@@ -1,7 +1,8 @@
 """A time budget for a training run (``trainer.max_minutes``): the step count sized from the run's own pace.
 
-A recipe written as a step count takes an hour on one machine and two on a slower one (a 2-core VM here trained 1.8x
-as fast on one day as on another, docs/benchmarks.md). With ``trainer.max_minutes`` the budget covers the whole run
+A recipe written as a step count takes an hour on one machine and two on a slower one (the same 2-core VM trained at
+very different paces on two days: docs/benchmarks.md, training throughput). With ``trainer.max_minutes`` the budget
+covers the whole run
 from the start of :func:`train.loop.train`: loading the target and data, building a feature store, the steps, their
 evaluations and checkpoints, the final evaluation. ``trainer.max_steps`` stays the cap.
 
@@ -22,8 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 # A process's first WARMUP_STEPS steps are left out of the pace (its allocator, caches and the feature store's first
-# reads from disk make them slow: the first 50 of the DFlash hour recipe ran at 6,485 tokens/s, the next 150 at
-# 7,980, the whole run at 7,726, docs/journal/); the next PROBE_STEPS steps size the run (~40 s of that recipe).
+# reads from disk make them slow: on the DFlash hour recipe they ran well below the pace of the steps after them and of
+# the whole run, docs/journal/2026-12-01-figures-from-code.md); the next PROBE_STEPS steps size the run (a small share
+# of that recipe's hour).
 WARMUP_STEPS = 50
 PROBE_STEPS = 100
 

@@ -381,7 +381,8 @@ class DFlashMethod(TrainMethod):
         (``eval/accept_length_on_path``): the chain above multiplies each position's agreement with the target's
         prediction after the text's own tokens, which decoding never verifies where the text leaves the greedy path.
         On text that is not the target's own, the stretches on its path are the easier ones, so these read above
-        what decoding measures (0.66-0.70 against a decoded chain of 0.48-0.52 on the hour recipe, docs/journal/).
+        what decoding measures (well above the decoded chain on the hour recipe,
+        docs/journal/2026-12-01-figures-from-code.md).
         Sums are reduced over ranks (padding duplicates included)."""
         bs = self.settings.block_size
         core: DFlashHeads = unwrap(drafter).drafter

@@ -1,9 +1,9 @@
 """Train an EAGLE drafter (EAGLE-1, or EAGLE-3 with fused features and a reduced vocabulary) on a frozen target.
 
-    python train/eagle.py                                    # EAGLE-1 on SmolLM2-135M + ShareGPT, ~15 min on 2 CPUs
+    python train/eagle.py                                    # EAGLE-1 on SmolLM2-135M + ShareGPT
     python train/eagle.py heads=eagle3                       # EAGLE-3: low/mid/high features, draft vocabulary
     python train/eagle.py experiment=debug                   # tiny random model, seconds
-    python train/eagle.py heads=eagle3 experiment=cpu_1h     # ~1 hour on a 2-core CPU
+    python train/eagle.py heads=eagle3 experiment=cpu_1h     # sized for an hour on a 2-core CPU
     python train/eagle.py heads.unroll_steps=4 heads.draft_vocab_size=8192
     python train/eagle.py features=store                     # hidden states from an offline feature store
     python train/eagle.py trainer.resume=true                # continue this run from its last checkpoint

@@ -72,8 +72,8 @@ from selfspec.train.method import TrainMethod
 
 
 # Steps between two release_held_memory() calls while memory is held: each release costs the pages it gives back one
-# more zeroing. Every 25 steps, 150 EAGLE-3 steps ran 1.34x faster than with the allocator's defaults, and resident
-# memory stayed flat (docs/journal/).
+# more zeroing. Releasing every 25 steps, EAGLE-3 steps ran faster than with the allocator's defaults, and resident
+# memory stayed flat (docs/journal/2026-12-01-figures-from-code.md).
 RELEASE_HELD_EVERY = 25
 
 
@@ -193,7 +193,7 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: f
     packed_collate = packing_collate(cfg, tc, method, target) if tc.packing else None  # its errors come first
     train_ds, eval_ds, collate_fn = prepare_splits(cfg, tc, method, target, datasets, accelerator)
     # Held from here on, not while a feature store is built: the store's target passes allocate blocks of ever new
-    # sizes, and a heap that keeps them all grew a DFlash run to 16.4 GiB against 6.9 GiB from a built store.
+    # sizes, and a heap that keeps them all grew a DFlash run far past one from a built store (docs/journal/).
     held = hold_freed_memory() if tc.hold_freed_memory else False
     module, optimizer, scheduler = _optimization(tc, method, target)
     module, optimizer, train_batches, scheduler = accelerator.prepare(
@@ -230,7 +230,8 @@ def _lr_schedule(tc: TrainerConfig, optimizer: torch.optim.Optimizer):
 def _fused_adamw(groups: list[dict]) -> bool | None:
     """True (torch's fused AdamW: one kernel per parameter for the whole update) when every parameter is a float
     tensor on the CPU or a CUDA device; None (torch's default implementation) otherwise. On the CPU the default is a
-    loop of small operations per parameter: a DFlash hour-recipe step spent ~17 ms of its ~400 in it, fused 6.8 ms."""
+    loop of small operations per parameter, where a DFlash hour-recipe step spent a visible share of its time; fused,
+    much less (docs/journal/2026-12-01-figures-from-code.md)."""
     params = [p for g in groups for p in g["params"]]
     ok = params and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return True if ok else None

@@ -1,8 +1,8 @@
 """Train Medusa heads (Medusa-1, or Medusa-2 with LoRA on the target) on a frozen Hugging Face target.
 
-    python train/medusa.py                                   # SmolLM2-135M + ShareGPT, ~15 min on a 2-core CPU
+    python train/medusa.py                                   # SmolLM2-135M + ShareGPT: the newcomer's main job
     python train/medusa.py experiment=debug                  # tiny random model, seconds
-    python train/medusa.py experiment=cpu_1h                 # ~1 hour on a 2-core CPU, better heads
+    python train/medusa.py experiment=cpu_1h                 # sized for an hour on a 2-core CPU, better heads
     python train/medusa.py heads=medusa2                     # Medusa-2: LoRA on the target, trained jointly
     python train/medusa.py heads.loss=kl                     # self-distillation on the target's distribution
     python train/medusa.py features=store                    # hidden states from an offline feature store

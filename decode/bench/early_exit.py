@@ -13,7 +13,7 @@ from selfspec.decode.types import DecodeSetupError
 
 def early_exit_candidates(model: torch.nn.Module, layers: Any) -> list[int]:
     """``early_exit_layers``: the layers to try (one: no sweep); null: an eighth, a quarter, half and three quarters
-    deep (on SmolLM2 the shallowest was fastest: docs/benchmarks.md)."""
+    deep (on SmolLM2 the shallowest was fastest: docs/journal/2026-11-benchmarks.md)."""
     n = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     if layers not in (None, "", []):
         chosen = [int(x) for x in ([layers] if isinstance(layers, (int, str)) else layers)]

@@ -13,7 +13,7 @@ method, its tokens checked against HF generate's with the others.
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
   :func:`selfspec.decode.serving.served_depth`).
 
-vLLM starts an engine per method (a worker process each, with the engine inside it: 10-15 s, decode/serving.py), so
+vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
 the interleaved loop then reads their results.
 With ``vllm_rounds`` R > 1 the prompts are split into R runs of consecutive prompts, and each round runs vLLM's rows

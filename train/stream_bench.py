@@ -161,7 +161,7 @@ def windows(runs: list[dict], names: list[str], window: int) -> list[dict]:
 
 
 def aims(runs: list[dict], names: list[str], edge: int = 20) -> dict:
-    """Issue 59's aims on this stream: the learning default decoder against the suffix drafter alone on the stream's
+    """What the stream is judged by: the learning default decoder against the suffix drafter alone on the stream's
     second half (tokens/s, learning between requests and counted in), and the learning drafter's own tau over its
     first and last ``edge`` requests."""
     half = runs[len(runs) // 2:]

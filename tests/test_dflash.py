@@ -53,10 +53,11 @@ def block_loss(drafter: DFlashHeads, features, seqs, teacher_ids, labels, anchor
     return dflash_block_loss(drafter.logits(hidden[b, a, k]), teacher, weights[k], "ce", num_items)
 
 
-def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> DFlashHeads:
+def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0, freeze_lm_head=False) -> DFlashHeads:
     """A one-layer DFlash drafter trained on ``seqs`` [B, 4 + n] (the target's own continuations of 4-token prompts)
     against the target's argmax at each block position. A few hundred steps on so little data memorise it: the
-    tests decode prompts the data continues, where its chains are accepted, and others, where they are rejected."""
+    tests decode prompts the data continues, where its chains are accepted, and others, where they are rejected.
+    ``freeze_lm_head``: the draft LM head stays the target's rows it starts from (heads.freeze_lm_head=true)."""
     with torch.no_grad():
         out = model(seqs, output_hidden_states=True)
     with torch.random.fork_rng(devices=[]):
@@ -68,7 +69,8 @@ def train_dflash(model, seqs: torch.Tensor, block_size=4, steps=300, seed=0) -> 
     labels[:, :4] = -100  # the prompt is not trained
     weights = position_weights(block_size, gamma=4.0, device=seqs.device)
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.lm_head.weight.requires_grad_(not freeze_lm_head)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(steps):
         anchors = sample_anchors(labels, 8, generator=g)
         loss = block_loss(drafter, features, seqs, teacher_ids, labels, anchors, weights)

@@ -270,3 +270,17 @@ def llama_layer_fields(config) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
     }
+
+
+def whole_context_window(target_config) -> int | None:
+    """Where every layer of the target slides (Mistral), the window a served drafter's layers must declare to see the
+    whole context, as selfspec's drafter does; None where the target has a full layer.
+
+    vLLM sets ``CacheConfig.sliding_window`` only when every layer of the target slides (``vllm/engine/arg_utils.py``),
+    and every attention layer without a window of its own takes it (``Attention.__init__``: ``per_layer_sliding_window``
+    first, else the cache config's), the drafter's too. A drafter layer that declares itself sliding over a window as
+    long as any context (the target's ``max_position_embeddings``, which bounds vLLM's ``max_model_len``) keeps its own,
+    and so attends to every position, as it was trained to."""
+    if set(layer_kinds(target_config)) != {SLIDING}:
+        return None
+    return int(text_config(target_config).max_position_embeddings)

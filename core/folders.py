@@ -247,3 +247,22 @@ def _some(names: list[str], n: int = 3) -> str:
 
 __all__ = ["FolderNotOursError", "MARKER", "back_up", "backup_path", "claim", "discard", "enter", "foreign_entries",
            "in_the_way", "is_ours", "make_way", "mark", "read_marker", "remove", "replace_dir", "temp_dir"]
+
+
+# --- the selfspec cache ---------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where converted models and tokenized datasets are cached (``SELFSPEC_CACHE`` overrides)."""
+    if os.environ.get("SELFSPEC_CACHE"):
+        return Path(os.environ["SELFSPEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "selfspec"
+
+
+def cache_lock(folder: Path):
+    """A lock file beside ``folder`` of a shared cache, held while one process makes it and others wait for it."""
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder.parent / f".{folder.name}.lock"))

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from selfspec.core.archs import TINY_ARCHS, text_config
 from selfspec.core.config import cfg_get
 from selfspec.core.embedded import EMBEDDED, SMOLLM2
+from selfspec.core.folders import cache_dir, cache_lock  # noqa: F401  (imported from here by other modules)
 from selfspec.core.errors import SelfspecError, SettingError
 
 
@@ -107,14 +107,6 @@ def cache_kwarg(module: Any) -> str:
 
 
 _CACHE_KWARG: dict[type, str] = {}
-
-
-def cache_dir() -> Path:
-    """Where converted models and tokenized datasets are cached (``SELFSPEC_CACHE`` overrides)."""
-    if os.environ.get("SELFSPEC_CACHE"):
-        return Path(os.environ["SELFSPEC_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "selfspec"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -306,14 +298,6 @@ SMOLLM2_ID = SMOLLM2.hub_id
 def ensure_smollm2(cache: Path | None = None) -> Path:
     """A local safetensors folder of the default, SmolLM2-135M-Instruct, fetched and converted on first use."""
     return SMOLLM2.ensure(cache)
-
-
-def cache_lock(folder: Path):
-    """A lock file beside ``folder`` of a shared cache, held while one process makes it and others wait for it."""
-    from filelock import FileLock
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(folder.parent / f".{folder.name}.lock"))
 
 
 # --- tiny random models ---------------------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from selfspec.decode.attention import GQA_SDPA
 from selfspec.decode.cache import commit_kv, new_cache
 from selfspec.decode.greedy_head import GreedyHead, greedy_head
 from selfspec.decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
-from selfspec.decode.step import DepthControl, StepClock, synchronize, tree_forward
+from selfspec.decode.step import StepClock, synchronize, tree_forward
 from selfspec.decode.tree import Tree, single_node_tree
-from selfspec.decode.types import DecodeSetupError, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput
+from selfspec.decode.types import (DecodeSetupError, DecodeState, DepthControl, DepthPolicy, Draft, Drafter,
+                                   ForwardOutput)
 from selfspec.decode.verify import Sampling, Verdict, verify
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.target import cache_kwarg

@@ -34,10 +34,10 @@ from typing import Callable, Sequence
 import torch
 
 from selfspec.decode import registry
-from selfspec.decode.step import DepthControl
 from selfspec.decode.suffix import SuffixDrafter, SuffixPlan, candidates_draft
 from selfspec.decode.tree import Tree
-from selfspec.decode.types import ROOT, Beside, DecodeState, Draft, DrafterBase, Drafter, ForwardOutput, root_only
+from selfspec.decode.types import (ROOT, Beside, DecodeState, DepthControl, Draft, DrafterBase, Drafter, ForwardOutput,
+                                   root_only)
 from selfspec.decode.verify import Verdict
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from selfspec.decode.tree import tree_attention_mask, tree_position_ids
-from selfspec.decode.types import ROOT, Beside, DecodeState, DepthPolicy, Draft, Drafter, ForwardOutput, root_only
+from selfspec.decode.types import DecodeState, Draft, ForwardOutput
 from selfspec.core.target import cache_kwarg
 
 if TYPE_CHECKING:
@@ -48,25 +48,6 @@ def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft,
     return ForwardOutput(logits=logits, hidden_states=hidden)
 
 
-def truncate_draft(draft: Draft, max_depth: int) -> Draft:
-    """Drop nodes deeper than max_depth (keeps token budgets and positions inside their limits)."""
-    if draft.tree.max_depth <= max_depth:
-        return draft
-    keep = (draft.tree.depth <= max_depth).nonzero()[:, 0]  # [N'] ascending
-    return Draft(
-        tokens=draft.tokens[keep], tree=draft.tree.truncate(max_depth),
-        probs=draft.probs[keep] if draft.probs is not None else None,
-    )
-
-
-def on_device(draft: Draft, device: torch.device) -> Draft:
-    """The draft on the target's device (a no-op when the drafter already put it there)."""
-    if draft.tokens.device == device and draft.tree.device == device:
-        return draft
-    probs = draft.probs.to(device) if draft.probs is not None else None
-    return Draft(tokens=draft.tokens.to(device), tree=draft.tree.to(device), probs=probs)
-
-
 @dataclass(frozen=True)
 class StepClock:
     """Wall-clock readings within a step; ``sync``: each after the device's queued work, for an honest split between
@@ -81,32 +62,3 @@ class StepClock:
         return time.perf_counter()
 
 
-@dataclass(frozen=True)
-class DepthControl:
-    """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
-    that depth, and the policy hears how the draft did. The engine (decode/engine.py) owns one per decode, over its
-    drafter, and hands it to a drafter that applies it to a part of its draft (``Drafter.depth_control``: a hybrid,
-    decode/hybrid.py, to its trained drafter's part). ``policy`` None: every draft as deep as the budget allows.
-    ``clock``: what a draft's seconds are read with for the policy (the engine's :class:`StepClock`, which waits for
-    the device's queued work whenever a policy reads the times)."""
-
-    policy: DepthPolicy | None
-    clock: Callable[[], float] = time.perf_counter
-
-    def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device,
-              beside: Beside = ROOT) -> tuple[int, Draft]:
-        """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own;
-        ``beside``: what another drafter already put in the tree (a hybrid's suffix nodes), which the policy weighs
-        the draft against. At depth 0 the drafter is not called: the root alone, a plain step."""
-        depth = room if self.policy is None else min(room, self.policy.choose(room, beside))
-        draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
-        return depth, on_device(truncate_draft(draft, depth), device)
-
-    def expected(self, depth: int) -> float:
-        """Tokens a step whose draft reaches ``depth`` is expected to yield, the target's own included (1 without a
-        policy or a draft)."""
-        return 1.0 if self.policy is None or depth == 0 else self.policy.expected(depth)
-
-    def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
-        if self.policy is not None:
-            self.policy.observe(asked, draft, accepted, draft_seconds)

@@ -1,13 +1,15 @@
 """The types the engine and every drafter share: what a step reads and writes, and the Drafter protocol.
 
 The engine (decode/engine.py) and the drafters (decode/drafters.py, decode/eagle_drafter.py, ...) both import this
-module (and decode/step.py, the step's shared pieces) and not each other.
+module (and decode/step.py, the step's shared pieces, which imports this one) and not each other. Here too: what
+is done to a draft on its way to verification (:func:`truncate_draft`, :func:`on_device`, :class:`DepthControl`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -15,9 +17,6 @@ from transformers import DynamicCache
 from selfspec.decode.tree import Tree, single_node_tree
 from selfspec.decode.verify import Verdict
 from selfspec.core.errors import SelfspecError
-
-if TYPE_CHECKING:
-    from selfspec.decode.step import DepthControl
 
 
 class DecodeSetupError(SelfspecError, ValueError):
@@ -86,8 +85,8 @@ ROOT = Beside()
 
 
 class DepthPolicy(Protocol):
-    """How deep the next draft may go (decode/adaptive.py: :class:`~selfspec.decode.adaptive.AdaptiveDepth`); 0 skips drafting
-    and runs a plain step. Every step is reported back. decode/step.py:DepthControl is what calls it."""
+    """How deep the next draft may go (decode/adaptive.py: :class:`~selfspec.decode.adaptive.AdaptiveDepth`); 0 skips
+    drafting and runs a plain step. Every step is reported back. :class:`DepthControl` is what calls it."""
 
     def choose(self, max_depth: int, beside: Beside = ROOT) -> int:
         """A depth in 0..max_depth for the next draft, in a tree that already holds ``beside`` (a hybrid's other
@@ -181,3 +180,53 @@ class DrafterBase:
 
     def propose(self, state: DecodeState, max_depth: int) -> Draft:
         raise NotImplementedError
+
+
+def truncate_draft(draft: Draft, max_depth: int) -> Draft:
+    """Drop nodes deeper than max_depth (keeps token budgets and positions inside their limits)."""
+    if draft.tree.max_depth <= max_depth:
+        return draft
+    keep = (draft.tree.depth <= max_depth).nonzero()[:, 0]  # [N'] ascending
+    return Draft(
+        tokens=draft.tokens[keep], tree=draft.tree.truncate(max_depth),
+        probs=draft.probs[keep] if draft.probs is not None else None,
+    )
+
+
+def on_device(draft: Draft, device: torch.device) -> Draft:
+    """The draft on the target's device (a no-op when the drafter already put it there)."""
+    if draft.tokens.device == device and draft.tree.device == device:
+        return draft
+    probs = draft.probs.to(device) if draft.probs is not None else None
+    return Draft(tokens=draft.tokens.to(device), tree=draft.tree.to(device), probs=probs)
+
+
+@dataclass(frozen=True)
+class DepthControl:
+    """A drafter's drafts under a depth policy: where the policy chooses how deep a draft goes, the draft is cut to
+    that depth, and the policy hears how the draft did. The engine (decode/engine.py) owns one per decode, over its
+    drafter, and hands it to a drafter that applies it to a part of its draft (``Drafter.depth_control``: a hybrid,
+    decode/hybrid.py, to its trained drafter's part). ``policy`` None: every draft as deep as the budget allows.
+    ``clock``: what a draft's seconds are read with for the policy (the engine's :class:`StepClock`, which waits for
+    the device's queued work whenever a policy reads the times)."""
+
+    policy: DepthPolicy | None
+    clock: Callable[[], float] = time.perf_counter
+
+    def draft(self, drafter: Drafter, state: DecodeState, room: int, device: torch.device,
+              beside: Beside = ROOT) -> tuple[int, Draft]:
+        """(the depth asked, the draft cut to it on ``device``); ``room``: the tokens left after the target's own;
+        ``beside``: what another drafter already put in the tree (a hybrid's suffix nodes), which the policy weighs
+        the draft against. At depth 0 the drafter is not called: the root alone, a plain step."""
+        depth = room if self.policy is None else min(room, self.policy.choose(room, beside))
+        draft = drafter.propose(state, max_depth=depth) if depth > 0 else root_only(state, device)
+        return depth, on_device(truncate_draft(draft, depth), device)
+
+    def expected(self, depth: int) -> float:
+        """Tokens a step whose draft reaches ``depth`` is expected to yield, the target's own included (1 without a
+        policy or a draft)."""
+        return 1.0 if self.policy is None or depth == 0 else self.policy.expected(depth)
+
+    def observe(self, asked: int, draft: Draft, accepted: int | None, draft_seconds: float) -> None:
+        if self.policy is not None:
+            self.policy.observe(asked, draft, accepted, draft_seconds)

@@ -81,6 +81,7 @@ from torch import nn
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 from selfspec.heads.export_dflash import dflash_to_vllm
+from selfspec.core.archs import whole_context_window
 
 FORMATS = ("auto", "vllm", "eagle", "eagle3", "speculators", "dflash", "selfspec")
 
@@ -211,22 +212,6 @@ def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dic
 
 
 # --- EAGLE-3 -----------------------------------------------------------------------------------------------------------
-
-
-def whole_context_window(target_config) -> int | None:
-    """Where every layer of the target slides (Mistral), the window a served drafter's layers must declare to see the
-    whole context, as selfspec's drafter does; None where the target has a full layer.
-
-    vLLM sets ``CacheConfig.sliding_window`` only when every layer of the target slides (``vllm/engine/arg_utils.py``),
-    and every attention layer without a window of its own takes it (``Attention.__init__``: ``per_layer_sliding_window``
-    first, else the cache config's), the drafter's too. A drafter layer that declares itself sliding over a window as
-    long as any context (the target's ``max_position_embeddings``, which bounds vLLM's ``max_model_len``) keeps its own,
-    and so attends to every position, as it was trained to."""
-    from selfspec.core.archs import SLIDING, layer_kinds, text_config
-
-    if set(layer_kinds(target_config)) != {SLIDING}:
-        return None
-    return int(text_config(target_config).max_position_embeddings)
 
 
 def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.dtype) -> dict:

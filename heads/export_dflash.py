@@ -19,7 +19,7 @@ Facts the mapping rests on (vLLM 0.32: ``model_executor/models/qwen3_dflash.py``
 - The draft layers attend non-causally unless the config says ``is_causal`` / ``dflash_config.causal`` or names a
   sliding-window layer type: none is written.
 - On a target whose every layer slides, vLLM gives the target's window to every layer without one of its own, the
-  draft layers' too (:func:`selfspec.heads.export.whole_context_window`); there ``dflash_config`` declares them sliding
+  draft layers' too (:func:`selfspec.core.archs.whole_context_window`); there ``dflash_config`` declares them sliding
   (``use_swa``) over a window as long as any context (``swa_window_size``), and non-causal (``causal: false``, which
   ``use_swa`` alone would not change, but says it outright).
 """
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from selfspec.core.archs import whole_context_window
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -55,7 +57,6 @@ def dflash_to_vllm(drafter: nn.Module) -> tuple[dict, dict[str, torch.Tensor], d
         "target_hidden_size": cfg.hidden_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
     }
-    from selfspec.heads.export import whole_context_window  # heads.export imports this module
 
     window = whole_context_window(drafter.target.config)
     if window is not None:  # every target layer slides: vLLM would give the draft layers the target's window

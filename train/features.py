@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from selfspec.core.config import MISSING, cfg_get, to_dict
 from selfspec.core.errors import SettingError
@@ -159,96 +158,4 @@ def store_layers(cfg: Any, model: Any) -> list[int]:
     return sorted(set(int(i) for i in layers))
 
 
-# --- the command that builds a run's store -----------------------------------------------------------------------
-
-
-def build_command(path: str | os.PathLike, layers: Sequence[int], settings: Mapping[str, Any],
-                  model: Mapping[str, Any] | None = None, data: Mapping[str, Any] | None = None) -> str:
-    """The ``selfspec-features`` command that builds the store a training run reads at ``path``: its model and data
-    options (Hydra's choices, or the conf/model and conf/data entries they match), every model.* and data.* setting
-    that differs from those entries', the engine's, ``layers``, the dtype and the folder."""
-    from selfspec.core.config import compose
-
-    choices = _choices(model or {}, data or {})
-    args = [f"{group}={option}" for group, option in choices.items()]
-    try:
-        base = to_dict(compose("features", [*args, "feature_store.dir=x"]))
-    except Exception:  # noqa: BLE001 - a hint: without the base config, the options alone
-        base = None
-    if base is not None:
-        args += _differing("model", base.get("model") or {}, model or {})
-        args += _differing("data", base.get("data") or {}, data or {})
-    engine = str(settings.get("engine") or "hf")
-    if engine != "hf":
-        args.append(f"feature_store.engine={engine}")
-        if base is not None:
-            args += _differing("feature_store.vllm", base["feature_store"].get("vllm") or {},
-                               dict(settings.get("vllm") or {}))
-    args += [f"layers=[{','.join(str(int(i)) for i in layers)}]", f"feature_store.dtype={settings.get('dtype')}",
-             f"feature_store.dir={_value(str(path))}"]
-    return "selfspec-features " + " ".join(args)
-
-
-def _choices(model: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, str]:
-    """{"model": option, "data": option}: Hydra's choices where Hydra composed this run, else the entries of
-    conf/model/ and conf/data/ whose source (and name_or_path) the settings match."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            chosen = HydraConfig.get().runtime.choices
-            found = {g: str(chosen[g]) for g in ("model", "data") if chosen.get(g)}
-            if len(found) == 2:
-                return found
-    except Exception:  # noqa: BLE001 - fall back to matching the entries
-        pass
-    from omegaconf import OmegaConf
-
-    from selfspec.core.config import CONF_DIR
-
-    out = {}
-    for group, mine, keys in (("model", model, ("source", "name_or_path")), ("data", data, ("source",))):
-        for file in sorted((CONF_DIR / group).glob("*.yaml")):
-            entry = OmegaConf.load(file)
-            if all(entry.get(k) == mine.get(k) for k in keys):
-                out[group] = file.stem
-                break
-    return out
-
-
-def _differing(prefix: str, base: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
-    """Overrides that turn ``base`` into ``mine``: ``prefix.key=value`` where they differ, ``+prefix.key=value`` for
-    a key ``base`` lacks (nested mappings key by key)."""
-    out = []
-    for key, value in mine.items():
-        if key in base and isinstance(value, Mapping) and isinstance(base[key], Mapping) and value:
-            out += _differing(f"{prefix}.{key}", base[key], value)
-        elif key not in base:
-            out.append(f"+{prefix}.{key}={_value(value)}")
-        elif base[key] != value:
-            out.append(f"{prefix}.{key}={_value(value)}")
-    return out
-
-
-_PLAIN = re.compile(r"[A-Za-z0-9_./:@-]+")
-
-
-def _value(value: Any) -> str:
-    """``value`` as a Hydra override writes it (quoted for the shell where it must be)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, Mapping):
-        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_value(v) for v in value) + "]"
-    text = str(value)
-    if _PLAIN.fullmatch(text) and text not in ("null", "true", "false"):
-        return text
-    return "'\"" + text.replace("\\", "\\\\").replace('"', '\\"') + "\"'"
-
-
-__all__ = ["build_command", "run", "store_layers"]
+__all__ = ["run", "store_layers"]

@@ -212,7 +212,7 @@ def exported(folder):
 def assert_llama_draft_config(config, drafter):
     """The exported layer config is a Llama layer of the fields saved with the heads, attending to the whole context:
     no window, or on a target whose every layer slides (where vLLM would give the drafter the target's window) its
-    own window as long as any context (selfspec.heads.export.whole_context_window)."""
+    own window as long as any context (selfspec.core.archs.whole_context_window)."""
     layer = drafter.config.draft_layer
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
     for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",

@@ -506,3 +506,26 @@ def _worker(root: str) -> None:
 
 if __name__ == "__main__":
     _worker(*sys.argv[1:])
+
+
+def test_states_past_float16_are_refused_in_one_line_naming_the_dtype_to_use(tmp_path):
+    """Gemma's intermediate hidden states pass float16's range: cast to a float16 store they are inf, which would
+    train a drafter to nan. The store refuses them before writing a shard, naming feature_store.dtype=bfloat16, and
+    publishes nothing; the same states in bfloat16 are stored as they are."""
+    import functools
+
+    from test_folders import tiny_splits
+
+    from selfspec.train.data import collate
+    from selfspec.train.feature_store import FeatureStoreError, ensure_feature_store
+
+    def extract(dtype):
+        return lambda batch: {"aux": (batch["input_ids"].float() * 1e4 + 7e4).unsqueeze(-1).to(dtype)}
+
+    build = functools.partial(ensure_feature_store, splits=tiny_splits(), identity={"fields": "test"},
+                              collate_fn=functools.partial(collate, pad_token_id=0), batch_size=4, examples_per_shard=5)
+    with pytest.raises(FeatureStoreError, match="overflow float16.*feature_store.dtype=bfloat16") as err:
+        build(tmp_path / "store", extract=extract(torch.float16))
+    assert "\n" not in str(err.value) and not (tmp_path / "store").exists()
+    stored = build(tmp_path / "bf16", extract=extract(torch.bfloat16))
+    assert torch.isfinite(stored["train"][0]["aux"].float()).all() and stored["train"][0]["aux"].float().min() >= 7e4

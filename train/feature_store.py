@@ -460,6 +460,15 @@ def mismatch_message(path: Path, differs: list[tuple[str, str]],
             "folder.")
 
 
+def _not_finite(field: str, values: torch.Tensor) -> str:
+    """The one line a store refuses non-finite values with: what overflowed and the dtype to build it in."""
+    if values.dtype == torch.float16:
+        return (f"The target's {field} states overflow float16 (past its 65,504; Gemma's intermediate states do): "
+                "build the store with feature_store.dtype=bfloat16 (or float32).")
+    return (f"The target's {field} states are not finite in {str(values.dtype).removeprefix('torch.')}: the target "
+            "itself gives inf or nan on this data; check it decodes these examples (model.dtype=float32).")
+
+
 def features_command(path: str | os.PathLike, layers: Sequence[int] | None, settings: Mapping[str, Any],
                      model: Mapping[str, Any] | None = None, data: Mapping[str, Any] | None = None) -> str | None:
     """The ``selfspec-features`` command (train/features.py) that builds the store a run reads (:func:`build_command`);
@@ -790,7 +799,10 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
                 labels.append(batch["labels"][row, :n].to("cpu", torch.int32))
                 offsets.append(offsets[-1] + n)
                 for key, value in out.items():  # padded [B, T, ...], or a list of [n, ...] per example
-                    values.setdefault(key, []).append(value[row][:n].detach().to("cpu").contiguous())
+                    chunk = value[row][:n].detach().to("cpu").contiguous()
+                    if chunk.is_floating_point() and not bool(torch.isfinite(chunk).all()):
+                        raise FeatureStoreError(_not_finite(key, chunk))
+                    values.setdefault(key, []).append(chunk)
             bar.update(len(examples))
         tensors = {"input_ids": torch.cat(ids), "labels": torch.cat(labels),
                    "offsets": torch.tensor(offsets, dtype=torch.int64)}

@@ -161,7 +161,7 @@ def medusa_vocab(heads: nn.Module, vocab: str) -> str:
     heads of their own keep only the draft vocabulary's rows, so they can only be written with the map."""
     if vocab not in MEDUSA_VOCABS:
         raise ExportError(f"vocab={vocab!r}: use one of {', '.join(MEDUSA_VOCABS)}.")
-    token_map = getattr(heads, "token_map", None)
+    token_map = heads.token_map
     if token_map is None:
         return "full"
     if vocab == "auto":
@@ -183,7 +183,7 @@ def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dic
     is what vLLM scatters their logits through."""
     cfg = heads.config
     vocab = medusa_vocab(heads, vocab)
-    token_map = getattr(heads, "token_map", None) if vocab == "draft" else None
+    token_map = heads.token_map if vocab == "draft" else None
     rows = (lambda w: w) if token_map is None else (lambda w: w[token_map.to(w.device)].contiguous())  # noqa: E731
     state = {}
     for h, block in enumerate(heads.blocks):

@@ -140,5 +140,24 @@ def test_a_budget_must_be_positive():
         TrainerConfig.from_cfg(cfg.trainer)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_mixed_precision_auto_is_bf16_only_where_the_device_multiplies_it_natively(monkeypatch, native):
+    """auto (the CPU hour recipes): bf16 autocast on CUDA and on CPUs with AVX512-BF16 or AMX; float32 elsewhere,
+    where emulated bf16 made a Gemma DFlash step over 20 times slower on an AVX2 CPU (docs/targets.md)."""
+    from conftest import compose
+
+    import selfspec.train.config as config
+
+    asked = []
+    monkeypatch.setattr(config, "native_bf16", lambda device: asked.append(str(device)) or native)
+    cfg = compose("medusa", ["experiment=debug", "trainer.mixed_precision=auto"])
+    assert TrainerConfig.from_cfg(cfg.trainer).mixed_precision == ("bf16" if native else "no")
+    assert asked == ["cuda" if torch.cuda.is_available() else "cpu"]
+    cfg = compose("medusa", ["experiment=debug", "trainer.mixed_precision=bf16"])
+    assert TrainerConfig.from_cfg(cfg.trainer).mixed_precision == "bf16"  # asked for by name: kept
+    with pytest.raises(SettingError, match="trainer.mixed_precision='fp8': use no, bf16, fp16, auto or null"):
+        TrainerConfig.from_cfg(compose("medusa", ["experiment=debug", "trainer.mixed_precision=fp8"]).trainer)
+
+
 def train_run(cfg):
     return loop.train(cfg, medusa_method(cfg), target=tiny_target(), datasets=tiny_datasets())

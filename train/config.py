@@ -38,7 +38,8 @@ class TrainerConfig:
     lr_scheduler: str  # cosine | linear | constant, each after a linear warmup
     warmup_steps: int
     max_grad_norm: float | None  # null: no clipping
-    mixed_precision: str | None  # no | bf16 | fp16 | null (from the accelerate config, default no)
+    mixed_precision: str | None  # no | bf16 | fp16 | auto (bf16 where the device multiplies it natively, else no) |
+    # null (from the accelerate config, default no)
     target_dtype: str  # the frozen target's dtype while training: auto | float32 | bfloat16 | float16
     seed: int
     eval_every: int  # 0: evaluate only at the end
@@ -66,8 +67,10 @@ class TrainerConfig:
             problems.append("trainer.batch_size and trainer.gradient_accumulation_steps must be >= 1")
         if out.lr_scheduler not in SCHEDULERS:
             problems.append(f"trainer.lr_scheduler={out.lr_scheduler!r}: use one of {sorted(SCHEDULERS)}")
-        if out.mixed_precision not in (None, "no", "bf16", "fp16"):
-            problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16 or null")
+        if out.mixed_precision not in (None, "no", "bf16", "fp16", "auto"):
+            problems.append(f"trainer.mixed_precision={out.mixed_precision!r}: use no, bf16, fp16, auto or null")
+        elif out.mixed_precision == "auto":  # a CPU without AVX512-BF16 or AMX emulates bf16, far slower than float32
+            out.mixed_precision = "bf16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu") else "no"
         if out.pack_length is not None and out.pack_length < 1:
             problems.append(f"trainer.pack_length={out.pack_length} must be >= 1 (or null: data.max_length)")
         if out.target_dtype not in TARGET_DTYPES:

@@ -303,7 +303,7 @@ class Medusa1Method(MedusaMethod):
 
     def wrap_module(self, drafter: nn.Module, target) -> nn.Module:
         """Loaded heads as they are (Medusa-1 trains the heads module itself), with their draft vocabulary."""
-        self.token_map = getattr(drafter, "token_map", None)
+        self.token_map = drafter.token_map
         return drafter
 
     def head_logits(self, batch: dict, target, drafter: nn.Module, head_index: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.get("head_type") != "dflash" or not (config.get("heads") or {}).get("freeze_lm_head"):
         raise SettingError(f"{a.heads}: give DFlash heads trained with heads.freeze_lm_head=true (their draft LM head "
                            "is the target's rows, so other rows can replace them); these are "
-                           f"{config.get('head_type')} heads{'' if config.get('head_type') != 'dflash' else ' with a trained LM head'}.")
+                           f"{config.get('head_type')} heads, their draft LM head trained.")
     target = session.target.model
     vocab_size = int(target.config.vocab_size)
     counts = answer_counts(Path(a.data), session.target.tokenizer, vocab_size)

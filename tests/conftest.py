@@ -158,6 +158,27 @@ DECODE_CONFIGS = ("decode", "export", "serve_check", "bench")  # in conf/decode/
 NO_DEVICE_CONFIGS = ("serve_check",)  # configs without a device key (the serve check's target is its model config's)
 
 
+def experiment_heads(name: str) -> str | None:
+    """The heads option conf/experiment/<name>.yaml selects, following the experiments it builds on; None for a shared
+    overlay (debug, cpu_1h) that any family's entry composes with."""
+    from omegaconf import OmegaConf
+
+    for entry in OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml")).get("defaults", []):
+        if isinstance(entry, dict) and "override /heads" in entry:
+            return entry["override /heads"]
+        if isinstance(entry, str) and entry != "_self_" and (CONF / "experiment" / f"{entry}.yaml").exists():
+            found = experiment_heads(entry)
+            if found is not None:
+                return found
+    return None
+
+
+def experiments_for(heads_options: tuple[str, ...]) -> list[str]:
+    """The experiments a family's entry composes: the shared overlays and those selecting one of its heads options."""
+    names = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+    return [n for n in names if experiment_heads(n) in (None, *heads_options)]
+
+
 def compose(config_name: str, overrides: list[str] | None = None):
     """Compose a real entry config (from conf/, or conf/decode/ for decoding and export, as the entry scripts do),
     with overrides."""

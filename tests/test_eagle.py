@@ -893,12 +893,12 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
         cfg = compose("eagle", [f"heads={option}", "experiment=debug", f"run_dir={tmp_path}"])
         module = EagleMethod(cfg).build_module(tiny_target())
         assert module.drafter.variant == option and all(p.requires_grad for p in module.parameters())
-    from conftest import CONF
+    from conftest import experiments_for
 
     from selfspec.train.config import TrainerConfig
 
-    experiments = [p.stem for p in (CONF / "experiment").glob("*.yaml") if not p.stem.startswith(("medusa", "layerskip", "dflash"))]
-    assert "eagle3_llama8b_gpu" in experiments
+    experiments = experiments_for(("eagle", "eagle3"))
+    assert "eagle3_llama8b_gpu" in experiments and "gemma_eagle3_1h" in experiments and "gemma_dflash_1h" not in experiments
     for experiment in experiments:  # shared overlays (debug, cpu_1h) and the EAGLE ones
         cfg = compose("eagle", [f"experiment={experiment}", f"run_dir={tmp_path}"])
         assert EagleMethod(cfg).name == cfg.heads.type and TrainerConfig.from_cfg(cfg.trainer).max_steps >= 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import experiments_for
 
 from selfspec.heads.medusa import (
     expected_accept_length,
@@ -533,7 +534,7 @@ def _options(group: str, skip_prefixes: tuple[str, ...] = ()) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith(skip_prefixes))
 
 
-@pytest.mark.parametrize("experiment", [None] + _options("experiment", ("eagle", "layerskip", "dflash")))
+@pytest.mark.parametrize("experiment", [None] + experiments_for(("medusa", "medusa2")))
 @pytest.mark.parametrize("trainer", _options("trainer"))
 def test_every_trainer_and_experiment_option_composes_and_instantiates(tmp_path, trainer, experiment):
     from conftest import compose

@@ -52,14 +52,24 @@ WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 class ServedFormat:
     export: str  # heads/export.py's format
     method: str | None  # vLLM's speculative method; None: the folder is served itself (``vllm serve <folder>``)
+    hybrid: bool = False  # selfspec's hybrid proposer around vLLM's own (decode/vllm_hybrid.py)
 
-    def run(self, folder: str | Path, k: int) -> dict:
+    def run(self, folder: str | Path, k: int, name: str | None = None) -> dict:
         """The worker's run: the target with ``--speculative-config``, or (speculators) the exported folder alone,
-        which names its verifier and its speculative settings itself."""
+        which names its verifier and its speculative settings itself. A hybrid run names selfspec's hook as vLLM's
+        ``worker_extension_cls`` (selfspec on the worker's ``PYTHONPATH``: :func:`needs_selfspec`) and reports
+        how many chains each drafter sent."""
+        name = name or self.export
         if self.method is None:
-            return {"name": self.export, "model": str(folder), "speculative_config": None}
-        return {"name": self.export,
-                "speculative_config": {"method": self.method, "model": str(folder), "num_speculative_tokens": int(k)}}
+            return {"name": name, "model": str(folder), "speculative_config": None}
+        run = {"name": name,
+               "speculative_config": {"method": self.method, "model": str(folder), "num_speculative_tokens": int(k)}}
+        if self.hybrid:
+            from selfspec.decode.vllm_hybrid import COUNTS_RPC, HOOK
+
+            run["engine"] = {"worker_extension_cls": HOOK}
+            run["rpc"] = COUNTS_RPC
+        return run
 
 
 FORMATS = {
@@ -69,19 +79,42 @@ FORMATS = {
     "speculators": ServedFormat("speculators", None),
     "dflash": ServedFormat("dflash", "dflash"),
 }
+HYBRID = "hybrid"  # the format name of selfspec's hybrid proposer: the family's own export, served through the hook
+
+
+def served_format(fmt: str, head_type: str) -> ServedFormat:
+    """How vLLM serves ``fmt`` for ``head_type`` heads: hybrid is the family's own export (eagle3 or dflash) with
+    selfspec's hybrid proposer around vLLM's."""
+    if fmt == HYBRID:
+        return replace(FORMATS[head_type], hybrid=True)
+    return FORMATS[fmt]
 
 
 def formats_for(head_type: str, head_config: dict) -> list[str]:
-    """Every format these heads (their type and saved ``head_config``) export to that vLLM serves."""
+    """Every format these heads (their type and saved ``head_config``) export to that vLLM serves (the hybrid too,
+    for the families it extends)."""
     if head_type == "medusa":
         return ["vllm"]
     if head_type == "eagle" and not head_config.get("fc_bias", True) and not head_config.get("input_norm", True):
         return ["eagle"]
     if head_type == "eagle3" and head_config.get("layout") == "midlayer":
-        return ["eagle3", "speculators"]
+        return ["eagle3", "speculators", HYBRID]
     if head_type == "dflash":
-        return ["dflash"]
+        return ["dflash", HYBRID]
     return []
+
+
+def default_formats(head_type: str, head_config: dict) -> list[str]:
+    """What a serve check checks when not told: every format but the hybrid (one more vLLM engine; ask for it with
+    formats=[hybrid])."""
+    return [f for f in formats_for(head_type, head_config) if f != HYBRID]
+
+
+def needs_selfspec(runs: list[dict]) -> bool:
+    """Whether any of ``runs`` imports selfspec inside vLLM's venv (a custom_class proposer, or the hybrid's hook)."""
+    return any("worker_extension_cls" in (r.get("engine") or {})
+               or ((r.get("speculative_config") or {}).get("model") or "").startswith("selfspec.")
+               and (r.get("speculative_config") or {}).get("method") == "custom_class" for r in runs)
 
 
 def chain_settings(head_type: str, k: int) -> dict:
@@ -275,15 +308,15 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     head_type = meta["head_type"]
     layout = (meta.get("head_config") or {}).get("layout")
     available = formats_for(head_type, meta.get("head_config") or {})
-    formats = list(formats or available)
+    formats = list(formats or default_formats(head_type, meta.get("head_config") or {}))
     if not formats:
         raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
                            "to vLLM's medusa, EAGLE-1 heads trained with heads.fc_bias=false heads.input_norm=false "
                            "to eagle, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and speculators, "
                            "DFlash heads to dflash.")
     for fmt in formats:
-        if fmt not in FORMATS:
-            raise ServingError(f"format {fmt!r}: vLLM serves {', '.join(FORMATS)}.")
+        if fmt not in FORMATS and fmt != HYBRID:
+            raise ServingError(f"format {fmt!r}: vLLM serves {', '.join([*FORMATS, HYBRID])}.")
         if fmt not in available:
             raise ServingError(f"{head_type} heads (layout={layout}) do not export to {fmt}; they export to "
                                f"{', '.join(available) or 'no vLLM format'}.")
@@ -355,7 +388,8 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     served = served_target_dir(target)
     exports = {}
     for fmt in formats:
-        folder, _ = export_heads(heads_path, out_root / fmt, target, fmt=fmt, vocab=vocab or "auto",
+        served_as = served_format(fmt, head_type)
+        folder, _ = export_heads(heads_path, out_root / fmt, target, fmt=served_as.export, vocab=vocab or "auto",
                                  verifier=str(served), speculative_tokens=settings.k)
         exports[fmt] = folder
     job = {
@@ -369,8 +403,12 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
         # vLLM <= 0.32 loads a Medusa token_map only without its strict weight check (heads/export.py:medusa_vocab)
         "engine": VLLM_TOKEN_MAP_FLAG if vocab == "draft" else {},
         "runs": [{"name": "plain", "speculative_config": None}]
-        + [FORMATS[fmt].run(exports[fmt], settings.k) for fmt in formats],
+        + [served_format(fmt, head_type).run(exports[fmt], settings.k, name=fmt) for fmt in formats],
     }
+    if needs_selfspec(job["runs"]):
+        from selfspec.core.vllm_env import selfspec_pythonpath
+
+        job["pythonpath"] = [selfspec_pythonpath()]
     return CheckPlan(heads=heads_path, head_type=head_type, settings=settings, formats=formats, exports=exports,
                      vocab=vocab, chain=chain, plain=plain, eos=eos, job=job, out_root=out_root)
 
@@ -422,6 +460,9 @@ def serve_checks(plans: list[CheckPlan], venv: str | Path | None = None, timeout
             runs.setdefault(key, {**spec, "name": f"{i}/{run['name']}"})
             names[i][run["name"]] = runs[key]["name"]
     job = {"runs": list(runs.values())}
+    paths = [p for plan in plans for p in plan.job.get("pythonpath") or []]
+    if paths:
+        job["pythonpath"] = list(dict.fromkeys(paths))
     vllm = run_vllm(job, venv, timeout, log_path=log_path, one_process=True)
     by_name = {r["name"]: r for r in vllm["runs"]}
     reports: list[dict | ServingError] = []
@@ -521,6 +562,9 @@ def format_entry(run: dict, ours: list[dict], fmt: str, eos: set[int], settings:
     entry["max_rate_difference"] = max(
         (abs(a - b) for a, b in zip(entry["vllm"]["rates"], entry["selfspec"]["rates"])), default=0.0)
     entry["acceptance_equal"] = entry["max_rate_difference"] <= settings.tolerance
+    if fmt == HYBRID:  # its chains are its own choice each step: nothing of selfspec's engine drafts the same
+        entry["acceptance_equal"] = None
+        entry["sent"] = run.get("rpc_result")  # chains sent per drafter, as the proposer counted them
     return entry
 
 
@@ -545,7 +589,7 @@ def compare(vllm: dict, ours: list[dict], formats: list[str], eos: set[int], set
         run = runs.get(fmt, {"loaded": False, "error": "not run", "prompts": []})
         report["formats"][fmt] = format_entry(run, ours, fmt, eos, settings, report)
     report["ok"] = not report["mismatches"] and all(
-        f["loaded"] and not f["error"] and f["acceptance_equal"] for f in report["formats"].values())
+        f["loaded"] and not f["error"] and f["acceptance_equal"] is not False for f in report["formats"].values())
     return report
 
 
@@ -570,9 +614,11 @@ def format_report(report: dict) -> str:
             continue
         fmt_rates = " ".join(f"{r:.3f}" for r in e["vllm"]["rates"])
         our_rates = " ".join(f"{r:.3f}" for r in e["selfspec"]["rates"])
+        equal = ("not compared (chains sent: " + ", ".join(f"{k or 'none'} {v}" for k, v in (e.get("sent") or {})
+                                                     .items()) + ")" if e["acceptance_equal"] is None else
+                 f"{'yes' if e['acceptance_equal'] else 'NO'} (max diff {e['max_rate_difference']:.3f})")
         lines.append(
-            f"| {fmt} | yes | {'yes' if e['lossless'] else 'NO'} | {fmt_rates} | {our_rates} | "
-            f"{'yes' if e['acceptance_equal'] else 'NO'} (max diff {e['max_rate_difference']:.3f}) | "
+            f"| {fmt} | yes | {'yes' if e['lossless'] else 'NO'} | {fmt_rates} | {our_rates} | {equal} | "
             f"{e['vllm']['tokens_per_s']:.1f} | {e['selfspec']['tokens_per_s']:.1f} | {e['speedup_in_vllm']:.2f}x |")
     for fmt, e in report["formats"].items():
         if not e.get("prompts"):

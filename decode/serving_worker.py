@@ -11,7 +11,8 @@ token ids: both engines decode the very same ids, so no tokenizer or chat templa
 ``warmup`` (prompts decoded first and not reported), ``engine`` (extra ``LLM(...)`` arguments) and ``runs``: each
 ``{"name", "speculative_config"}`` (``null``: plain decoding), with ``model`` where the run serves another folder
 (a speculators export names its verifier itself); a run may set any of the job's other keys for itself too (its
-``engine`` arguments are added to the job's). Every run gets its own ``LLM``; a run whose model does not load is
+``engine`` arguments are added to the job's), and ``rpc``: a method of its ``worker_extension_cls`` whose answer (the
+first worker's) is reported as ``rpc_result`` after the prompts. Every run gets its own ``LLM``; a run whose model does not load is
 reported with the error and the others still run.
 
 The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
@@ -87,6 +88,8 @@ def run_one(job: dict, run: dict) -> dict:
             seconds = time.perf_counter() - t
             counts = difference(spec_counters(llm), before)
             result["prompts"].append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, **counts})
+        if run.get("rpc"):  # a method of the run's worker_extension_cls, called on every worker after the prompts
+            result["rpc_result"] = llm.collective_rpc(run["rpc"])[0]
     except Exception as err:  # noqa: BLE001
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc(limit=8)

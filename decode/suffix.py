@@ -417,15 +417,19 @@ class SuffixDrafter(DrafterBase):
                 probs[node] = min(probs[node], probs[parent])
         return probs
 
-    def record(self, plan: SuffixPlan, accepted: int) -> None:
+    def record(self, plan: SuffixPlan, accepted: int, observed: int | None = None) -> None:
         """The plan's branch was accepted to depth ``accepted``: the calibration learns, per depth, that of the nodes
-        chosen there the one on that branch was accepted (if the branch reached it) and the others were not."""
+        chosen there the one on that branch was accepted (if the branch reached it) and the others were not.
+        ``observed``: only the depths up to it were seen (a plan that was not verified, scored against the target's
+        tokens where they end: decode/vllm_hybrid.py); default all."""
         if not plan.chosen:
             return
         by_depth: dict[int, list[float]] = {}
         for node in plan.chosen:
             by_depth.setdefault(plan.depths[node], []).append(plan.cands.scores[node])
         for depth, scores in sorted(by_depth.items()):
+            if observed is not None and depth > observed:
+                break
             self.calibration.update(plan.bucket, scores, int(accepted >= depth), depth)
 
     @torch.no_grad()

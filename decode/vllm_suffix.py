@@ -66,9 +66,19 @@ class SuffixProposer:
 
     def __init__(self, vllm_config: Any, remember: int = 200_000, max_match: int = 24):
         spec = vllm_config.speculative_config
-        self.k = int(spec.num_speculative_tokens)
-        self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.curve = curve_from_env(self.k)
+        k = int(spec.num_speculative_tokens)
+        self._setup(k, int(vllm_config.model_config.max_model_len), curve_from_env(k), remember, max_match)
+
+    @classmethod
+    def standalone(cls, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000,
+                   max_match: int = 24) -> "SuffixProposer":
+        """The proposer without a vLLM config (the hybrid's suffix part, decode/vllm_hybrid.py)."""
+        out = cls.__new__(cls)
+        out._setup(k, max_model_len, curve, remember, max_match)
+        return out
+
+    def _setup(self, k: int, max_model_len: int, curve: CostCurve, remember: int, max_match: int) -> None:
+        self.k, self.max_model_len, self.curve = k, max_model_len, curve
         self.remember, self.max_match = remember, max_match
         self.rows: dict[int, _Row] = {}
         self.answers: list[list[int]] = []  # finished answers, oldest first
@@ -94,7 +104,9 @@ class SuffixProposer:
             if j != i:
                 other.drafter.remember_answer(answer)
 
-    def _row(self, i: int, history: list[int], new: int) -> _Row:
+    def row(self, i: int, history: list[int], new: int) -> _Row:
+        """Batch row ``i``'s drafter, for a request whose tokens are ``history`` (``new`` of them from this step): the
+        row's own while the history extends what it saw, else a new request's (the old one's answer remembered)."""
         row = self.rows.get(i)
         if row is not None and history[: len(row.history)] == row.history and len(history) > len(row.history):
             return row
@@ -119,17 +131,16 @@ class SuffixProposer:
                 drafts.append([])
                 continue
             history = [int(t) for t in token_ids_cpu[i, :n]]
-            row = self._row(i, history, len(sampled))
+            row = self.row(i, history, len(sampled))
             if row.plan is not None and history[: len(row.history)] == row.history:
                 row.drafter.record(row.plan, len(sampled) - 1)
             row.history = history
-            drafts.append(self._draft(row))
+            plan = self.plan(row)
+            row.plan = plan if plan.chosen else None  # kept to learn from what vLLM accepts
+            drafts.append([plan.cands.tokens[n] for n in plan.chosen])
         return drafts
 
-    def _draft(self, row: _Row) -> list[int]:
-        """The drafter's plan as one chain (``SuffixDrafter(chain=True)``): its tokens, the plan kept to learn from
-        what vLLM accepts."""
+    def plan(self, row: _Row) -> SuffixPlan:
+        """The row's drafter's plan for its history, one chain (``SuffixDrafter(chain=True)``)."""
         state = SimpleNamespace(prompt_length=row.prompt_length, new_tokens=row.history[row.prompt_length:])
-        plan = row.drafter.plan(state, self.k)
-        row.plan = plan if plan.chosen else None
-        return [plan.cands.tokens[n] for n in plan.chosen]
+        return row.drafter.plan(state, self.k)

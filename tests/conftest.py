@@ -66,9 +66,10 @@ def _cores() -> int:
 
 
 # Opt-in markers (registered in pyproject.toml): their tests run only when ``-m`` names the marker (``pytest -m
-# memory``); any other run, the default ``pytest`` included, leaves them out. They measure rather than check a
-# behaviour, which cheaper tests check.
-OPT_IN_MARKERS = ("memory",)
+# memory``); any other run, the default ``pytest`` included, leaves them out. ``memory`` measures rather than checks a
+# behaviour, which cheaper tests check; ``vllm_archs`` is the serving matrix of every tiny architecture in real vLLM
+# (two thirds of the whole suite's time on 2 cores), which .ci/run runs as a stage of its own after the suite.
+OPT_IN_MARKERS = ("memory", "vllm_archs")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -164,7 +164,8 @@ def reports(trained_heads, tmp_path_factory) -> dict:
         # DFlash's k left to auto: its block less one, the K its heads were trained for
         settings = check_settings(k="auto" if family == "dflash" else K, max_new_tokens=MAX_NEW,
                                   out=str(root / family), timeout=900)
-        plans.append(plan_check(heads, prompts(), settings=settings))
+        formats = {"eagle3": ["eagle3", "speculators", "hybrid"], "dflash": ["dflash", "hybrid"]}.get(family)
+        plans.append(plan_check(heads, prompts(), formats, settings=settings))
     return dict(zip(trained_heads, serve_checks(plans, timeout=900, log_path=root / "vllm.log")))
 
 
@@ -173,11 +174,16 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, f
     report = reports[family]
     assert report["k"] == K
     assert not report["mismatches"], report["mismatches"]
-    formats = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}[family]
+    formats = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators", "hybrid"],
+               "dflash": ["dflash", "hybrid"]}[family]
     assert sorted(report["formats"]) == sorted(formats)
     for fmt, entry in report["formats"].items():
         assert entry["loaded"] and not entry["error"], (fmt, entry["error"])
         assert entry["lossless"]
+        if fmt == "hybrid":  # selfspec's hybrid proposer inside vLLM: both drafters' chains were sent and accepted
+            assert entry["acceptance_equal"] is None and entry["vllm"]["accepted"] > 0
+            assert entry["sent"]["trained"] > 0 and entry["sent"]["suffix"] > 0, entry["sent"]
+            continue
         # the heads were trained to be accepted: the comparison has something to compare at every position
         assert all(a > 0 for a in entry["selfspec"]["accepted_per_pos"]), entry["selfspec"]
         assert entry["vllm"]["drafts"] == entry["selfspec"]["drafts"], fmt

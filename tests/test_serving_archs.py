@@ -11,7 +11,8 @@ vLLM's imports are paid once a file.
 The matrix is split over three files of about equal time, so that ``pytest -n`` runs them side by side: this one
 (:data:`ARCHS`: the MLA targets, Gemma 3 and gpt-oss: every refusal), tests/test_serving_archs_qwen.py and
 tests/test_serving_archs_more.py. Each architecture takes about a minute on 2 cores, half of it training the four
-families' heads. Llama's cells are tests/test_serving.py's. ``pytest -m "not vllm_archs"`` leaves the matrix out.
+families' heads. Llama's cells are tests/test_serving.py's. The matrix is opt-in: ``pytest -m vllm_archs`` runs it
+(.ci/run does, after the suite), the default run leaves it out (tests/conftest.py: OPT_IN_MARKERS).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     c = required(cfg, BENCH_KEYS)
     names = method_names(c["methods"])
     questions = load_prompts(c["prompts"], c["limit"], c["per_category"])
-    folders = heads_folders(c["heads"]) if {"heads", "hybrid", "vllm_heads"} & set(names) else []
+    folders = heads_folders(c["heads"]) if {"heads", "hybrid", "vllm_heads", "vllm_hybrid"} & set(names) else []
     # before anything loads: a folder of the user's at out is refused (or moved to a backup with overwrite=true)
     claim(Path(str(c["out"])), "bench", bool(cfg.get("overwrite", False)), setting="out")
     base, sessions = load_sessions(cfg, folders)

@@ -11,7 +11,10 @@ method, its tokens checked against HF generate's with the others.
   curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
-  :func:`selfspec.decode.serving.served_depth`).
+  :func:`selfspec.decode.serving.served_depth`);
+- ``vllm_hybrid``: each EAGLE-3 or DFlash heads folder as ``vllm_heads`` runs it, with selfspec's hybrid proposer
+  around vLLM's (decode/vllm_hybrid.py): per request and step, the trained chain or the suffix drafter's, under
+  selfspec's measured verify cost curve as for ``vllm_selfspec_suffix``.
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
@@ -27,10 +30,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from selfspec.decode.serving import FORMATS, cut_at_eos, formats_for, run_vllm, served_depth, served_target_dir
+from selfspec.decode.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
+                                     served_format, served_target_dir)
 from selfspec.decode.types import DecodeSetupError
 
-VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads")
+VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads", "vllm_hybrid")
 SELFSPEC_SUFFIX = "selfspec.decode.vllm_suffix.SuffixProposer"
 
 
@@ -50,18 +54,21 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
     if "vllm_selfspec_suffix" in names:
         runs.append({"name": "vllm_selfspec_suffix", "speculative_config": {
             "method": "custom_class", "model": SELFSPEC_SUFFIX, "num_speculative_tokens": suffix_k}})
-    if "vllm_heads" in names:
-        for label, (s, heads_path) in heads.items():
-            meta = s.heads_config or {}
-            fmts = formats_for(meta.get("head_type", ""), meta.get("head_config") or {})
-            if not fmts:
-                continue
-            depth = served_depth(meta, k)
-            folder, fmt = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-"))
-                                       .resolve(), s.target, fmt=fmts[0], verifier=str(served),
-                                       speculative_tokens=depth)
-            run = FORMATS[fmt].run(folder, depth)
-            runs.append({**run, "name": f"vllm:{label}"})
+    for label, (s, heads_path) in heads.items():
+        meta = s.heads_config or {}
+        head_type = meta.get("head_type", "")
+        fmts = formats_for(head_type, meta.get("head_config") or {})
+        wanted = [(f"vllm:{label}", fmts[0])] if fmts and "vllm_heads" in names else []
+        if HYBRID in fmts and "vllm_hybrid" in names:
+            wanted.append((f"vllm_hybrid:{label}", HYBRID))
+        if not wanted:
+            continue
+        depth = served_depth(meta, k)
+        served_as = served_format(fmts[0], head_type)
+        folder, _ = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-")).resolve(), s.target,
+                                 fmt=served_as.export, verifier=str(served), speculative_tokens=depth)
+        for name, fmt in wanted:
+            runs.append(served_format(fmt, head_type).run(folder, depth, name=name))
     return runs
 
 
@@ -76,8 +83,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     served = served_target_dir(base.target)
     runs = vllm_runs(names, heads, out, served, k, suffix_k)
     if not runs:
-        raise DecodeSetupError("vllm_heads: none of the heads folders has a vLLM format (Medusa-1, EAGLE-3 with "
-                               "heads.layout=midlayer, or DFlash).")
+        raise DecodeSetupError("vllm_heads / vllm_hybrid: none of the heads folders has a vLLM format (Medusa-1, "
+                               "EAGLE-3 with heads.layout=midlayer, or DFlash; the hybrid: EAGLE-3 or DFlash).")
     s = base.settings
     eos = sorted(base.decoder.eos_token_ids)
     model = base.target.model
@@ -86,7 +93,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_model_len": min(limit, max(map(len, prompts)) + s.max_new_tokens + k + 8),
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
-    if "vllm_selfspec_suffix" in names:  # selfspec's proposer imports from this repository, inside vLLM's venv
+    if needs_selfspec(runs):  # selfspec's proposers import from this installation, inside vLLM's venv
         from selfspec.core.vllm_env import selfspec_pythonpath
         from selfspec.decode.adaptive import measured_cost_curve
 
@@ -97,7 +104,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):
         info[run["name"]] = {"vllm": result.get("vllm_version"), "speculative_config": spec.get("speculative_config"),
-                             "loaded": run["loaded"], "error": run.get("error")}
+                             "loaded": run["loaded"], "error": run.get("error"), "sent": run.get("rpc_result")}
         if not run["loaded"] or run.get("error"):
             continue
         records[run["name"]] = {

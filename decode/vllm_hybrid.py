@@ -1,0 +1,321 @@
+"""selfspec's hybrid drafter as a vLLM proposer: each step a trained drafter (EAGLE-3 or DFlash, run by vLLM's own
+proposer on the target's hidden states) and selfspec's suffix drafter (decode/suffix.py) both draft, and each request
+is sent the chain expected to yield the most tokens per verify cost. Started with vLLM's ``worker_extension_cls``:
+
+    LLM(target, speculative_config={"method": "dflash", "model": "<heads exported with format=dflash>",
+                                    "num_speculative_tokens": k},
+        worker_extension_cls="selfspec.decode.vllm_hybrid.HybridHook")
+
+(``"method": "eagle3"`` with an EAGLE-3 export), with this repository on vLLM's ``PYTHONPATH``; docs/serving.md.
+
+**How it hooks in (vLLM 0.32, the V1 model runner, as vLLM's CPU build runs it).** vLLM picks a proposer by the
+method's name, and only its EAGLE/DFlash proposers are handed the target's hidden states; a ``custom_class`` proposer
+sees token ids alone. vLLM's worker imports the module named by ``worker_extension_cls`` before it builds its model
+runner, so importing this module replaces the runner module's ``EagleProposer`` and ``DFlashProposer`` with
+subclasses (:func:`install`). The subclasses behave exactly as vLLM's own unless the engine's
+``parallel_config.worker_extension_cls`` names :data:`HOOK`, so another engine in the same process is untouched.
+
+**Each step, per request** (:class:`HybridRows`):
+
+1. vLLM's proposer drafts its chain as it always does (greedy), and the subclass keeps each drafted token's probability
+   under the drafter (its softmax, from the logits it already computes);
+2. the trained chain's tokens are worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per
+   position and per bin of the drafter's probability, learned from what vLLM accepted), cut to the prefix with the most
+   expected tokens per verify cost;
+3. the suffix drafter plans its chain as decode/vllm_suffix.py does (adaptive length, calibrated online);
+4. the chain with more expected tokens (one for the bonus token, plus the chain's) per verify cost is returned, as a
+   list per request (vLLM's CPU runner schedules drafts of any length up to ``num_speculative_tokens``).
+
+What was accepted comes back with the next step (the sampled tokens, ``-1`` after the first rejection): the chain that
+was sent learns from it; under greedy decoding the chain that was not sent learns too, from the target's own tokens
+(its tokens up to the first that differs from them), so neither drafter's estimate starves while the other is chosen.
+
+Every chain is verified by vLLM's own rejection sampler: the output is the target's. With vLLM's default greedy
+drafting (``draft_sample_method="greedy"``) a draft carries no probabilities, so a swapped row is a point-mass draft
+and stays lossless under sampling too.
+
+The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for decode/vllm_suffix.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from selfspec.decode.adaptive import CostCurve
+from selfspec.decode.suffix import SuffixPlan
+from selfspec.decode.vllm_suffix import SuffixProposer
+
+HOOK = "selfspec.decode.vllm_hybrid.HybridHook"
+METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
+
+
+@dataclass
+class ChainCalibration:
+    """The chance that a trained drafter's token at chain position ``j`` is accepted, given that the positions before
+    it were, by position (the last bucket holding every later one) and by the drafter's own probability of the token
+    (``bins`` equal bins): accepted / seen per cell, shrunk towards the drafter's probability by ``prior_weight``
+    tokens."""
+
+    bins: int = 10
+    positions: int = 4
+    prior_weight: float = 4.0
+    seen: dict[tuple[int, int], float] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def _cell(self, position: int, prob: float) -> tuple[int, int]:
+        return min(position, self.positions - 1), min(int(prob * self.bins), self.bins - 1)
+
+    def prob(self, position: int, prob: float) -> float:
+        cell = self._cell(position, prob)
+        w = self.prior_weight
+        return (self.accepted.get(cell, 0.0) + w * prob) / (self.seen.get(cell, 0.0) + w)
+
+    def probs(self, confidences: Sequence[float]) -> list[float]:
+        return [self.prob(j, c) for j, c in enumerate(confidences)]
+
+    def record(self, confidences: Sequence[float], accepted: int, observed: int) -> None:
+        """The chain's first ``accepted`` tokens were accepted; of its first ``observed`` positions, those past them
+        were not seen accepted (``observed`` = ``accepted`` + 1 when the next one was rejected, ``accepted`` when what
+        followed is unknown)."""
+        for j, c in enumerate(confidences[:observed]):
+            cell = self._cell(j, c)
+            self.seen[cell] = self.seen.get(cell, 0.0) + 1.0
+            self.accepted[cell] = self.accepted.get(cell, 0.0) + float(j < accepted)
+
+
+def expected_prefix(probs: Sequence[float], curve: CostCurve) -> tuple[int, float]:
+    """The chain prefix length n (0 ... len(probs)) with the most expected tokens per verify cost, (1 + the
+    expected accepted drafted tokens) / cost(1 + n), and its expected accepted drafted tokens."""
+    best_n, best_expected, best_rate = 0, 0.0, 1.0 / curve.cost(1)
+    alive, expected = 1.0, 0.0
+    for n, p in enumerate(probs, start=1):
+        alive *= p
+        expected += alive
+        rate = (1.0 + expected) / curve.cost(1 + n)
+        if rate > best_rate:
+            best_n, best_expected, best_rate = n, expected, rate
+    return best_n, best_expected
+
+
+def matched(chain: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
+    """What greedy verification would have accepted of ``chain`` where the target's own next tokens were ``target``
+    (the accepted tokens and the bonus token): (accepted, observed), ``observed`` as in
+    :meth:`ChainCalibration.record` (a chain that agrees with all of ``target`` and goes on is cut there)."""
+    n = 0
+    while n < len(chain) and n < len(target) and chain[n] == target[n]:
+        n += 1
+    rejected = n < len(chain) and n < len(target)
+    return n, n + int(rejected)
+
+
+@dataclass
+class _Sent:
+    """What a request was sent last step: the trained and suffix chains (whichever was sent, ``kind``)."""
+
+    kind: str  # "trained", "suffix" or "" (nothing)
+    length: int  # tokens sent
+    trained: list[int]
+    confidences: list[float]
+    suffix: SuffixPlan | None
+    suffix_tokens: list[int]
+
+
+class HybridRows:
+    """The hybrid's choice per request and its learning, apart from vLLM (tests drive it with plain lists).
+
+    ``step(i, request, history, new, trained, confidences, greedy)``: batch row ``i`` holds ``request`` whose tokens
+    so far are ``history`` (prompt and answer, the ``new`` tokens of this step last); the trained drafter proposed
+    ``trained`` with ``confidences``. Returns the chain to send."""
+
+    def __init__(self, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000, max_match: int = 24):
+        self.k, self.curve = k, curve
+        self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
+        self.calibration = ChainCalibration()
+        self.sent: dict[str, _Sent] = {}
+        self.counts = {"trained": 0, "suffix": 0, "": 0}  # chains sent, by kind
+
+    def step(self, i: int, request: str, history: list[int], new: list[int], trained: list[int],
+             confidences: list[float], greedy: bool) -> list[int]:
+        row = self.suffix.row(i, history, len(new))
+        last = self.sent.pop(request, None)
+        if last is not None and new:
+            self._learn(last, new, row, greedy)
+        row.history = history
+        row.plan = None
+        plan = self.suffix.plan(row)
+        suffix_tokens = [plan.cands.tokens[n] for n in plan.chosen]
+        probs = self.calibration.probs(confidences)
+        n, trained_expected = expected_prefix(probs, self.curve)
+        trained_rate = (1.0 + trained_expected) / self.curve.cost(1 + n)
+        suffix_rate = (1.0 + plan.expected) / self.curve.cost(1 + len(suffix_tokens))
+        if suffix_tokens and suffix_rate > trained_rate:
+            kind, chain = "suffix", suffix_tokens
+        elif n:
+            kind, chain = "trained", list(trained[:n])
+        else:
+            kind, chain = "", []
+        self.counts[kind] += 1
+        self.sent[request] = _Sent(kind, len(chain), list(trained), list(confidences),
+                                   plan if plan.chosen else None, suffix_tokens)
+        return chain
+
+    def _learn(self, last: _Sent, new: list[int], row: Any, greedy: bool) -> None:
+        """Both chains learn from this step's tokens. Under greedy decoding the target's own tokens say how far
+        either chain would have been accepted (:func:`matched`), so the one not sent learns too; under sampling only
+        the chain sent learns, from what vLLM accepted of it."""
+        accepted = len(new) - 1
+        if greedy:
+            if last.trained:
+                self.calibration.record(last.confidences, *matched(last.trained, new))
+            if last.suffix is not None:
+                row.drafter.record(last.suffix, *matched(last.suffix_tokens, new))
+        elif last.kind == "trained":
+            n = min(accepted, last.length)
+            self.calibration.record(last.confidences, n, min(n + 1, last.length))
+        elif last.kind == "suffix" and last.suffix is not None:
+            row.drafter.record(last.suffix, accepted)
+
+    def finish(self, live: set[str]) -> None:
+        """Forget what was sent to requests no longer in the batch."""
+        for request in [r for r in self.sent if r not in live]:
+            del self.sent[request]
+
+
+COUNTS_RPC = "selfspec_hybrid_counts"
+
+
+class HybridHook:
+    """vLLM's ``worker_extension_cls``: importing this module installs the hybrid proposers. Its one method, called
+    with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far."""
+
+    def selfspec_hybrid_counts(self) -> dict[str, int]:
+        rows = getattr(self.model_runner.drafter, "_rows", None)
+        if rows is None:
+            raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
+                               f"must be one of {', '.join(METHODS)}).")
+        return dict(rows.counts)
+
+
+def _hybrid(base: type) -> type:
+    """``base`` (vLLM's EagleProposer or DFlashProposer) drafting as the hybrid when its engine names :data:`HOOK`."""
+    import torch
+
+    class Hybrid(base):  # type: ignore[misc, valid-type]
+        def __init__(self, vllm_config: Any, device: Any, runner: Any = None):
+            super().__init__(vllm_config, device, runner)
+            self._rows: HybridRows | None = None
+            if getattr(vllm_config.parallel_config, "worker_extension_cls", None) != HOOK:
+                return  # an engine that did not ask for the hybrid: vLLM's own proposer
+            spec = vllm_config.speculative_config
+            if spec.method not in METHODS:  # EAGLE-1's proposer; other methods: the runner's check (install)
+                raise ValueError(f"selfspec's hybrid proposer extends vLLM's {' and '.join(METHODS)} proposers, not "
+                                 f"{spec.method!r}: export the heads with format=eagle3 or dflash.")
+            if getattr(self, "use_local_argmax_reduction", False):
+                raise ValueError("selfspec's hybrid proposer needs the drafter's logits; this vLLM reduces them "
+                                 "across tensor-parallel ranks (use_local_argmax_reduction): serve it with "
+                                 "tensor_parallel_size=1.")
+            from selfspec.decode.vllm_suffix import curve_from_env
+
+            k = int(spec.num_speculative_tokens)
+            self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), curve_from_env(k))
+            self._confidences: list[torch.Tensor] = []
+            self._sampled: Any = None
+            self._discard: Any = None
+            self._batch: Any = None
+
+        def prepare_next_token_ids_padded(self, sampled_token_ids, requests, input_batch, discard_request_mask):
+            if self._rows is not None:
+                self._sampled, self._batch, self._discard = sampled_token_ids, input_batch, discard_request_mask
+            return super().prepare_next_token_ids_padded(sampled_token_ids, requests, input_batch,
+                                                         discard_request_mask)
+
+        def _greedy_sample(self, hidden_states):
+            if self._rows is None:
+                return super()._greedy_sample(hidden_states)
+            logits = self.model.compute_logits(hidden_states)
+            if self.use_heterogeneous_vocab:
+                logits = self.vocab_mapping.constrain_draft_logits(logits)
+            ids = logits.argmax(dim=-1)  # vLLM's own draft, unchanged
+            probs = torch.softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            self._confidences.append(probs)
+            if self.use_heterogeneous_vocab:
+                ids = self.vocab_mapping.map_draft_to_target_ids(ids)
+            return ids
+
+        def propose(self, *args, **kwargs):
+            if self._rows is None:
+                return super().propose(*args, **kwargs)
+            self._confidences = []
+            drafts = super().propose(*args, **kwargs)
+            if self._batch is None:
+                raise RuntimeError("selfspec's hybrid proposer needs vLLM's padded drafter batch "
+                                   "(speculative_config disable_padded_drafter_batch=false).")
+            sampling = kwargs.get("sampling_metadata")
+            greedy = bool(getattr(sampling, "all_greedy", False))
+            return self._choose(drafts, greedy)
+
+        def _choose(self, drafts, greedy: bool) -> list[list[int]]:
+            batch, rows = self._batch, self._rows
+            n_rows, k = drafts.shape
+            trained = drafts.cpu().tolist()
+            if not self._confidences or k == 0:
+                confidences = [[0.0] * k for _ in range(n_rows)]
+            elif len(self._confidences) == 1:  # parallel drafting (DFlash) or one token: every position at once
+                confidences = self._confidences[0].view(n_rows, k).cpu().tolist()
+            else:
+                confidences = torch.stack(self._confidences, dim=1).cpu().tolist()
+            sampled = self._sampled.cpu().tolist()
+            discard = self._discard[:n_rows].cpu().tolist() if self._discard is not None else [False] * n_rows
+            out = []
+            for i in range(n_rows):
+                request = batch.req_ids[i]
+                new = []
+                for t in sampled[i]:
+                    if t < 0:
+                        break
+                    new.append(int(t))
+                if discard[i] or not new:  # a prefill chunk: no token this step
+                    out.append([])
+                    continue
+                n = int(batch.num_tokens_no_spec[i])
+                history = [int(t) for t in batch.token_ids_cpu[i, :n]] + new
+                out.append(rows.step(i, request, history, new, trained[i], confidences[i], greedy))
+            rows.finish(set(batch.req_ids[:n_rows]))
+            return out
+
+    Hybrid.__name__ = Hybrid.__qualname__ = f"Hybrid{base.__name__}"
+    return Hybrid
+
+
+def install() -> bool:
+    """Replace vLLM's V1 model runner's EAGLE and DFlash proposers by their hybrid subclasses (once); False where
+    vLLM is not importable (selfspec's own venv)."""
+    try:
+        import vllm.v1.worker.gpu_model_runner as runner
+    except ImportError:
+        return False
+    if getattr(runner, "_selfspec_hybrid", False):
+        return True
+    missing = [name for name in ("EagleProposer", "DFlashProposer") if not hasattr(runner, name)]
+    if missing:
+        raise ImportError(f"selfspec's hybrid proposer: this vLLM's model runner has no {', '.join(missing)}; it "
+                          "needs vLLM 0.32's V1 runner (.ci/vllm-constraints.txt).")
+    runner.EagleProposer = _hybrid(runner.EagleProposer)
+    runner.DFlashProposer = _hybrid(runner.DFlashProposer)
+    built = runner.GPUModelRunner.__init__
+
+    def init(self, vllm_config, *args, **kwargs):  # an engine that names the hook drafts with the hybrid, or fails
+        built(self, vllm_config, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        if vllm_config.parallel_config.worker_extension_cls == HOOK and (spec is None or spec.method not in METHODS):
+            raise ValueError(f"selfspec's hybrid proposer ({HOOK}) extends vLLM's {' and '.join(METHODS)} "
+                             f"proposers; this engine's speculative method is {getattr(spec, 'method', None)!r}: "
+                             "export the heads with format=eagle3 or dflash and name that method.")
+
+    runner.GPUModelRunner.__init__ = init
+    runner._selfspec_hybrid = True
+    return True
+
+
+install()

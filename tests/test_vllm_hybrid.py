@@ -1,0 +1,100 @@
+"""decode/vllm_hybrid.py's choice and learning, apart from vLLM (tests/test_serving.py runs it inside vLLM): per
+request, the chain with more expected tokens per verify cost; the trained drafter's acceptance calibrated from what
+was accepted, so a confident drafter that is always wrong stops being sent, and the suffix drafter's chain is sent
+where the text repeats."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfspec.decode.adaptive import CostCurve
+from selfspec.decode.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched
+
+FLAT = CostCurve.from_relative({1: 1.0, 9: 1.0})  # verifying is free up to 9 tokens
+LINEAR = CostCurve.from_relative({1: 1.0, 9: 9.0})  # each verified token costs what one step does
+
+
+def test_the_prefix_that_pays_under_the_verify_cost():
+    assert expected_prefix([0.9, 0.9, 0.1], FLAT) == pytest.approx((3, 0.9 + 0.81 + 0.081))
+    # cost growing with every token: (1 + 0.9) / 2 < 1, so the root alone
+    assert expected_prefix([0.9, 0.9, 0.1], LINEAR) == (0, 0.0)
+    curve = CostCurve.from_relative({1: 1.0, 3: 1.0, 4: 3.0})  # two drafted tokens free, a third triples the cost
+    assert expected_prefix([0.9, 0.9, 0.9], curve) == pytest.approx((2, 0.9 + 0.81))
+
+
+def test_matched_is_what_greedy_verification_would_accept():
+    assert matched([5, 6, 7], [5, 6, 9, 1]) == (2, 3)  # rejected at the third
+    assert matched([5, 6], [5, 6, 9]) == (2, 2)  # all accepted
+    assert matched([5, 6, 7, 8], [5, 6]) == (2, 2)  # the target's tokens end: what follows is unknown
+    assert matched([4], [5]) == (0, 1)
+
+
+def test_calibration_starts_at_the_drafters_probability_and_learns():
+    cal = ChainCalibration()
+    assert cal.prob(0, 0.95) == pytest.approx(0.95)
+    for _ in range(40):
+        cal.record([0.95, 0.95], accepted=0, observed=1)  # always rejected at the first token
+    assert cal.prob(0, 0.95) < 0.1
+    assert cal.prob(1, 0.95) == pytest.approx(0.95)  # never observed: still the prior
+    assert cal.prob(0, 0.35) == pytest.approx(0.35)  # another bin
+
+
+def _decode(rows: HybridRows, target: list[int], prompt: list[int], trained_of, steps: int = 200,
+            request: str = "r") -> list[str]:
+    """Drive ``rows`` as vLLM would at greedy decoding where the target's answer is ``target``: each step the sent
+    chain is verified against it, and what was accepted plus the bonus token is the next step's ``new``."""
+    kinds = []
+    history = prompt + target[:1]
+    new = target[:1]
+    while len(history) - len(prompt) < min(len(target), steps):
+        done = len(history) - len(prompt)
+        trained, confidences = trained_of(done)
+        chain = rows.step(0, request, list(history), list(new), trained, confidences, greedy=True)
+        kinds.append(rows.sent[request].kind)
+        truth = target[done:]
+        accepted, _ = matched(chain, truth)
+        new = truth[: accepted + 1]
+        if not new:
+            break
+        history += new
+    return kinds
+
+
+def test_a_confident_but_wrong_drafter_gives_way_to_plain_steps_and_a_good_one_is_sent():
+    curve = CostCurve.from_relative({1: 1.0, 9: 1.8})  # each verified token costs a tenth of a step more
+    target = [(7 * i + 3) % 50 + 10 for i in range(120)]
+    wrong = HybridRows(k=3, max_model_len=512, curve=curve)
+    kinds = _decode(wrong, target, [1, 2, 3], lambda done: ([1, 1, 1], [0.99, 0.99, 0.99]))
+    assert kinds[0] == "trained" and "trained" not in kinds[-20:]
+    right = HybridRows(k=3, max_model_len=512, curve=curve)
+    kinds = _decode(right, target, [1, 2, 3], lambda done: (target[done:done + 3], [0.6, 0.6, 0.6]))
+    assert kinds[:20] == ["trained"] * 20 and len(kinds) == 30  # every step: three drafted tokens and the bonus
+    assert right.calibration.prob(0, 0.6) > 0.8  # learned that its 0.6 means more
+
+
+def test_the_suffix_chain_is_sent_where_the_text_repeats_and_the_trained_one_elsewhere():
+    curve = CostCurve.from_relative({1: 1.0, 4: 1.0, 8: 1.5})
+    novel = [(7 * i + 3) % 50 + 10 for i in range(40)]
+    loop = [90, 91, 92, 93, 94, 95, 96, 97]
+    target = novel + loop * 8  # new text, then a phrase repeated
+
+    def trained_of(done):  # half right: its first token only
+        return [target[done], 0, 0] if done < len(target) else [0, 0, 0], [0.7, 0.7, 0.7]
+
+    rows = HybridRows(k=6, max_model_len=512, curve=curve)
+    kinds = _decode(rows, target, [1, 2, 3], trained_of)
+    assert "trained" in kinds[:10] and kinds[-5:] == ["suffix"] * 5
+    assert rows.counts["suffix"] >= 5 and rows.counts["trained"] >= 10
+
+
+def test_each_request_learns_from_its_own_last_chain_and_finished_ones_are_forgotten():
+    rows = HybridRows(k=3, max_model_len=512, curve=FLAT)
+    rows.step(0, "a", [1, 2, 3, 4], [4], [5, 6, 7], [0.9, 0.9, 0.9], greedy=True)
+    rows.step(1, "b", [8, 9, 10], [10], [11, 12, 13], [0.9, 0.9, 0.9], greedy=True)
+    assert set(rows.sent) == {"a", "b"}
+    # a's chain [5, 6, 7]: the target's next tokens were 5, 9 (one accepted, then its own): a rejection at position 1
+    rows.step(0, "a", [1, 2, 3, 4, 5, 9], [5, 9], [1, 1, 1], [0.9, 0.9, 0.9], greedy=True)
+    assert rows.calibration.seen == {(0, 9): 1.0, (1, 9): 1.0} and rows.calibration.accepted == {(0, 9): 1.0,
+                                                                                                    (1, 9): 0.0}
+    rows.finish({"a"})
+    assert set(rows.sent) == {"a"}

@@ -98,3 +98,38 @@ def test_each_request_learns_from_its_own_last_chain_and_finished_ones_are_forgo
                                                                                                     (1, 9): 0.0}
     rows.finish({"a"})
     assert set(rows.sent) == {"a"}
+
+
+def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(monkeypatch, tmp_path):
+    """scripts/bench.py's vllm_hybrid row and serve_check's hybrid format: the family's own vLLM export (dflash,
+    eagle3) with the hook as vLLM's worker_extension_cls and the counts asked back; selfspec on vLLM's PYTHONPATH;
+    heads without a hybrid (Medusa) get no such row."""
+    from types import SimpleNamespace
+
+    import selfspec.heads.export as export
+    from selfspec.decode.bench.vllm import vllm_runs
+    from selfspec.decode.serving import default_formats, formats_for, needs_selfspec
+    from selfspec.decode.vllm_hybrid import COUNTS_RPC, HOOK
+
+    exported = []
+
+    def fake_export(heads_path, out, target, fmt, verifier, speculative_tokens):
+        exported.append(fmt)
+        return out, fmt
+
+    monkeypatch.setattr(export, "export_heads", fake_export)
+    heads = {"dflash:d": (SimpleNamespace(heads_config={"head_type": "dflash", "head_config": {"block_size": 3}},
+                                          target=None), "d"),
+             "medusa:m": (SimpleNamespace(heads_config={"head_type": "medusa", "head_config": {"num_heads": 3}},
+                                          target=None), "m")}
+    runs = vllm_runs(["vllm_heads", "vllm_hybrid"], heads, tmp_path, tmp_path, k=3)
+    by_name = {r["name"]: r for r in runs}
+    assert sorted(by_name) == ["vllm:dflash:d", "vllm:medusa:m", "vllm_hybrid:dflash:d"]
+    hybrid = by_name["vllm_hybrid:dflash:d"]
+    assert hybrid["speculative_config"] == {**by_name["vllm:dflash:d"]["speculative_config"]}
+    assert hybrid["speculative_config"]["method"] == "dflash" and hybrid["speculative_config"]["num_speculative_tokens"] == 2
+    assert hybrid["engine"] == {"worker_extension_cls": HOOK} and hybrid["rpc"] == COUNTS_RPC
+    assert exported == ["dflash", "vllm"]  # one export serves both DFlash rows
+    assert needs_selfspec([hybrid]) and not needs_selfspec([by_name["vllm:dflash:d"]])
+    assert formats_for("eagle3", {"layout": "midlayer"})[-1] == "hybrid"
+    assert default_formats("dflash", {}) == ["dflash"]  # the serve check asks for the hybrid by name

@@ -183,6 +183,25 @@ class HybridRows:
 
 
 COUNTS_RPC = "selfspec_hybrid_counts"
+TRAINED_TOKENS_ENV = "SELFSPEC_VLLM_HYBRID_TRAINED"  # tokens an EAGLE-3 drafter drafts a step (default below)
+EAGLE_TRAINED_TOKENS = 3  # an EAGLE-3 drafter's chain when not told (scripts/bench.py's vllm_speculative_tokens)
+
+
+def trained_tokens(method: str, draft_config: Any, k: int) -> int:
+    """How many tokens the trained drafter drafts a step inside vLLM's ``num_speculative_tokens`` = ``k`` (the
+    longest chain the hybrid sends, the suffix drafter's): a DFlash drafter its own block less its first slot (vLLM
+    fills 1 + n query slots of a block that attends non-causally, so another length drafts other tokens than the block
+    it was trained on); an EAGLE-3 drafter ``$SELFSPEC_VLLM_HYBRID_TRAINED``, else :data:`EAGLE_TRAINED_TOKENS`;
+    never more than ``k``."""
+    import os
+
+    if method == "dflash":
+        block = getattr(draft_config, "block_size", None) or (getattr(draft_config, "dflash_config", None) or {}).get(
+            "block_size")
+        n = int(block) - 1 if block else k
+    else:
+        n = int(os.environ.get(TRAINED_TOKENS_ENV) or EAGLE_TRAINED_TOKENS)
+    return max(1, min(n, k))
 
 
 class HybridHook:
@@ -218,6 +237,7 @@ def _hybrid(base: type) -> type:
             from selfspec.decode.vllm_suffix import curve_from_env
 
             k = int(spec.num_speculative_tokens)
+            self._own_k = trained_tokens(spec.method, spec.draft_model_config.hf_config, k)
             self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), curve_from_env(k))
             self._confidences: list[torch.Tensor] = []
             self._sampled: Any = None
@@ -247,6 +267,8 @@ def _hybrid(base: type) -> type:
             if self._rows is None:
                 return super().propose(*args, **kwargs)
             self._confidences = []
+            if not args and kwargs.get("num_speculative_tokens", 0) > self._own_k:  # the runner passes keywords
+                kwargs["num_speculative_tokens"] = self._own_k  # the trained drafter's own length; the suffix's: k
             drafts = super().propose(*args, **kwargs)
             if self._batch is None:
                 raise RuntimeError("selfspec's hybrid proposer needs vLLM's padded drafter batch "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from selfspec.decode.adaptive import CostCurve
-from selfspec.decode.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched
+from selfspec.decode.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched, trained_tokens
 
 FLAT = CostCurve.from_relative({1: 1.0, 9: 1.0})  # verifying is free up to 9 tokens
 LINEAR = CostCurve.from_relative({1: 1.0, 9: 9.0})  # each verified token costs what one step does
@@ -122,14 +122,29 @@ def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(
                                           target=None), "d"),
              "medusa:m": (SimpleNamespace(heads_config={"head_type": "medusa", "head_config": {"num_heads": 3}},
                                           target=None), "m")}
-    runs = vllm_runs(["vllm_heads", "vllm_hybrid"], heads, tmp_path, tmp_path, k=3)
+    runs = vllm_runs(["vllm_heads", "vllm_hybrid"], heads, tmp_path, tmp_path, k=3, suffix_k=8)
     by_name = {r["name"]: r for r in runs}
     assert sorted(by_name) == ["vllm:dflash:d", "vllm:medusa:m", "vllm_hybrid:dflash:d"]
     hybrid = by_name["vllm_hybrid:dflash:d"]
-    assert hybrid["speculative_config"] == {**by_name["vllm:dflash:d"]["speculative_config"]}
-    assert hybrid["speculative_config"]["method"] == "dflash" and hybrid["speculative_config"]["num_speculative_tokens"] == 2
+    plain = by_name["vllm:dflash:d"]["speculative_config"]
+    assert plain["method"] == "dflash" and plain["num_speculative_tokens"] == 2  # its block less one
+    # the hybrid: the same export, chains as long as the suffix proposer's (the DFlash drafter drafts its own block)
+    assert hybrid["speculative_config"] == {**plain, "num_speculative_tokens": 8}
     assert hybrid["engine"] == {"worker_extension_cls": HOOK} and hybrid["rpc"] == COUNTS_RPC
     assert exported == ["dflash", "vllm"]  # one export serves both DFlash rows
     assert needs_selfspec([hybrid]) and not needs_selfspec([by_name["vllm:dflash:d"]])
     assert formats_for("eagle3", {"layout": "midlayer"})[-1] == "hybrid"
     assert default_formats("dflash", {}) == ["dflash"]  # the serve check asks for the hybrid by name
+
+
+def test_the_trained_drafter_drafts_its_own_length_inside_the_hybrids_longer_chains(monkeypatch):
+    """A DFlash drafter drafts its own block less one whatever vLLM's k (a longer block would draft other tokens); an
+    EAGLE-3 drafter what $SELFSPEC_VLLM_HYBRID_TRAINED says, else 3; neither more than k."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("SELFSPEC_VLLM_HYBRID_TRAINED", raising=False)
+    assert trained_tokens("dflash", SimpleNamespace(block_size=3), 8) == 2
+    assert trained_tokens("dflash", SimpleNamespace(dflash_config={"block_size": 16}), 8) == 8
+    assert trained_tokens("eagle3", SimpleNamespace(), 8) == 3
+    monkeypatch.setenv("SELFSPEC_VLLM_HYBRID_TRAINED", "5")
+    assert trained_tokens("eagle3", SimpleNamespace(), 8) == 5 and trained_tokens("eagle3", SimpleNamespace(), 4) == 4

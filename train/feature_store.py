@@ -197,12 +197,12 @@ class EngineExtract:
                 raise FeatureStoreError(f"feature_store.engine=vllm: {reason}")
             return VllmHiddenStates(self.extract, source.model, source.settings.get("vllm") or {}, source.max_length,
                                     source.run_dir / "features-vllm.log")
-        if getattr(self.target, "parts", None) is not None:  # the trainer holds parts of the target
+        if self.target.parts is not None:  # the trainer holds parts of the target
             return WholeTargetExtract(self.extract, self.target)  # (core/target_parts.py): the rest is loaded
         return self.extract
 
     def close(self) -> None:
-        if self.engine is not None and hasattr(self.engine, "close"):
+        if isinstance(self.engine, (VllmHiddenStates, WholeTargetExtract)):  # the HF extract holds nothing to close
             self.engine.close()
         self.engine = None
 

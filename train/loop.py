@@ -525,7 +525,7 @@ def _finish(run: _Run, progress: _Progress, heads_dir: Path) -> TrainResult:
         history=progress.history, train_tokens=progress.trained_tokens,
         train_tokens_per_s=progress.trained_tokens / progress.train_time if progress.train_time > 0 else 0.0,
         wall_s=time.perf_counter() - progress.started, peak_memory_bytes=peak_memory_bytes(run.accelerator.device),
-        whole_target=getattr(run.target, "parts", None) is None,
+        whole_target=run.target.parts is None,
         last_checkpoint=progress.last_checkpoint,
     )
     if run.is_main:

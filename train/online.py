@@ -303,7 +303,7 @@ class OnlineLearner:
         except NotImplementedError as err:
             raise LearnSetupError(f"learn=true cannot train these {head_type} heads: {err} (Medusa-2's heads fit "
                                   "the target with its adapter). Decode with learn=false.") from err
-        self.core = getattr(self.module, "drafter", self.module)  # the heads inside the training module
+        self.core = drafter  # the heads inside the training module (wrap_module trains them in place)
         groups = self.method.param_groups(self.module, settings.learning_rate)
         self.params = [p for g in groups for p in g["params"]]
         self.optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)

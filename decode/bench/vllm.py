@@ -13,8 +13,9 @@ method, its tokens checked against HF generate's with the others.
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
   :func:`selfspec.decode.serving.served_depth`);
 - ``vllm_hybrid``: each EAGLE-3 or DFlash heads folder as ``vllm_heads`` runs it, with selfspec's hybrid proposer
-  around vLLM's (decode/vllm_hybrid.py): per request and step, the trained chain or the suffix drafter's, under
-  selfspec's measured verify cost curve as for ``vllm_selfspec_suffix``.
+  around vLLM's (decode/vllm_hybrid.py): per request and step, the trained chain (as long as ``vllm_heads`` drafts)
+  or the suffix drafter's (up to ``vllm_suffix_tokens``, vLLM's ``num_speculative_tokens``), under selfspec's
+  measured verify cost curve as for ``vllm_selfspec_suffix``.
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, decode/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
@@ -67,8 +68,8 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
         served_as = served_format(fmts[0], head_type)
         folder, _ = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-")).resolve(), s.target,
                                  fmt=served_as.export, verifier=str(served), speculative_tokens=depth)
-        for name, fmt in wanted:
-            runs.append(served_format(fmt, head_type).run(folder, depth, name=name))
+        for name, fmt in wanted:  # the hybrid's chains as long as the suffix proposer's (the trained drafter's own
+            runs.append(served_format(fmt, head_type).run(folder, suffix_k if fmt == HYBRID else depth, name=name))
     return runs
 
 
@@ -99,7 +100,10 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
 
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
-        job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)})}
+        from selfspec.decode.vllm_hybrid import TRAINED_TOKENS_ENV
+
+        job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)}),
+                      TRAINED_TOKENS_ENV: str(k)}  # an EAGLE-3 drafter's chain in the hybrid, as in vllm_heads
     result = run_vllm(job, c["vllm_venv"], log_path=out / log_name)
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):

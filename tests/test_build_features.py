@@ -354,6 +354,7 @@ def test_device_map_loads_the_checkpoint_through_from_pretrained(built, tmp_path
         load_target({"source": "tiny", "device_map": "auto"})
 
 
+@pytest.mark.vllm
 def test_the_command_builds_in_vllm_the_store_it_builds_here(tmp_path, monkeypatch):
     """feature_store.engine=vllm through the command (one engine; this process holds the target's parts): the store
     of the HF forward within float32 rounding (tests/test_feature_store_vllm.py's bound), and EAGLE-3 trains from it

@@ -29,6 +29,7 @@ def store_tensors(folder) -> dict[str, torch.Tensor]:
     return {k: torch.cat(v) for k, v in out.items()}
 
 
+@pytest.mark.vllm
 def test_vllm_builds_the_store_the_targets_forward_builds_and_eagle3_trains_from_it(tmp_path):
     import datasets
 

@@ -28,7 +28,7 @@ from selfspec.train.data import chat_ids, load_conversations
 from selfspec.core.vllm_env import VllmSettings
 from selfspec.train.regenerate import Answering, HFEngine, iter_prompts, open_vllm_engine, regenerate
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.vllm]
 
 MAX_NEW = 24
 PRODUCTS = 6 * LAYERS + 1

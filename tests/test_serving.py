@@ -6,8 +6,8 @@ for the usual tiny model's 16). The heads are trained for a few dozen steps thro
 target's own greedy continuations, so their drafts are accepted often: a broken export or a misread weight shows as
 acceptance that differs, not only as tokens that differ.
 
-Without vLLM's venv (``scripts/make_vllm_venv.sh``) these tests skip with the reason; under CI they fail instead,
-since .ci/run makes the venv.
+The tests that run vLLM are opt-in (``pytest -m vllm``; .ci/run runs them after the suite). Without vLLM's venv
+(``scripts/make_vllm_venv.sh``) they skip with the reason; under CI they fail instead, since .ci/run makes the venv.
 
 Tolerance. Both engines run float32 on the same weights, but in different kernels, so a float near-tie between two
 tokens can break differently: a drafted token (or the target's token) then differs at one step. A near-tie needs two
@@ -169,6 +169,7 @@ def reports(trained_heads, tmp_path_factory) -> dict:
     return dict(zip(trained_heads, serve_checks(plans, timeout=900, log_path=root / "vllm.log")))
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "dflash"])
 def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, family):
     report = reports[family]
@@ -192,6 +193,7 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, f
             assert p["vllm"]["accepted_per_pos"] == p["selfspec"]["accepted_per_pos"], fmt
 
 
+@pytest.mark.vllm
 def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
     with pytest.raises(ServingError, match="do not export to eagle3"):
         serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=check_settings(k=K))
@@ -206,6 +208,7 @@ def test_a_missing_venv_is_named_with_the_command_that_makes_it(tmp_path):
     assert reason and "scripts/make_vllm_venv.sh" in reason and str(Path(tmp_path / "nowhere")) in reason
 
 
+@pytest.mark.vllm
 def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads, tmp_path):
     import json
 
@@ -230,6 +233,7 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
     assert "| vllm |" in (tmp_path / "bench" / "bench.md").read_text()
 
 
+@pytest.mark.vllm
 def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path):
     """decode/vllm_suffix.py through vLLM's custom_class: lossless, and a prompt asked again drafts from the
     remembered answer, so far more of its drafts are accepted the second time. vLLM's own suffix proposer (Arctic

@@ -380,3 +380,23 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
     assert "alternating in 2 rounds" in (tmp_path / "bench" / "bench.md").read_text()
     with pytest.raises(DecodeSetupError, match="vllm_rounds"):
         bench_main()([*FAST, f"prompts={path}", "methods=[hf,vllm]", "vllm_rounds=0", f"out={tmp_path / 'b0'}"])
+
+
+def test_a_vllm_row_that_does_not_load_is_named_with_its_error_in_the_outputs(tmp_path, monkeypatch, capsys):
+    """A vLLM row vLLM refuses (Gemma 3's DFlash export: its model has no EAGLE-3 interface) leaves the other rows,
+    and bench.json, bench.md and stderr name it with vLLM's error. vLLM is stood in for."""
+    import selfspec.decode.bench.methods as methods_module
+
+    refusal = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
+
+    def fake_vllm(base, heads, names, prompts, cfg, out, log_name="vllm.log"):
+        return {}, {"vllm": {"loaded": False, "error": refusal}}
+
+    monkeypatch.setattr(methods_module, "run_vllm_methods", fake_vllm)
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Tell a story."]}) + "\n")
+    report = bench_main()([*FAST, f"prompts={path}", "methods=[hf,vanilla,vllm]", f"out={tmp_path / 'bench'}"])
+    assert list(report["figures"]) == ["hf", "vanilla"] and report["vllm_not_run"] == {"vllm": refusal}
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["vllm_not_run"] == {"vllm": refusal}
+    assert f"vllm did not run in vLLM: {refusal}" in (tmp_path / "bench" / "bench.md").read_text()
+    assert "vllm did not run in vLLM" in capsys.readouterr().err

@@ -179,10 +179,12 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
 
 
 def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders: list[str], names: list[str],
-                 questions: list[dict], earlier: list[Method] | None = None, log_name: str = "vllm.log") -> list[Method]:
+                 questions: list[dict], earlier: list[Method] | None = None, log_name: str = "vllm.log",
+                 not_run: dict[str, str] | None = None) -> list[Method]:
     """vLLM's rows (decode/bench/vllm.py), decoded now on the first turns of ``questions``; rows that did not load
-    are left out and said so on stderr. ``earlier``: the rows of an earlier round (``vllm_rounds``): this round's
-    results are added to theirs, and a row that ran then and not now is an error."""
+    are left out, said so on stderr and kept with vLLM's error in ``not_run`` (bench.json and bench.md list them).
+    ``earlier``: the rows of an earlier round (``vllm_rounds``): this round's results are added to theirs, and a row
+    that ran then and not now is an error."""
     asked = [n for n in names if n in VLLM_METHODS]
     if not asked:
         return []
@@ -206,6 +208,8 @@ def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders:
     for name, meta in info.items():
         if name not in records:
             print(f"[selfspec] {name} did not run in vLLM: {meta['error']}", file=sys.stderr)
+            if not_run is not None:
+                not_run[name] = str(meta["error"])
             continue
         methods.append(Method(name, base, info=meta, results=records[name]))
     return methods

@@ -67,6 +67,8 @@ def format_markdown(report: dict) -> str:
                   f"{c['forward_ms']:.2f} | {c['step_vs_forward']:.1%} |" for name, c in costs.items()]
     if report.get("early_exit"):
         lines += ["", f"hf_early_exit: assistant_early_exit={report['early_exit']['layer']}"]
+    for name, error in (report.get("vllm_not_run") or {}).items():
+        lines += ["", f"{name} did not run in vLLM: {' '.join(error.split())[:300]}"]
     lines += ["", _mismatch_text(report)]
     return "\n".join(lines) + "\n"
 

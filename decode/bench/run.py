@@ -112,7 +112,8 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     methods = build_methods(base, sessions, names, int(c["prompt_lookup_num_tokens"]), to_dict(c["draft"]))
     rounds = rounds_of(questions, int(c["vllm_rounds"])) if set(names) & set(VLLM_METHODS) else [questions]
     log = "vllm.log" if len(rounds) == 1 else "vllm-round1.log"
-    methods += vllm_methods(cfg, base, sessions, folders, names, rounds[0], log_name=log)
+    not_run: dict[str, str] = {}  # vLLM rows that did not load, with vLLM's error
+    methods += vllm_methods(cfg, base, sessions, folders, names, rounds[0], log_name=log, not_run=not_run)
     early_exit = _warm_up(methods, base, questions, c)
     s, param = base.settings, next(base.target.model.parameters())
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
@@ -124,7 +125,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
                            "acceptance": base.sampling.acceptance, "linear_kernel": base.decoder.linear_kernel,
                            "heads": heads_folders(c["heads"])},
               "methods": {m.name: {"engine": m.engine, **m.info} for m in methods}, "early_exit": early_exit,
-              "verify_cost": cost_curves(base, cfg)}
+              "verify_cost": cost_curves(base, cfg), "vllm_not_run": not_run}
     first = first_turn_ids(base, questions[0])
     report["draft_cost"] = {m.name: draft_step_cost(m, first) for m in methods if m.engine}
     lossless = base.sampling.acceptance == "greedy"

@@ -12,7 +12,9 @@ token ids: both engines decode the very same ids, so no tokenizer or chat templa
 ``{"name", "speculative_config"}`` (``null``: plain decoding), with ``model`` where the run serves another folder
 (a speculators export names its verifier itself); a run may set any of the job's other keys for itself too (its
 ``engine`` arguments are added to the job's), and ``rpc``: a method of its ``worker_extension_cls`` whose answer (the
-first worker's) is reported as ``rpc_result`` after the prompts. Every run gets its own ``LLM``; a run whose model does not load is
+first worker's) is reported as ``rpc_result`` after the prompts; ``ignore_eos``: every answer ``max_new_tokens`` long;
+``profile``: torch.profiler over the prompts, each op's self CPU time reported as ``profile`` (the engine must run in
+this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, the default of decode/serving.py). Every run gets its own ``LLM``; a run whose model does not load is
 reported with the error and the others still run.
 
 The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
@@ -77,17 +79,22 @@ def run_one(job: dict, run: dict) -> dict:
     result["loaded"] = True
     result["init_s"] = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=int(spec["max_new_tokens"]),
-                            stop_token_ids=list(spec.get("stop_token_ids") or []), detokenize=False)
+                            stop_token_ids=list(spec.get("stop_token_ids") or []), detokenize=False,
+                            ignore_eos=bool(spec.get("ignore_eos", False)))
     try:
         for ids in spec.get("warmup") or []:
             llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
-        for ids in spec["prompts"]:
-            before = spec_counters(llm)
-            t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
-            seconds = time.perf_counter() - t
-            counts = difference(spec_counters(llm), before)
-            result["prompts"].append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, **counts})
+        with profiled(bool(spec.get("profile"))) as prof:
+            for ids in spec["prompts"]:
+                before = spec_counters(llm)
+                t = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
+                seconds = time.perf_counter() - t
+                counts = difference(spec_counters(llm), before)
+                result["prompts"].append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, **counts})
+        if prof is not None:
+            result["profile"] = [{"name": e.key, "self_us": e.self_cpu_time_total, "count": e.count}
+                                 for e in prof.key_averages()]
         if run.get("rpc"):  # a method of the run's worker_extension_cls, called on every worker after the prompts
             result["rpc_result"] = llm.collective_rpc(run["rpc"])[0]
     except Exception as err:  # noqa: BLE001
@@ -97,6 +104,27 @@ def run_one(job: dict, run: dict) -> dict:
         del llm
         cleanup()
     return result
+
+
+class profiled:
+    """torch.profiler over the prompts when the job asks (``profile``: the engine runs in this process), else
+    nothing: ``with profiled(on) as prof`` gives the profiler or None."""
+
+    def __init__(self, on: bool):
+        self.on, self.prof = on, None
+
+    def __enter__(self):
+        if self.on:
+            import torch
+
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        return self.prof
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.__exit__(*exc)
+        return False
 
 
 def cleanup() -> None:

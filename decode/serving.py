@@ -111,10 +111,14 @@ def default_formats(head_type: str, head_config: dict) -> list[str]:
 
 
 def needs_selfspec(runs: list[dict]) -> bool:
-    """Whether any of ``runs`` imports selfspec inside vLLM's venv (a custom_class proposer, or the hybrid's hook)."""
-    return any("worker_extension_cls" in (r.get("engine") or {})
-               or ((r.get("speculative_config") or {}).get("model") or "").startswith("selfspec.")
-               and (r.get("speculative_config") or {}).get("method") == "custom_class" for r in runs)
+    """Whether any of ``runs`` imports selfspec inside vLLM's venv: a selfspec ``custom_class`` proposer, or a
+    ``worker_extension_cls`` (the hybrid's hook)."""
+    def imports_selfspec(run: dict) -> bool:
+        spec = run.get("speculative_config") or {}
+        own_proposer = spec.get("method") == "custom_class" and str(spec.get("model", "")).startswith("selfspec.")
+        return own_proposer or "worker_extension_cls" in (run.get("engine") or {})
+
+    return any(imports_selfspec(r) for r in runs)
 
 
 def chain_settings(head_type: str, k: int) -> dict:
@@ -386,12 +390,14 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     out_root = (Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))).resolve()
     folders.claim(out_root, "serve-check", setting="out")  # a folder of the user's is refused, untouched
     served = served_target_dir(target)
-    exports = {}
+    exports, folders = {}, {}  # per checked format; per export format (the hybrid runs the family's own export)
     for fmt in formats:
-        served_as = served_format(fmt, head_type)
-        folder, _ = export_heads(heads_path, out_root / fmt, target, fmt=served_as.export, vocab=vocab or "auto",
-                                 verifier=str(served), speculative_tokens=settings.k)
-        exports[fmt] = folder
+        export = served_format(fmt, head_type).export
+        if export not in folders:
+            folders[export], _ = export_heads(heads_path, out_root / export, target, fmt=export,
+                                              vocab=vocab or "auto", verifier=str(served),
+                                              speculative_tokens=settings.k)
+        exports[fmt] = folders[export]
     job = {
         "model": str(served),
         "dtype": str(target.model.dtype).removeprefix("torch."),

@@ -14,8 +14,8 @@ token ids: both engines decode the very same ids, so no tokenizer or chat templa
 ``engine`` arguments are added to the job's), and ``rpc``: a method of its ``worker_extension_cls`` whose answer (the
 first worker's) is reported as ``rpc_result`` after the prompts; ``ignore_eos``: every answer ``max_new_tokens`` long;
 ``profile``: torch.profiler over the prompts, each op's self CPU time reported as ``profile`` (the engine must run in
-this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, the default of decode/serving.py). Every run gets its own ``LLM``; a run whose model does not load is
-reported with the error and the others still run.
+this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, the default of decode/serving.py). Every run gets its own ``LLM``; a
+run whose model does not load is reported with the error and the others still run.
 
 The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
 difference of vLLM's counters over that prompt: ``drafts``, ``draft_tokens``, ``accepted`` and
@@ -24,6 +24,7 @@ difference of vLLM's counters over that prompt: ``drafts``, ``draft_tokens``, ``
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -84,7 +85,7 @@ def run_one(job: dict, run: dict) -> dict:
     try:
         for ids in spec.get("warmup") or []:
             llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
-        with profiled(bool(spec.get("profile"))) as prof:
+        with profiler() if spec.get("profile") else contextlib.nullcontext() as prof:
             for ids in spec["prompts"]:
                 before = spec_counters(llm)
                 t = time.perf_counter()
@@ -106,25 +107,11 @@ def run_one(job: dict, run: dict) -> dict:
     return result
 
 
-class profiled:
-    """torch.profiler over the prompts when the job asks (``profile``: the engine runs in this process), else
-    nothing: ``with profiled(on) as prof`` gives the profiler or None."""
+def profiler():
+    """torch.profiler of this process's CPU ops (a run's ``profile``: the engine runs in this process)."""
+    import torch  # vLLM's own torch, imported where a run asks for it
 
-    def __init__(self, on: bool):
-        self.on, self.prof = on, None
-
-    def __enter__(self):
-        if self.on:
-            import torch
-
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            self.prof.__enter__()
-        return self.prof
-
-    def __exit__(self, *exc):
-        if self.prof is not None:
-            self.prof.__exit__(*exc)
-        return False
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 def cleanup() -> None:

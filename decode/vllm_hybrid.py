@@ -39,12 +39,14 @@ The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for decode/vll
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from selfspec.decode.adaptive import CostCurve
 from selfspec.decode.suffix import SuffixPlan
-from selfspec.decode.vllm_suffix import SuffixProposer
+from selfspec.decode.vllm_suffix import SuffixProposer, curve_from_env
 
 HOOK = "selfspec.decode.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
@@ -142,7 +144,6 @@ class HybridRows:
         if last is not None and new:
             self._learn(last, new, row, greedy)
         row.history = history
-        row.plan = None
         plan = self.suffix.plan(row)
         suffix_tokens = [plan.cands.tokens[n] for n in plan.chosen]
         probs = self.calibration.probs(confidences)
@@ -193,8 +194,6 @@ def trained_tokens(method: str, draft_config: Any, k: int) -> int:
     fills 1 + n query slots of a block that attends non-causally, so another length drafts other tokens than the block
     it was trained on); an EAGLE-3 drafter ``$SELFSPEC_VLLM_HYBRID_TRAINED``, else :data:`EAGLE_TRAINED_TOKENS`;
     never more than ``k``."""
-    import os
-
     if method == "dflash":
         block = getattr(draft_config, "block_size", None) or (getattr(draft_config, "dflash_config", None) or {}).get(
             "block_size")
@@ -218,8 +217,6 @@ class HybridHook:
 
 def _hybrid(base: type) -> type:
     """``base`` (vLLM's EagleProposer or DFlashProposer) drafting as the hybrid when its engine names :data:`HOOK`."""
-    import torch
-
     class Hybrid(base):  # type: ignore[misc, valid-type]
         def __init__(self, vllm_config: Any, device: Any, runner: Any = None):
             super().__init__(vllm_config, device, runner)
@@ -234,8 +231,6 @@ def _hybrid(base: type) -> type:
                 raise ValueError("selfspec's hybrid proposer needs the drafter's logits; this vLLM reduces them "
                                  "across tensor-parallel ranks (use_local_argmax_reduction): serve it with "
                                  "tensor_parallel_size=1.")
-            from selfspec.decode.vllm_suffix import curve_from_env
-
             k = int(spec.num_speculative_tokens)
             self._own_k = trained_tokens(spec.method, spec.draft_model_config.hf_config, k)
             self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), curve_from_env(k))

@@ -59,7 +59,6 @@ def top_ops(ops: list[dict], tokens: int, n: int = 12) -> list[tuple[str, float,
 
 def profile_selfspec(model, prompts: list[list[int]], new_tokens: int) -> dict:
     import torch
-
     from selfspec.decode.drafters import VanillaDrafter
     from selfspec.decode.engine import SpeculativeDecoder
 
@@ -111,7 +110,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import torch
-
     from selfspec.core.target import load_target
     from selfspec.decode.settings import target_config_from_overrides
 

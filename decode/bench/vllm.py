@@ -64,10 +64,9 @@ def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, su
             wanted.append((f"vllm_hybrid:{label}", HYBRID))
         if not wanted:
             continue
-        depth = served_depth(meta, k)
-        served_as = served_format(fmts[0], head_type)
+        depth = served_depth(meta, k)  # one export serves both rows: the hybrid runs the family's own format
         folder, _ = export_heads(heads_path, (out / "vllm-exports" / label.replace(":", "-")).resolve(), s.target,
-                                 fmt=served_as.export, verifier=str(served), speculative_tokens=depth)
+                                 fmt=fmts[0], verifier=str(served), speculative_tokens=depth)
         for name, fmt in wanted:  # the hybrid's chains as long as the suffix proposer's (the trained drafter's own
             runs.append(served_format(fmt, head_type).run(folder, suffix_k if fmt == HYBRID else depth, name=name))
     return runs

@@ -390,14 +390,14 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     out_root = (Path(settings.out) if settings.out else Path(tempfile.mkdtemp(prefix="selfspec-serve-"))).resolve()
     folders.claim(out_root, "serve-check", setting="out")  # a folder of the user's is refused, untouched
     served = served_target_dir(target)
-    exports, folders = {}, {}  # per checked format; per export format (the hybrid runs the family's own export)
+    exports, by_export = {}, {}  # per checked format; per export format (the hybrid runs the family's own export)
     for fmt in formats:
         export = served_format(fmt, head_type).export
-        if export not in folders:
-            folders[export], _ = export_heads(heads_path, out_root / export, target, fmt=export,
-                                              vocab=vocab or "auto", verifier=str(served),
-                                              speculative_tokens=settings.k)
-        exports[fmt] = folders[export]
+        if export not in by_export:
+            by_export[export], _ = export_heads(heads_path, out_root / export, target, fmt=export,
+                                                vocab=vocab or "auto", verifier=str(served),
+                                                speculative_tokens=settings.k)
+        exports[fmt] = by_export[export]
     job = {
         "model": str(served),
         "dtype": str(target.model.dtype).removeprefix("torch."),

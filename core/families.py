@@ -1,37 +1,42 @@
-"""The drafter families (:data:`FAMILIES`): what every layer looks up by a family's name, read from the conf files
-that declare them.
+"""The drafter families (:data:`FAMILIES`): what each family is, one row each, which every layer asks instead of
+comparing names.
 
 A family is declared once, in its own conf file: a ``families:`` block of a top-level ``conf/<file>.yaml`` holds its
 row, keyed by its name (conf/medusa.yaml declares medusa, conf/eagle.yaml eagle and eagle3, conf/suffix.yaml the
-training-free suffix). :func:`declared` reads them; nothing else lists the families. For a trained family that file is
-also its training entry config, so its row, its decode defaults and its training settings are one file.
+training-free suffix). :func:`declared` reads them. For a trained family that file is also its training entry config,
+so its row, its decode defaults and its training settings are one file.
+
+A row is data: it names no code. The code a family has is registered in Python, in the room that owns it, with
+imports a reader can follow: ``selfspec.heads.families`` (the builder that rebuilds saved heads),
+``selfspec.decode.families`` (the drafter, untrained heads for ``heads=random``) and ``selfspec.train.families`` (the
+training method). This module imports none of them (tests/test_layering.py), so the table reads without torch.
 
 A family's name is the ``head_type`` its heads folder records and the ``drafter=`` that decode/run.py takes. Its row:
 
 - ``summary``: one line on how it drafts (decode/run.py and the benchmark print it);
-- ``drafter``: ``build(heads, target, settings) -> Drafter``, the engine's drafter from the loaded heads module (None
-  for a training-free family), the target (``selfspec.core.target.Target``) and its decode settings (decode/registry.py);
 - ``draft``: its decode settings (``draft.KEY=`` at decode) and their defaults, the only place they are written;
-- ``heads``: ``build(head_config, target_model) -> nn.Module``, which rebuilds saved heads (heads/io.py); absent: the
-  family trains nothing;
-- ``method``: ``method(cfg) -> TrainMethod``, its training (train/cli.py runs it through train/loop.py) under the file
-  that declares it, its entry config (:attr:`Family.train_conf`); ``heads_conf``: the ``conf/heads/`` option that
-  makes it, where it is not that config's default (EAGLE-3: ``heads=eagle3`` under conf/eagle.yaml);
-- ``random_heads``: ``random_heads(model, seed, **options) -> nn.Module``, untrained heads for ``heads=random``;
 - the decode flags ``needs_heads``, ``optional_heads``, ``hybrid`` and ``saved_key`` (decode/registry.py says what each
-  does).
+  does), and ``forward_per_level``: a proposal runs one draft forward per tree level (EAGLE trees, layer-skip chains)
+  rather than one per proposal (the benchmark's draft-cost facts, decode/bench/cost.py);
+- ``trains``: it trains heads under its conf file (:attr:`Family.train_conf`), by the method train/families.py
+  registers; ``heads_conf``: the ``conf/heads/`` option that makes it, where it is not that config's default
+  (EAGLE-3: ``heads=eagle3`` under conf/eagle.yaml);
+- ``exports``: the heads/export.py formats vLLM serves its heads in, each with the vLLM speculative method that serves
+  it (null: the exported folder is served itself, as speculators' is); ``export_needs``: the saved ``head_config``
+  values those exports need (EAGLE-3: ``layout: midlayer``); ``vllm_hybrid``: selfspec's hybrid proposer extends the
+  vLLM proposer of its first export (decode/vllm_hybrid.py);
+- ``reads_layers``: which of the target's layers its heads read beside the last: ``inputs`` (EAGLE-3: the inputs of
+  the layers ``model.draft_layers.<name>`` names) or ``outputs`` (DFlash: their outputs), or null (the last hidden
+  state only). A family that reads layers shares a feature store with the others that do (train/features.py's
+  ``read_by``) and learns online from those layers of each verify forward;
+- ``learns_online``: ``learn=true`` trains its heads between a session's requests (train/online.py).
 
-``drafter``, ``heads``, ``method`` and ``random_heads`` are ``"module:attribute"`` strings into the packages above
-``core`` (decode, heads, train), imported on first use by :meth:`Family.load`: this table imports none of them
-(tests/test_layering.py), and each layer imports only the parts it uses. A part that does not import is a
-:class:`FamilyError` naming the family, the part and the reason; a row that is not a row (a field it lacks or does
-not have) is a :class:`FamilyConfError` naming the file.
+A row that is not a row (a field it lacks or does not have) is a :class:`FamilyConfError` naming the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +44,12 @@ from typing import Any
 from selfspec.core.config import CONF_DIR
 from selfspec.core.errors import SelfspecError
 
-PARTS = ("drafter", "heads", "method", "random_heads")  # the fields that name code in another package
 BLOCK = "families"  # the block of a conf file that declares families
+READS_LAYERS = (None, "inputs", "outputs")  # what ``reads_layers`` may say
 
 
-class FamilyError(SelfspecError, ImportError):
-    """A family's row names code that cannot be imported; the message says which row, part and why."""
+class FamilyError(SelfspecError, LookupError):
+    """A family has no code of the kind asked for in a room's registry; the message says which family and room."""
 
 
 class FamilyConfError(SelfspecError, ValueError):
@@ -55,21 +60,20 @@ class FamilyConfError(SelfspecError, ValueError):
 class Family:
     name: str
     summary: str
-    drafter: str
-    heads: str | None = None
-    method: str | None = None
-    heads_conf: str | None = None
-    random_heads: str | None = None
-    needs_heads: bool = False  # drafts with trained heads (a heads folder, or heads=random with ``random_heads``)
+    draft: dict[str, Any] = field(default_factory=dict, compare=False)  # its decode settings and their defaults
+    needs_heads: bool = False  # drafts with trained heads (a heads folder, or heads=random with untrained heads)
     optional_heads: bool = False  # runs without heads, or with a heads folder of its type (layerskip: a trained exit)
     hybrid: bool = False  # takes the suffix drafter's proposals too (decode/hybrid.py): the ``hybrid`` settings
     saved_key: str | None = None  # where its heads folder's config.json keeps the decode settings training chose
-    draft: dict[str, Any] = field(default_factory=dict, compare=False)  # its decode settings and their defaults
+    forward_per_level: bool = False  # a proposal runs one draft forward per tree level, not one per proposal
+    trains: bool = False  # it trains heads under its conf file, by the method train/families.py registers
+    heads_conf: str | None = None  # the conf/heads/ option that makes it, where not its entry config's default
+    exports: dict[str, str | None] = field(default_factory=dict, compare=False)  # vLLM format -> vLLM's method
+    export_needs: dict[str, Any] = field(default_factory=dict, compare=False)  # head_config values exports need
+    vllm_hybrid: bool = False  # selfspec's hybrid proposer extends the vLLM proposer of its first export
+    reads_layers: str | None = None  # "inputs" or "outputs" of model.draft_layers.<name>; None: the last only
+    learns_online: bool = False  # learn=true trains its heads while decoding (train/online.py)
     conf: Path | None = None  # the conf file that declares it: a trained family's entry config
-
-    @property
-    def trains(self) -> bool:
-        return self.method is not None
 
     @property
     def train_conf(self) -> str | None:
@@ -80,28 +84,18 @@ class Family:
         """The overrides that make its entry config train this family (``heads=eagle3``), beside the user's."""
         return [f"heads={self.heads_conf}"] if self.heads_conf else []
 
-    def load(self, part: str) -> Any:
-        """The object the ``part`` field names (one of :data:`PARTS`), imported on first use; None where the family
-        has none (a training-free family's ``heads`` and ``method``)."""
-        if part not in PARTS:
-            raise ValueError(f"{part!r} is not a part of a family: one of {', '.join(PARTS)}")
-        ref = getattr(self, part)
-        if ref is None:
-            return None
-        if ref not in _loaded:
-            module, _, attr = ref.partition(":")
-            try:
-                _loaded[ref] = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as err:
-                where = self.conf or "its conf file"
-                raise FamilyError(f"The {self.name} family's {part} is {ref}, which cannot be imported: {err}. "
-                                  f"Fix the module or its row in {where}.") from err
-        return _loaded[ref]
+    def exportable(self, head_config: dict) -> bool:
+        """Whether heads of this family saved with ``head_config`` have its vLLM exports: it has exports, and the
+        heads hold every value ``export_needs`` names (a value they lack does not count as held)."""
+        return bool(self.exports) and all(head_config.get(k) == v for k, v in self.export_needs.items())
+
+    @property
+    def hybrid_export(self) -> str | None:
+        """The export whose vLLM proposer selfspec's hybrid extends (its first), None where it joins no hybrid."""
+        return next(iter(self.exports)) if self.vllm_hybrid and self.exports else None
 
 
-_loaded: dict[str, Any] = {}  # "module:attribute" -> the object, once imported
-
-REQUIRED = ("summary", "drafter", "draft")  # a row's fields without a default: a row states them
+REQUIRED = ("summary", "draft")  # a row's fields without a default: a row states them
 FIELDS = tuple(f.name for f in dataclasses.fields(Family) if f.name not in ("name", "conf"))  # what a row may state
 
 
@@ -129,8 +123,12 @@ def declared(conf_dir: Path = CONF_DIR) -> dict[str, Family]:
                 problem = (f"has no field {unknown[0]!r}" if unknown else f"lacks {missing[0]!r}")
                 raise FamilyConfError(f"{where} {problem}: a row states {', '.join(REQUIRED)} and may state "
                                       f"{', '.join(k for k in FIELDS if k not in REQUIRED)}.")
-            if not isinstance(row["draft"], dict):
-                raise FamilyConfError(f"{where}: `draft:` maps each decode setting to its default ({{}} for none).")
+            for key in ("draft", "exports", "export_needs"):
+                if not isinstance(row.get(key, {}), dict):
+                    raise FamilyConfError(f"{where}: `{key}:` is a mapping ({{}} for none), not {row[key]!r}.")
+            if row.get("reads_layers") not in READS_LAYERS:
+                raise FamilyConfError(f"{where}: `reads_layers:` is inputs, outputs or null, not "
+                                      f"{row['reads_layers']!r}.")
             if name in families:
                 raise FamilyConfError(f"{where}: {families[name].conf} declares a family of that name already.")
             families[name] = Family(name=str(name), conf=path, **row)
@@ -138,3 +136,10 @@ def declared(conf_dir: Path = CONF_DIR) -> dict[str, Family]:
 
 
 FAMILIES: dict[str, Family] = declared()
+
+
+def family(name: str) -> Family:
+    """The family ``name``; a :class:`FamilyError` listing the known ones otherwise."""
+    if name not in FAMILIES:
+        raise FamilyError(f"No family {name!r}; known: {', '.join(FAMILIES)}.")
+    return FAMILIES[name]

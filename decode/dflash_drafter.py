@@ -288,11 +288,25 @@ class DFlashBlockDrafter(DrafterBase):
                                    self._trees)
 
 
-# --- what core/families.py names for the dflash family ---------------------------------------------------------------
+# --- what decode/families.py registers for the dflash family ---------------------------------------------------------------
 
 
 def dflash_from_settings(heads: DFlashHeads, target, settings: dict) -> DFlashBlockDrafter:
     return DFlashBlockDrafter(heads, top_k=int(settings["top_k"]), dtype=draft_dtype(settings["dtype"], heads))
+
+
+def dflash_chain(k: int) -> dict:
+    """The draft settings that propose what vLLM's DFlash drafts: the whole block as a chain (``k`` is the block less
+    its first slot: :func:`dflash_served_depth`), in the heads' dtype, the target's, as vLLM drafts."""
+    return {"dtype": "own"}
+
+
+def dflash_served_depth(meta: dict, k: int) -> int:
+    """Tokens vLLM's DFlash drafts a step, whatever ``k``: the drafter's own block less its first slot (vLLM fills
+    1 + k query slots, and the block attends non-causally, so a shorter block drafts other tokens than selfspec's whole
+    block cut short: the two propose the same only with the heads' own block); ``k`` where the block is not saved."""
+    block = (meta.get("head_config") or {}).get("block_size")
+    return int(block) - 1 if block else k
 
 
 def random_dflash_heads(model: nn.Module, seed: int = 0, **_) -> DFlashHeads:

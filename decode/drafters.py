@@ -134,7 +134,7 @@ class MedusaDrafter(DrafterBase):
         return Draft(tokens=torch.cat([root, candidates[index]]), tree=tree)
 
 
-# --- what core/families.py names for the vanilla and medusa families ------------------------------------------------
+# --- what decode/families.py registers for the vanilla and medusa families ------------------------------------------------
 
 
 def vanilla_from_settings(heads, target, settings: dict) -> VanillaDrafter:
@@ -143,6 +143,17 @@ def vanilla_from_settings(heads, target, settings: dict) -> VanillaDrafter:
 
 def medusa_from_settings(heads: MedusaHeads, target, settings: dict) -> MedusaDrafter:
     return MedusaDrafter(heads, tree=settings["tree"])
+
+
+def medusa_chain(k: int) -> dict:
+    """The draft settings that propose a chain of ``k``, as vLLM's Medusa drafts (the serving check's)."""
+    return {"tree": f"chain-{k}"}
+
+
+def medusa_served_depth(meta: dict, k: int) -> int:
+    """Tokens vLLM's Medusa drafts a step when asked for ``k``: at most one per head (``meta``: the heads config)."""
+    config = meta.get("head_config") or {}
+    return min(k, int(config.get("num_heads") or meta.get("num_heads") or k))
 
 
 def random_medusa_heads(model: torch.nn.Module, seed: int = 0, num_heads: int = 4) -> MedusaHeads:

@@ -114,11 +114,16 @@ class EagleTreeDrafter(DrafterBase):
         self._backlog.add(self._features(out.hidden_states, path), following, at=start)
 
 
-# --- what core/families.py names for the eagle and eagle3 families --------------------------------------------------
+# --- what decode/families.py registers for the eagle and eagle3 families --------------------------------------------------
 
 
 def eagle_from_settings(heads: EagleHeads, target, settings: dict) -> EagleTreeDrafter:
     return EagleTreeDrafter(heads, **{k: int(settings[k]) for k in ("depth", "top_k", "total_tokens")})
+
+
+def eagle_chain(k: int) -> dict:
+    """The draft settings that propose a chain of ``k``, as vLLM's EAGLE drafts (the serving check's)."""
+    return {"depth": k, "top_k": 1, "total_tokens": k}
 
 
 def random_eagle_heads(model: torch.nn.Module, seed: int = 0, variant: str = "eagle", **_) -> EagleHeads:

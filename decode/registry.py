@@ -3,7 +3,7 @@
 A trained family's name is the ``head_type`` its heads folder records (``heads/io.py`` rebuilds the module; this
 registry turns the module into a drafter). A training-free family (``vanilla``, ``suffix``) needs no heads folder.
 
-Each entry (:class:`DrafterEntry`) reads its family's row:
+Each entry (:class:`DrafterEntry`) joins its family's row with the decode code decode/families.py registers for it:
 
 - ``build(heads, target, settings) -> Drafter``: the drafter, from the loaded heads module (None for a
   training-free family), the target (``selfspec.core.target.Target``: model and tokenizer) and its decode settings;
@@ -20,7 +20,8 @@ The settings a family takes and their defaults are its row's ``draft:`` in its c
 how deep the draft goes (decode/adaptive.py:AdaptiveDepth). conf/decode/decode.yaml lists none of them: its ``draft``
 is open, and :meth:`DrafterEntry.settings` refuses a key the chosen family does not take, naming those it does.
 
-A new family is a row in its conf file (see docs/architecture.md): the registry reads the table as it is.
+A new family is a row in its conf file and its drafter in decode/families.py (see docs/architecture.md): the
+registry reads both as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from selfspec.core.config import CONF_DIR
 from selfspec.core.families import FAMILIES, Family
+from selfspec.decode.families import DRAFTERS, Drafting
 from selfspec.decode.types import DecodeSetupError, Drafter
 
 HYBRID_FILE = CONF_DIR / "decode" / "hybrid.yaml"
@@ -55,9 +57,11 @@ def defaults_of(block: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class DrafterEntry:
-    """A family (core/families.py) as a drafter for the engine: its row's decode parts, its settings."""
+    """A family (core/families.py) as a drafter for the engine: its row, its decode code (decode/families.py), its
+    settings."""
 
     family: Family
+    drafting: Drafting
 
     @property
     def name(self) -> str:
@@ -69,7 +73,7 @@ class DrafterEntry:
 
     @property
     def build(self) -> Callable[[torch.nn.Module | None, Any, dict], Drafter]:
-        return self.family.load("drafter")
+        return self.drafting.build
 
     @property
     def needs_heads(self) -> bool:
@@ -89,7 +93,7 @@ class DrafterEntry:
 
     @property
     def random_heads(self) -> Callable[..., torch.nn.Module] | None:
-        return self.family.load("random_heads")
+        return self.drafting.random_heads
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -121,10 +125,15 @@ class DrafterEntry:
 
 
 class _Registry(Mapping[str, DrafterEntry]):
-    """The family table's rows as entries, read as the table is now (a row added to it is an entry)."""
+    """The family table's rows as entries, read as the table and decode/families.py are now (a row added to both is
+    an entry). A row without a drafter is a :class:`DecodeSetupError` naming the file to register it in."""
 
     def __getitem__(self, name: str) -> DrafterEntry:
-        return DrafterEntry(FAMILIES[name])
+        family = FAMILIES[name]
+        if name not in DRAFTERS:
+            raise DecodeSetupError(f"The {name} family ({family.conf}) has no drafter: register its builder in "
+                                   "selfspec/decode/families.py's DRAFTERS.")
+        return DrafterEntry(family, DRAFTERS[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(FAMILIES)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.core import folders
+from selfspec.core.families import FAMILIES
 from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
     ENGINE_DEFAULTS,
     REPO,
@@ -40,6 +41,8 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
     vllm_python,
     worker_env,
 )
+from selfspec.decode.families import DRAFTERS
+from selfspec.heads.export import FORMATS as EXPORT_FORMATS
 from selfspec.heads.export import VLLM_TOKEN_MAP_FLAG
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
@@ -72,36 +75,32 @@ class ServedFormat:
         return run
 
 
-FORMATS = {
-    "vllm": ServedFormat("vllm", "medusa"),
-    "eagle": ServedFormat("eagle", "eagle"),
-    "eagle3": ServedFormat("eagle3", "eagle3"),
-    "speculators": ServedFormat("speculators", None),
-    "dflash": ServedFormat("dflash", "dflash"),
-}
+def _served_formats() -> dict[str, ServedFormat]:
+    """Every export vLLM serves, with the method that serves it, as the families' rows declare them (``exports``), in
+    heads/export.py's order of formats."""
+    served = {fmt: ServedFormat(fmt, method) for f in FAMILIES.values() for fmt, method in f.exports.items()}
+    return {fmt: served[fmt] for fmt in EXPORT_FORMATS if fmt in served}
+
+
+FORMATS = _served_formats()
 HYBRID = "hybrid"  # the format name of selfspec's hybrid proposer: the family's own export, served through the hook
 
 
 def served_format(fmt: str, head_type: str) -> ServedFormat:
-    """How vLLM serves ``fmt`` for ``head_type`` heads: hybrid is the family's own export (eagle3 or dflash) with
-    selfspec's hybrid proposer around vLLM's."""
+    """How vLLM serves ``fmt`` for ``head_type`` heads: hybrid is the family's own export (its row's
+    ``hybrid_export``: eagle3 or dflash) with selfspec's hybrid proposer around vLLM's."""
     if fmt == HYBRID:
-        return replace(FORMATS[head_type], hybrid=True)
+        return replace(FORMATS[FAMILIES[head_type].hybrid_export], hybrid=True)
     return FORMATS[fmt]
 
 
 def formats_for(head_type: str, head_config: dict) -> list[str]:
     """Every format these heads (their type and saved ``head_config``) export to that vLLM serves (the hybrid too,
-    for the families it extends)."""
-    if head_type == "medusa":
-        return ["vllm"]
-    if head_type == "eagle" and not head_config.get("fc_bias", True) and not head_config.get("input_norm", True):
-        return ["eagle"]
-    if head_type == "eagle3" and head_config.get("layout") == "midlayer":
-        return ["eagle3", "speculators", HYBRID]
-    if head_type == "dflash":
-        return ["dflash", HYBRID]
-    return []
+    for the families it extends): their family's ``exports``, where the heads hold what those need."""
+    family = FAMILIES.get(head_type)
+    if family is None or not family.exportable(head_config):
+        return []
+    return [*family.exports, *([HYBRID] if family.vllm_hybrid else [])]
 
 
 def default_formats(head_type: str, head_config: dict) -> list[str]:
@@ -122,14 +121,12 @@ def needs_selfspec(runs: list[dict]) -> bool:
 
 
 def chain_settings(head_type: str, k: int) -> dict:
-    """selfspec's draft settings that propose what vLLM proposes: a chain of k, no adaptive depth, no suffix."""
-    if head_type == "medusa":
-        return {"tree": f"chain-{k}", "adaptive": False, "suffix": False}
-    if head_type in ("eagle", "eagle3"):
-        return {"depth": k, "top_k": 1, "total_tokens": k, "adaptive": False, "suffix": False}
-    if head_type == "dflash":  # the whole block as a chain (checked_formats: k = block_size - 1), drafted in the
-        return {"adaptive": False, "suffix": False, "dtype": "own"}  # heads' dtype, the target's, as vLLM drafts
-    raise ServingError(f"{head_type} heads have no vLLM format.")
+    """selfspec's draft settings that propose what vLLM proposes: a chain of k (the family's ``chain``,
+    decode/families.py), no adaptive depth, no suffix."""
+    drafting = DRAFTERS.get(head_type)
+    if drafting is None or drafting.chain is None:
+        raise ServingError(f"{head_type} heads have no vLLM format.")
+    return {**drafting.chain(k), "adaptive": False, "suffix": False}
 
 
 # --- running vLLM ----------------------------------------------------------------------------------------------------
@@ -285,7 +282,7 @@ def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings
             "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
     chain = load_session(decode_config(base))
     vocab = None
-    if head_type == "medusa":
+    if "vllm" in FAMILIES[head_type].exports:  # the vLLM Medusa format's vocabulary option
         vocab = medusa_vocab(chain.heads, settings.vocab)
         if vocab == "full" and chain.heads.token_map is not None:
             chain.heads.token_map = None  # as vLLM will draft: argmax over the target's whole LM head
@@ -314,10 +311,11 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
     available = formats_for(head_type, meta.get("head_config") or {})
     formats = list(formats or default_formats(head_type, meta.get("head_config") or {}))
     if not formats:
-        raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves: Medusa-1 heads export "
-                           "to vLLM's medusa, EAGLE-1 heads trained with heads.fc_bias=false heads.input_norm=false "
-                           "to eagle, EAGLE-3 heads trained with heads.layout=midlayer to eagle3 and speculators, "
-                           "DFlash heads to dflash.")
+        served = "; ".join(f"{f.name} heads" + (" trained with " + " ".join(f"heads.{k}={str(v).lower()}" for k, v
+                                                                          in f.export_needs.items())
+                                                 if f.export_needs else "")
+                           + f" to {' and '.join(f.exports)}" for f in FAMILIES.values() if f.exports)
+        raise ServingError(f"{head_type} heads (layout={layout}) have no format vLLM serves. These do: {served}.")
     for fmt in formats:
         if fmt not in FORMATS and fmt != HYBRID:
             raise ServingError(f"format {fmt!r}: vLLM serves {', '.join([*FORMATS, HYBRID])}.")
@@ -326,22 +324,17 @@ def checked_formats(meta: dict, formats: list[str] | None, k: int) -> list[str]:
                                f"{', '.join(available) or 'no vLLM format'}.")
     depth = served_depth(meta, k)
     if depth != k:  # Medusa's heads, or a DFlash drafter's own block
-        raise ServingError(f"k={k}: these Medusa heads draft at most {depth} tokens a step." if head_type == "medusa"
-                           else f"k={k}: these DFlash heads draft blocks of {depth} tokens; check them with k={depth}.")
+        raise ServingError(f"k={k}: these {head_type} heads draft {depth} tokens a step in vLLM when asked for {k}; "
+                           f"check them with k={depth}.")
     return formats
 
 
 def served_depth(meta: dict, k: int) -> int:
-    """Tokens vLLM drafts a step with these heads (``meta``: their heads config) when asked for ``k``: at most a
-    Medusa model's heads; a DFlash drafter's own block less its first slot, whatever ``k`` (vLLM fills 1 + k query
-    slots, and the block attends non-causally, so a shorter block drafts other tokens than selfspec's whole block cut
-    short: the two propose the same only with the heads' own block); ``k`` otherwise."""
-    config = meta.get("head_config") or {}
-    if meta.get("head_type") == "medusa":
-        return min(k, int(config.get("num_heads") or meta.get("num_heads") or k))
-    if meta.get("head_type") == "dflash" and config.get("block_size"):
-        return int(config["block_size"]) - 1
-    return k
+    """Tokens vLLM drafts a step with these heads (``meta``: their heads config) when asked for ``k``: what their
+    family's ``served_depth`` says (decode/families.py: at most a Medusa model's heads; a DFlash drafter's own block
+    less its first slot, whatever ``k``), ``k`` otherwise."""
+    drafting = DRAFTERS.get(meta.get("head_type"))
+    return drafting.served_depth(meta, k) if drafting is not None and drafting.served_depth is not None else k
 
 
 @dataclass

@@ -12,8 +12,10 @@ format          loads in                                         heads
 ``selfspec``    selfspec (``heads.load``); a copy of the folder   all
 ==============  ===============================================  ==============================================
 
-``auto`` picks ``vllm`` for Medusa heads, ``eagle`` and ``eagle3`` for EAGLE heads of those shapes, ``dflash`` for
-DFlash heads and refuses the rest, naming the format that fits (the DFlash mapping and its facts:
+Which heads export to which format is their family's row (core/families.py: ``exports``, and the ``head_config``
+values those need, ``export_needs``). ``auto`` picks the family's first export (``vllm`` for Medusa heads, ``eagle``
+and ``eagle3`` for EAGLE heads of those shapes, ``dflash`` for DFlash heads) and refuses the rest, naming the format
+that fits (the DFlash mapping and its facts:
 heads/export_dflash.py). Each exported folder has ``config.json`` and ``model.safetensors`` and is written atomically.
 
 The EAGLE formats are for heads of any target: the draft layer is a Llama layer whatever the target
@@ -80,6 +82,7 @@ from torch import nn
 
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
+from selfspec.core.families import FAMILIES
 from selfspec.heads.export_dflash import dflash_to_vllm
 from selfspec.core.archs import whole_context_window
 
@@ -91,54 +94,37 @@ class ExportError(SelfspecError, ValueError):
 
 
 def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
-    """``auto`` -> the serving format for these heads; an explicit format is checked against them."""
+    """``auto`` -> the serving format for these heads (their family's first export, core/families.py); an explicit
+    format is checked against their family's ``exports`` and the ``head_config`` values those need
+    (``export_needs``). ``selfspec`` fits any heads."""
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt!r}: use one of {', '.join(FORMATS)}.")
-    midlayer = head_type == "eagle3" and head_config.get("layout", "fc") == "midlayer"
-    vllm_eagle = head_type == "eagle" and not head_config.get("fc_bias", True) \
-        and not head_config.get("input_norm", True)
-    if fmt == "auto":
-        if head_type in ("medusa", "dflash"):
-            return "vllm" if head_type == "medusa" else "dflash"
-        if midlayer:
-            return "eagle3"
-        if vllm_eagle:
-            return "eagle"
-        fmt = "eagle" if head_type == "eagle" else "eagle3"  # fall through to the explanation below
+    if head_type not in FAMILIES:
+        raise ExportError(f"{head_type!r} heads are of no family: one of {', '.join(FAMILIES)}.")
     if fmt == "selfspec":
         return fmt
-    if (fmt == "dflash") != (head_type == "dflash"):
-        raise ExportError(f"format={fmt} does not fit {head_type} heads: DFlash heads export as format=dflash (vLLM's "
-                          "DFlash), and only they do.")
-    if fmt == "dflash":
-        return fmt
-    if fmt == "vllm" and head_type != "medusa":
-        raise ExportError(f"format=vllm is vLLM's Medusa format; these are {head_type} heads (format=eagle3 or "
-                          "speculators for EAGLE-3 heads trained with heads.layout=midlayer).")
-    if fmt == "eagle" and not vllm_eagle:
-        if head_type != "eagle":
-            raise ExportError(f"format=eagle is vLLM's EAGLE-1 format; these are {head_type} heads"
-                              + (": use format=eagle3 or speculators." if head_type == "eagle3" else "."))
+    family = FAMILIES[head_type]
+    exports = list(family.exports)
+    keep = "export format=selfspec (a copy of the folder, for selfspec's own decoder)"
+    if not exports:
+        raise ExportError(f"{head_type} heads have no serving-engine format: {keep}.")
+    needs = " ".join(f"heads.{k}={_override(v)}" for k, v in family.export_needs.items())
+    fmt = exports[0] if fmt == "auto" else fmt  # an auto that does not fit falls through to the explanation below
+    if fmt not in exports:
+        raise ExportError(f"format={fmt} does not fit these {head_type} heads: use format={' or '.join(exports)}"
+                          + (f" (for heads trained with {needs})." if needs else "."))
+    if not family.exportable(head_config):
+        held = ", ".join(f"{k}={_override(head_config.get(k))}" for k in family.export_needs)
         raise ExportError(
-            f"These EAGLE-1 heads (fc_bias={head_config.get('fc_bias', True)}, input_norm="
-            f"{head_config.get('input_norm', True)}) have no serving-engine format: vLLM's EAGLE-1 "
-            "(EagleLlamaForCausalLM) reads an fc without bias into a layer without input norm. Retrain with "
-            "`python train/eagle.py heads=eagle heads.fc_bias=false heads.input_norm=false`, or export "
-            "format=selfspec (a copy of the folder, for selfspec's own decoder)."
-        )
-    if fmt in ("eagle3", "speculators") and not midlayer:
-        if head_type == "medusa":
-            raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are Medusa heads: use format=vllm.")
-        if head_type == "eagle":
-            raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are EAGLE-1 heads: format=eagle (vLLM's "
-                              "EAGLE-1) takes those trained with heads.fc_bias=false heads.input_norm=false.")
-        raise ExportError(
-            f"These {head_type} heads (layout={head_config.get('layout', 'fc')}) have no serving-engine format: "
-            "SGLang and vLLM load EAGLE-3 as published, which is eagle3 with heads.layout=midlayer. Retrain with "
-            "`python train/eagle.py heads=eagle3 heads.layout=midlayer`, or export format=selfspec (a copy of the "
-            "folder, for selfspec's own decoder)."
-        )
+            f"These {head_type} heads ({held}) have no serving-engine format: {', '.join(exports)} need heads "
+            f"trained with {needs}, as the engines load them. Retrain with `selfspec-train {head_type} {needs}`, or "
+            f"{keep}.")
     return fmt
+
+
+def _override(value: Any) -> str:
+    """``value`` as a command line's override writes it (``false``, ``midlayer``)."""
+    return str(value).lower() if isinstance(value, bool) or value is None else str(value)
 
 
 # --- vLLM Medusa ------------------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ A folder is written into a temporary sibling and renamed into place, so a reader
 selfspec's marker (``.selfspec``, selfspec.core.folders): saving replaces only a heads folder selfspec wrote, never a
 folder of the user's.
 
-Head types are the families of core/families.py that train heads: each row (declared in its family's conf file) names
-its builder ``build(head_config: dict, target_model | None) -> nn.Module`` as ``"module:function"``, imported on first
-use so ``load_heads`` works without the caller importing anything.
+Head types are the families of core/families.py that have heads: heads/families.py registers each one's builder
+``build(head_config: dict, target_model | None) -> nn.Module``, so ``load_heads`` works without the caller importing
+anything.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from selfspec.core import folders
 from selfspec.core.config import to_plain
 from selfspec.core.errors import SelfspecError
 from selfspec.core.families import FAMILIES
+from selfspec.heads.families import HEADS, HeadBuilder
 from selfspec.core.target import Target, TargetMismatchError, check_fingerprint, fingerprint
 
 CONFIG_NAME = "config.json"
@@ -46,21 +47,18 @@ WEIGHTS_NAME = "model.safetensors"
 ADAPTER_DIR = "adapter"
 FORMAT_VERSION = 1
 
-HeadBuilder = Callable[[dict, "nn.Module | None"], nn.Module]
-
-
 class HeadsLoadError(SelfspecError, RuntimeError):
     """A heads folder is missing, incomplete or corrupt; the message says which file and what to do."""
 
 
 def head_builder(name: str) -> HeadBuilder:
-    """The builder of head type ``name``: its family's ``heads`` in the family table (imported on first use)."""
-    family = FAMILIES.get(name)
-    if family is None or family.heads is None:
-        known = ", ".join(n for n, f in FAMILIES.items() if f.heads is not None)
+    """The builder of head type ``name``: what heads/families.py registers for that family of the table."""
+    if name not in FAMILIES or name not in HEADS:
+        known = ", ".join(n for n in FAMILIES if n in HEADS)
         raise HeadsLoadError(f"Unknown head type {name!r}; known types: {known}. A new type is a family row "
-                             "(core/families.py: `families:` in its conf file) that names its heads builder.")
-    return family.load("heads")
+                             "(core/families.py: `families:` in its conf file) and its heads builder in "
+                             "selfspec/heads/families.py's HEADS.")
+    return HEADS[name]
 
 
 @dataclass

@@ -272,7 +272,7 @@ def test_export_refuses_what_no_engine_loads(tmp_path, tiny_llama):
             export_heads(tmp_path / "eagle", tmp_path / "out", model, fmt=fmt)
     with pytest.raises(ExportError, match="format=eagle3 or speculators"):
         resolve_format("eagle", "eagle3", {"layout": "midlayer"})
-    with pytest.raises(ExportError, match="these are EAGLE-1 heads"):
+    with pytest.raises(ExportError, match="does not fit these eagle heads: use format=eagle "):
         resolve_format("speculators", "eagle", {"fc_bias": False, "input_norm": False})
     assert not (tmp_path / "out").exists()
     # heads trained for another target are refused by the fingerprint check

@@ -3,8 +3,8 @@ functions): `core` imports none of the other packages; `heads` imports only `cor
 (a session that learns is handed its learner by the command that asks for it); `train` reaches `decode` only where
 a training run is judged by decoding; the commands (the modules pyproject.toml's [project.scripts] names) wire the
 rooms they run and are imported by none; inside `decode`, the engine and the
-drafters meet only in `types.py` and `step.py`. The family table (core/families.py) names each family's code in the
-layer it belongs to. The packages are imported as installed: no file edits sys.path, and no module beside an entry
+drafters meet only in `types.py` and `step.py`. The family table (core/families.py) names no code: each room
+registers its families' code in its own ``families`` module, with plain imports of that room's modules. The packages are imported as installed: no file edits sys.path, and no module beside an entry
 file shadows another module of its name."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.core.families import FAMILIES, PARTS
+from selfspec.core.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "heads", "decode", "train")
-LAYER_OF_PART = {"drafter": "decode", "random_heads": "decode", "heads": "heads", "method": "train"}
+ROOMS = ("heads", "decode", "train")  # the rooms that register families' code, each in its ``families`` module
 
 
 def short(name: str) -> str:
@@ -28,13 +28,11 @@ def short(name: str) -> str:
     return name.removeprefix("selfspec.")
 
 
-def family_modules(part: str) -> set[str]:
-    """The modules the family table names for ``part`` (e.g. every family's decode drafter module)."""
-    return {short(ref.partition(":")[0]) for f in FAMILIES.values() if (ref := getattr(f, part))}
-
-
-# the families' drafters, and the drafter-side pieces they share (the suffix hybrid, EAGLE's dynamic tree)
-DRAFTERS = family_modules("drafter") | {"decode.hybrid", "decode.dynamic_tree"}
+def family_modules(room: str) -> set[str]:
+    """The modules of ``room`` its ``families`` module registers families' code from (e.g. every family's decode
+    drafter module): what ``<room>/families.py`` imports of its own room, as modules."""
+    names = imports(room)[f"{room}.families"]
+    return {n for n in names if n.count(".") == 1 and n.startswith(room + ".")} - {f"{room}.types", f"{room}.method"}
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -54,6 +52,10 @@ def imports(package: str) -> dict[str, set[str]]:
         assert not bare, f"{module} imports {sorted(bare)}: the packages are selfspec.core, selfspec.decode, ..."
         out[module] = {short(name) for name in found if short(name).split(".")[0] in PACKAGES and name != short(name)}
     return out
+
+
+# the families' drafters, and the drafter-side pieces they share (the suffix hybrid, EAGLE's dynamic tree)
+DRAFTERS = family_modules("decode") | {"decode.hybrid", "decode.dynamic_tree"}
 
 
 def commands() -> set[str]:
@@ -144,19 +146,20 @@ def test_no_import_circle():
     assert import_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_the_family_table_names_each_part_in_its_layer():
-    assert set(LAYER_OF_PART) == set(PARTS)
-    assert {"decode.drafters", "decode.eagle_drafter", "decode.dflash_drafter"} <= DRAFTERS  # the table was read
-    for family in FAMILIES.values():
-        for part, layer in LAYER_OF_PART.items():
-            ref = getattr(family, part)
-            if ref is None:
-                continue
-            module, _, attr = ref.partition(":")
-            assert module.startswith("selfspec."), (family.name, part, ref)
-            module = short(module)
-            assert module.split(".")[0] == layer and attr, (family.name, part, ref)
-            assert (ROOT / Path(*module.split("."))).with_suffix(".py").is_file(), (family.name, part, ref)
+def test_each_room_registers_its_families_code_from_its_own_modules():
+    """core/families.py imports no room; each room's ``families`` module imports only its own room and core, and
+    registers the code of families the table declares (a training-free family has no heads and trains nothing)."""
+    from selfspec.decode.families import DRAFTERS as DRAFTING
+    from selfspec.heads.families import HEADS
+    from selfspec.train.families import METHODS
+
+    assert {"decode.drafters", "decode.eagle_drafter", "decode.dflash_drafter"} <= DRAFTERS  # the walk read them
+    assert not {n.split(".")[0] for n in imports("core")["core.families"]} - {"core"}
+    for room in ROOMS:
+        assert {n.split(".")[0] for n in imports(room)[f"{room}.families"]} <= {"core", room}, room
+    assert set(DRAFTING) == set(FAMILIES)
+    assert set(METHODS) == {n for n, f in FAMILIES.items() if f.trains}
+    assert set(HEADS) == {n for n, f in FAMILIES.items() if f.needs_heads or f.optional_heads}
 
 
 SYS_PATH_EDIT = re.compile(r"sys\.path\s*(\[[^\]]*\]\s*=(?!=)|\+?=(?!=)|\.(insert|append|extend|remove|pop|clear)\()"

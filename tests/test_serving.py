@@ -197,9 +197,10 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, f
 def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
     with pytest.raises(ServingError, match="do not export to eagle3"):
         serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=check_settings(k=K))
-    with pytest.raises(ServingError, match="at most 3 tokens"):
+    with pytest.raises(ServingError, match="medusa heads draft 3 tokens a step in vLLM when asked for 4"):
         serve_check(trained_heads["medusa"], prompts(1), settings=check_settings(k=4))
-    with pytest.raises(ServingError, match=f"blocks of {K} tokens; check them with k={K}"):
+    with pytest.raises(ServingError, match=f"dflash heads draft {K} tokens a step in vLLM when asked for {K - 1}; "
+                                           f"check them with k={K}"):
         serve_check(trained_heads["dflash"], prompts(1), settings=check_settings(k=K - 1))
 
 

@@ -9,8 +9,8 @@
     selfspec-features model=smollm2 feature_store.dir=outputs/stores/smollm2    # = python scripts/build_features.py
 
 A family trains under its entry config, the conf file that declares it (``conf/<train_conf>.yaml``), with its
-``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the family's
-``method``) and the end-of-run speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is
+``heads_conf`` option (EAGLE-3: ``heads=eagle3``); the run is ``train(cfg, method(cfg))`` (train/loop.py, the method
+train/families.py registers for it) and the end-of-run speed check. Each family's entry file (train/medusa.py, train/eagle.py, ...) is
 :func:`main` with its family named, and its docstring lists the commands.
 """
 
@@ -39,11 +39,12 @@ def trainable(name: str) -> Family:
 
 def run(cfg: DictConfig, family: Family) -> None:
     """Train ``family`` as ``cfg`` (its composed entry config) says, then decode with the heads for a speed check."""
+    from selfspec.train.families import METHODS  # the methods and the loop import torch: not for --help or a typo
     from selfspec.train.loop import train
 
     with reported_errors():
         job_run_dir(cfg)
-        result = train(cfg, family.load("method")(cfg))
+        result = train(cfg, METHODS[family.name](cfg))
         from selfspec.train.speed_check import after_training
 
         after_training(cfg, result.heads_dir, whole_target=result.whole_target)

@@ -36,8 +36,12 @@ import torch
 
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError, SettingError
+from selfspec.core.families import FAMILIES
 
-LEARNING_FAMILIES = ("eagle", "eagle3", "dflash", "medusa")  # Medusa-1: Medusa-2's adapter is refused
+
+def learning_families() -> list[str]:
+    """The families whose rows say ``learns_online`` (Medusa: Medusa-1's heads; Medusa-2's adapter is refused)."""
+    return [name for name, family in FAMILIES.items() if family.learns_online]
 
 
 class LearnSetupError(SelfspecError, ValueError):
@@ -268,7 +272,7 @@ def training_method(head_type: str, heads_config: dict):
     from omegaconf import OmegaConf, open_dict
 
     from selfspec.core.config import compose
-    from selfspec.core.families import FAMILIES
+    from selfspec.train.families import METHODS
 
     family = FAMILIES[head_type]
     cfg = compose(family.train_conf, family.train_overrides())
@@ -276,7 +280,7 @@ def training_method(head_type: str, heads_config: dict):
     if saved:
         with open_dict(cfg):
             cfg.heads = OmegaConf.merge(cfg.heads, {k: v for k, v in saved.items() if k in cfg.heads})
-    return family.load("method")(cfg)
+    return METHODS[head_type](cfg)
 
 
 class OnlineLearner:
@@ -285,8 +289,9 @@ class OnlineLearner:
 
     def __init__(self, heads: torch.nn.Module, head_type: str, heads_config: dict, target: Any,
                  settings: LearnSettings):
-        if head_type not in LEARNING_FAMILIES:
-            raise LearnSetupError(f"learn=true trains {', '.join(LEARNING_FAMILIES)} heads; the session's drafter is "
+        learning = learning_families()
+        if head_type not in learning:
+            raise LearnSetupError(f"learn=true trains {', '.join(learning)} heads; the session's drafter is "
                                   f"{head_type}. Give heads=FOLDER of one of those families (heads=random with "
                                   "drafter=eagle3 or dflash: untrained heads), or decode with learn=false.")
         self.heads, self.head_type, self.target, self.settings = heads, head_type, target, settings
@@ -327,11 +332,9 @@ class OnlineLearner:
             self._resume()
 
     def _store_layers(self) -> list[int]:
-        """The layers the family's feature store keeps beside the last (EAGLE-3's fused inputs, DFlash's context)."""
-        core = self.core
-        if self.head_type == "dflash":
-            return list(core.feature_layers)
-        return list(core.config.layer_ids) if self.head_type == "eagle3" else []
+        """The layers the family's feature store keeps beside the last: the heads' own ``feature_layers`` where its
+        row ``reads_layers`` (EAGLE-3's fused inputs, DFlash's context), none where they read the last alone."""
+        return list(self.core.feature_layers) if FAMILIES[self.head_type].reads_layers else []
 
     def bytes_per_position(self) -> int:
         return bytes_per_position(self.core.config.hidden_size, len(self.layers), self.dtype)

@@ -109,6 +109,7 @@ def prepare(out: Path, layer_counts: list[int], hidden: int, vocab: int, family:
     """Each target (when missing) and its store (a run of ``family`` that builds it, when missing), in this process."""
     from selfspec.core.config import compose
     from selfspec.core.families import FAMILIES
+    from selfspec.train.families import METHODS
     from selfspec.train.loop import train
 
     chosen = FAMILIES[family]
@@ -118,7 +119,7 @@ def prepare(out: Path, layer_counts: list[int], hidden: int, vocab: int, family:
             make_target(folder, layers, hidden, vocab)
         if not (out / f"features-{layers}" / "meta.json").is_file():
             cfg = compose(chosen.train_conf, chosen.train_overrides() + overrides_for(out, layers, family, examples))
-            train(cfg, chosen.load("method")(cfg))
+            train(cfg, METHODS[family](cfg))
 
 
 def train_child(family: str, overrides: list[str]) -> None:

@@ -30,6 +30,7 @@ from test_engine import CacheCheck
 
 from selfspec.core.archs import TINY_ARCHS, attention_linear_names
 from selfspec.core.families import FAMILIES
+from selfspec.train.families import METHODS
 from selfspec.core.target import Target, build_tiny
 
 ARCHS = sorted(TINY_ARCHS)
@@ -80,7 +81,7 @@ def train_run(run: str, target: Target, data, run_dir: Path, *overrides: str):
     arch = target.name.removeprefix("tiny-")
     cfg = OmegaConf.merge(entry_config(run), OmegaConf.from_dotlist(
         [f"run_dir={run_dir}", f"model.tiny.arch={arch}", f"model.name_or_path={target.name}", *overrides]))
-    method = FAMILIES[RUNS[run].family].load("method")(cfg)
+    method = METHODS[RUNS[run].family](cfg)
     return train(cfg, method, target=target, datasets=data)
 
 
@@ -288,6 +289,6 @@ def test_medusa2_refuses_a_feature_store(tmp_path):
 
     cfg = OmegaConf.merge(entry_config("medusa2"), OmegaConf.from_dotlist([f"run_dir={tmp_path}", "features=store"]))
     with pytest.raises(SettingError) as refused:
-        FAMILIES["medusa"].load("method")(cfg)
+        METHODS["medusa"](cfg)
     assert str(refused.value) == ("heads=medusa2 trains LoRA inside the target, so its hidden states change every "
                                   "step and cannot come from a feature store: use features=online.")

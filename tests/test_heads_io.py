@@ -11,6 +11,8 @@ from torch import nn
 
 from selfspec import heads
 from selfspec.core.families import FAMILIES
+from selfspec.decode.families import DRAFTERS
+from selfspec.heads.families import HEADS
 from selfspec.heads.io import HeadsLoadError, save_heads
 from selfspec.heads.medusa import MedusaConfig, MedusaHeads, build_medusa_heads
 from selfspec.core.target import TargetMismatchError, build_tiny
@@ -163,8 +165,9 @@ class Exit(nn.Module):
         self.proj = nn.Linear(config["hidden_size"], config["hidden_size"])
 
 
-def test_a_new_row_is_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
-    from selfspec.core.families import FAMILIES, Family, FamilyError
+def test_a_new_row_and_its_builder_are_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
+    from selfspec.core.families import FAMILIES, Family
+    from selfspec.heads.families import HEADS
 
     model, _ = tiny_llama
     module = trained_heads(model)
@@ -173,30 +176,29 @@ def test_a_new_row_is_all_heads_io_needs(tmp_path, tiny_llama, monkeypatch):
     with pytest.raises(HeadsLoadError, match="Unknown head type 'vanilla'"):  # a family that trains nothing
         save_heads(tmp_path / "x", module, "vanilla", {}, model)
 
-    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="selfspec.decode.drafters:nothing",
-                                                      heads=f"{__name__}:Exit"))
+    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test"))
+    with pytest.raises(HeadsLoadError, match="Unknown head type 'test-exit'.*selfspec/heads/families.py"):
+        save_heads(tmp_path / "x", module, "test-exit", {}, model)  # a row without a builder
+    monkeypatch.setitem(HEADS, "test-exit", Exit)
     exit_head = Exit({"hidden_size": 64}, model).to(model.device)
     save_heads(tmp_path / "exit", exit_head, "test-exit", {"hidden_size": 64}, model)
     loaded = heads.load(tmp_path / "exit", model)
     assert isinstance(loaded.module, Exit) and loaded.config["head_type"] == "test-exit"
     assert torch.equal(loaded.module.proj.weight, exit_head.proj.weight)
-    monkeypatch.setitem(FAMILIES, "test-exit", Family("test-exit", "a test", drafter="selfspec.decode.drafters:nothing",
-                                                      heads="heads.nowhere:build"))
-    with pytest.raises(FamilyError, match="test-exit family's heads is heads.nowhere:build, which cannot be imported"):
-        heads.load(tmp_path / "exit", model)
 
 
 def _untrained_heads(family, model) -> nn.Module:
     """Heads of ``family`` for ``model`` as the table builds them: its random heads, or a trained-like exit."""
-    if family.random_heads is not None:
-        return family.load("random_heads")(model, seed=1)
+    random_heads = DRAFTERS[family.name].random_heads
+    if random_heads is not None:
+        return random_heads(model, seed=1)
     from test_layerskip_train import trained_like_exit
 
     assert family.name == "layerskip", f"{family.name}: give it random_heads, or build its heads here"
     return trained_like_exit(model, 1, "adapter", 64)
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.heads is not None])
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n in HEADS])
 def test_every_family_with_heads_round_trips_through_its_row(name, tmp_path, tiny_llama):
     """Heads of each family that has them are saved and rebuilt by selfspec.heads.io through the table's builder."""
     family = FAMILIES[name]
@@ -205,7 +207,7 @@ def test_every_family_with_heads_round_trips_through_its_row(name, tmp_path, tin
     save_heads(tmp_path / name, module, name, module.config.to_dict(), model)
     loaded = heads.load(tmp_path / name, model)
     assert type(loaded.module) is type(module) and loaded.config["head_type"] == name
-    assert type(loaded.module) is type(family.load("heads")(loaded.config["head_config"], model))
+    assert type(loaded.module) is type(HEADS[name](loaded.config["head_config"], model))
     expected = module.state_dict()
     assert loaded.module.state_dict().keys() == expected.keys()
     assert all(torch.equal(v, expected[k]) for k, v in loaded.module.state_dict().items())

@@ -76,7 +76,7 @@ def test_gpt_oss_heads_trained_on_a_folder_decode_from_the_heads_alone(tmp_path)
     ``heads=`` alone, and overridden at decode with ``model.KEY=VALUE``."""
     import datasets
 
-    from selfspec.core.families import FAMILIES
+    from selfspec.train.families import METHODS
     from selfspec.train.loop import train
 
     folder = local_folder("gpt_oss", tmp_path)
@@ -87,7 +87,7 @@ def test_gpt_oss_heads_trained_on_a_folder_decode_from_the_heads_alone(tmp_path)
     cfg = compose("dflash", ["experiment=debug", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=0",
                              "speed_check.prompts=null", "model=tiny", "model.source=hub",
                              f"model.name_or_path={folder}", "model.tiny=null", f"run_dir={tmp_path / 'run'}"])
-    result = train(cfg, FAMILIES["dflash"].load("method")(cfg), datasets=datasets.DatasetDict({"train": split}))
+    result = train(cfg, METHODS["dflash"](cfg), datasets=datasets.DatasetDict({"train": split}))
     heads = Path(result.heads_dir)
     recorded = read_heads_config(heads)["model"]
     assert recorded["attn_implementation"] == "eager" and recorded["name_or_path"] == str(folder)

@@ -139,13 +139,14 @@ def test_a_store_fed_run_holds_the_parts_and_trains_the_heads_the_whole_target_t
     from test_medusa_train import tiny_datasets
 
     import selfspec.core.target_parts as target_parts
+    from selfspec.train.families import METHODS
     from selfspec.train.loop import train
 
     building = family.endswith("-build")
     family = family.removesuffix("-build")
     data = tiny_datasets()
     cfg, chosen = store_cfg(family, tmp_path / "whole", tmp_path / "store", *overrides)
-    whole = train(cfg, chosen.load("method")(cfg), target=load_target(cfg.model), datasets=data)  # builds the store
+    whole = train(cfg, METHODS[family](cfg), target=load_target(cfg.model), datasets=data)  # builds the store
     assert whole.whole_target
     held = []
     real = target_parts.load_target_parts
@@ -153,7 +154,7 @@ def test_a_store_fed_run_holds_the_parts_and_trains_the_heads_the_whole_target_t
     store = tmp_path / ("new-store" if building else "store")
     cfg, chosen = store_cfg(family, tmp_path / "parts", store, *overrides)
     capsys.readouterr()
-    parts = train(cfg, chosen.load("method")(cfg), datasets=data)
+    parts = train(cfg, METHODS[family](cfg), datasets=data)
     err = capsys.readouterr().err
     assert not parts.whole_target and len(held) == 1
     assert "features=store: the trainer holds the target's embeddings, final norm, LM head" in err
@@ -171,12 +172,13 @@ def test_online_training_medusa2_and_layer_skip_keep_the_whole_target(tmp_path):
     from conftest import compose
 
     from selfspec.core.families import FAMILIES
+    from selfspec.train.families import METHODS
 
     def method(family, *overrides):
         chosen = FAMILIES[family]
         cfg = compose(chosen.train_conf, chosen.train_overrides() + ["experiment=debug", f"run_dir={tmp_path}",
                                                                       *overrides])
-        return chosen.load("method")(cfg)
+        return METHODS[family](cfg)
 
     for family in ("eagle", "eagle3", "dflash", "medusa", "layerskip"):
         assert method(family).store_target_layers() is None, family  # online

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.families import FAMILIES
+from selfspec.train.families import METHODS
 from test_medusa_train import medusa_cfg, tiny_datasets, tiny_target
 from selfspec.train.loop import train
 from selfspec.train.method import TrainMethod
@@ -97,7 +98,7 @@ def test_every_trainable_family_composes_its_entry_config_and_instantiates_its_m
 
     family = FAMILIES[name]
     cfg = compose(family.train_conf, family.train_overrides() + ["experiment=debug", f"run_dir={tmp_path}"])
-    method = family.load("method")(cfg)
+    method = METHODS[name](cfg)
     assert isinstance(method, TrainMethod) and method.name == name
     monkeypatch.setattr(sys, "argv", ["selfspec-train", name, "experiment=debug", "--cfg", "job", "--resolve"])
     try:

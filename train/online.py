@@ -275,7 +275,7 @@ def training_method(head_type: str, heads_config: dict):
     from selfspec.train.families import METHODS
 
     family = FAMILIES[head_type]
-    cfg = compose(family.train_conf, family.train_overrides())
+    cfg = compose(family.train_conf, family.train_overrides(), config_dir=family.conf.parent)
     saved = heads_config.get("heads")
     if saved:
         with open_dict(cfg):

@@ -154,20 +154,22 @@ def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_l
 
     model, tokenizer = tiny_llama
 
-    def cost(drafter, **clock):
+    def cost(family, drafter, **clock):
         decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[])
         session = SimpleNamespace(sampling=Sampling())  # draft_step_cost reads the session's sampling only
-        return draft_step_cost(Method("m", session, decoder), [5, 6, 7, 8], repeats=5, clock=ScriptedClock(**clock))
+        method = Method("m", session, decoder, family=family)  # its row says how many draft steps a proposal runs
+        return draft_step_cost(method, [5, 6, 7, 8], repeats=5, clock=ScriptedClock(**clock))
 
-    medusa = cost(MedusaDrafter(random_heads(model, num_heads=4), "small_16"), propose=0.003, forward=0.002,
+    medusa = cost("medusa", MedusaDrafter(random_heads(model, num_heads=4), "small_16"), propose=0.003, forward=0.002,
                   noisy_repeats=(1, 3))
     assert (medusa["levels"], medusa["draft_steps"], medusa["nodes"]) == (4, 1, 17)  # small_16 and its root
     assert medusa["propose_ms"] == pytest.approx(3.0) and medusa["forward_ms"] == pytest.approx(2.0)
     assert medusa["step_vs_forward"] == pytest.approx(1.5)
-    chain = cost(LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=3), propose=0.006, forward=0.002)
+    chain = cost("layerskip", LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=3), propose=0.006,
+                 forward=0.002)
     assert (chain["levels"], chain["draft_steps"]) == (3, 3)  # one pass over the first layers per drafted token
     assert chain["step_vs_forward"] == pytest.approx(1.0)  # 6 ms for 3 draft steps, against 2 ms
-    assert cost(VanillaDrafter(), propose=0.001, forward=0.001) is None
+    assert cost("vanilla", VanillaDrafter(), propose=0.001, forward=0.001) is None
 
 
 def test_a_wrong_token_is_reported_and_fails_the_run(tmp_path, questions, monkeypatch, capsys):

@@ -9,14 +9,13 @@ from typing import Any, Callable
 
 import torch
 
+from selfspec.core.families import FAMILIES, Family
 from selfspec.decode.adaptive import CURVE_SIZES, verify_cost_curve
 from selfspec.decode.bench.methods import Method
 from selfspec.decode.cache import commit_kv
 from selfspec.decode.drafters import VanillaDrafter
-from selfspec.decode.eagle_drafter import EagleTreeDrafter
 from selfspec.decode.engine import prefill
 from selfspec.decode.hybrid import HybridDrafter
-from selfspec.decode.layerskip import LayerSkipDrafter
 from selfspec.decode.linear_kernels import decoding_kernels
 from selfspec.decode.session import Session
 from selfspec.decode.settings import required
@@ -43,10 +42,11 @@ def standalone(drafter: Drafter) -> Drafter:
     return drafter.inner if isinstance(drafter, HybridDrafter) else drafter
 
 
-def draft_steps(drafter: Drafter, levels: int) -> int:
-    """The draft steps a proposal of ``levels`` tree levels runs: one forward per level for EAGLE trees and layer-skip
-    chains, one per proposal for the others (Medusa's heads, a DFlash block, the suffix drafter's lookup)."""
-    return max(1, levels) if isinstance(drafter, (EagleTreeDrafter, LayerSkipDrafter)) else 1
+def draft_steps(family: Family, levels: int) -> int:
+    """The draft steps a proposal of ``levels`` tree levels runs: one forward per level where the family's row says
+    ``forward_per_level`` (EAGLE trees, layer-skip chains), one per proposal for the others (Medusa's heads, a DFlash
+    block, the suffix drafter's lookup)."""
+    return max(1, levels) if family.forward_per_level else 1
 
 
 @torch.no_grad()
@@ -79,7 +79,7 @@ def draft_step_cost(method: Method, ids: list[int], repeats: int = 9,
             propose.append(t1 - t0)
             forward.append(t2 - t1)
     levels = int(draft.tree.max_depth)
-    steps = draft_steps(drafter, levels)
+    steps = draft_steps(FAMILIES[method.family], levels)
     p, f = statistics.median(propose), statistics.median(forward)
     return {"propose_ms": 1000 * p, "forward_ms": 1000 * f, "levels": levels, "nodes": int(draft.tree.num_nodes),
             "draft_steps": steps, "step_vs_forward": p / steps / f}

@@ -38,6 +38,7 @@ class Method:
     info: dict = field(default_factory=dict)  # recorded in bench.json (heads folder, drafter, settings, max_depth)
     results: dict | None = None  # another engine's records by prompt ids, decoded before the loop (vLLM's rows)
     build: Callable[[], SpeculativeDecoder] | None = None  # a new decoder like ``decoder`` (``fresh=true``)
+    family: str | None = None  # the family whose drafter the engine runs (core/families.py); None: HF or vLLM
 
     def fresh(self) -> None:
         """A new decoder, as a new process builds it: nothing learned (calibration, depth policy, earlier answers)."""
@@ -137,8 +138,8 @@ def _engine_method(name: str, session: Session, label: str, draft: dict, family:
     build = functools.partial(session.decoder_for, family, draft)
     decoder = session.decoder if family is None and not draft else build()
     _, settings = session.settings_for(family, draft)
-    return Method(name, session, decoder, build=build, info={"drafter": label, "settings": settings,
-                                                             "max_depth": decoder.drafter.max_draft_depth})
+    return Method(name, session, decoder, build=build, family=family or session.family,
+                  info={"drafter": label, "settings": settings, "max_depth": decoder.drafter.max_draft_depth})
 
 
 def build_methods(base: Session, sessions: dict[str, Session], names: list[str], prompt_lookup: int,
@@ -156,7 +157,8 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
         methods.append(Method("hf_early_exit", base))
     if "vanilla" in names:
         vanilla = functools.partial(base.decoder_for, "vanilla")
-        methods.append(Method("vanilla", base, vanilla(), info={"drafter": "vanilla", "max_depth": 0}, build=vanilla))
+        methods.append(Method("vanilla", base, vanilla(), info={"drafter": "vanilla", "max_depth": 0}, build=vanilla,
+                              family="vanilla"))
     explicit = (draft or {}).get("suffix") is not None  # draft.suffix given: the heads rows decode as it says
     if "heads" in names:  # the heads alone (hybrid by default in decode/run.py: their own rows below)
         for name, s in sessions.items():

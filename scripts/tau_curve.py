@@ -9,8 +9,9 @@ in one benchmark run, a fitted curve, and the data each tau would take if the tr
 Each run is one command of the project's own (printed before it runs, so any cell can be rerun by hand), and a rerun
 skips what is done: the regenerated file resumes (scripts/regenerate.py engine=vllm, first turns, ``n`` = the largest
 size), one feature store per source and size serves both families (feature_store.engine=vllm by default), a run
-whose heads exist is not trained again. Every run takes the family's CPU hour recipe (experiment=<family>_cpu_1h)
-for ``--epochs`` passes over its data instead of an hour. Then one ``scripts/bench.py`` run decodes every drafter
+whose heads exist is not trained again. The families are those whose rows read target layers (core/families.py:
+``reads_layers``), unless ``--families`` names others. Every run is ``selfspec-train <family>`` (``python -m
+selfspec.train.cli``) with the family's CPU hour recipe (experiment=<family>_cpu_1h) for ``--epochs`` passes over its data instead of an hour. Then one ``scripts/bench.py`` run decodes every drafter
 alone (no suffix drafter) at its full depth every step (``draft.adaptive=false``: the default decoder's adaptive depth
 drafts nothing where drafts do not pay on this machine, and its tau would then say 1.0 of a drafter that accepts
 something), interleaved prompt by prompt, and the curve is fitted per family and source as tau = a + b log2(training
@@ -29,9 +30,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from selfspec.core.families import FAMILIES
+from selfspec.train.features import layer_readers
+
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = {"eagle3": ("train/eagle.py", ["experiment=eagle3_cpu_1h"]),
-            "dflash": ("train/dflash.py", ["experiment=dflash_cpu_1h"])}
 SOURCES = ("original", "regenerated")
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 
@@ -81,7 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="500,1000,2000,4000", help="conversations per run (each twice the last)")
     parser.add_argument("--sources", default=",".join(SOURCES))
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--families", default=",".join(layer_readers()),
+                        help="trained families (default: those whose rows read target layers, which one feature "
+                        "store per source and size serves)")
     parser.add_argument("--epochs", type=float, default=3.0, help="passes over each run's data")
     parser.add_argument("--store-engine", default="vllm", choices=("hf", "vllm"))
     parser.add_argument("--regenerated", default=None, help="the regenerated JSONL (default: <out>/regenerated.jsonl)")
@@ -94,6 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="keys regeneration and training take (model=..., data.max_length=...)")
     args = parser.parse_args(argv)
     from selfspec.core.config import compose
+
+    unknown = [f for f in args.families.split(",") if f not in FAMILIES or not FAMILIES[f].trains]
+    if unknown:
+        parser.error(f"--families: {unknown[0]!r} is not a family that trains: one of "
+                     f"{', '.join(n for n, f in FAMILIES.items() if f.trains)}")
 
     sizes = sorted(int(s) for s in args.sizes.split(","))
     sources, families = args.sources.split(","), args.families.split(",")
@@ -108,11 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
         for size in sizes:
             store = out / "stores" / f"{source}-{size}"
             for family in families:
-                entry, recipe = FAMILIES[family]
+                row = FAMILIES[family]
                 name = f"{family}-{source}-{size}"
                 run_dir = out / "runs" / name
-                base = [*recipe, *data_overrides(source, size, regenerated), *args.overrides]
-                cfg = compose(Path(entry).stem, base)
+                base = [f"experiment={family}_cpu_1h", *data_overrides(source, size, regenerated), *args.overrides]
+                cfg = compose(row.train_conf, [*row.train_overrides(), *base])  # as selfspec-train composes it
                 common = ["features=store", f"feature_store.engine={args.store_engine}", f"feature_store.dir={store}",
                           f"run_dir={run_dir}", "trainer.max_minutes=null", "trainer.eval_every=0",
                           "speed_check.prompts=0"]
@@ -121,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if (store / "meta.json").is_file():
                         examples = json.loads((store / "meta.json").read_text())["splits"]["train"]["num_examples"]
                     steps = steps_for(examples, args.epochs, int(cfg.trainer.batch_size))
-                    run([py, entry, *base, *common, f"trainer.max_steps={steps}"], out / "logs" / f"{name}.log")
+                    run([py, "-m", "selfspec.train.cli", family, *base, *common, f"trainer.max_steps={steps}"],
+                        out / "logs" / f"{name}.log")
                 runs.append({"name": name, "family": family, "source": source, "conversations": size,
                              "train_tokens": store_tokens(store), "heads": str(run_dir / "heads")})
     bench_out = out / "bench"

@@ -33,8 +33,13 @@ from typing import Any
 
 from selfspec.core.config import MISSING, cfg_get, to_dict
 from selfspec.core.errors import SettingError
+from selfspec.core.families import FAMILIES
 
-FAMILIES = ("eagle3", "dflash", "eagle", "medusa", "layerskip")  # what ``read_by`` may name
+
+def layer_readers() -> list[str]:
+    """The families whose rows say they read target layers beside the last (``reads_layers``): ``read_by``'s
+    default, EAGLE-3 and DFlash."""
+    return [name for name, family in FAMILIES.items() if family.reads_layers]
 
 
 def run(cfg: Any) -> dict[str, Any]:
@@ -128,26 +133,29 @@ def _load_datasets(cfg: Any, tokenizer: Any, accelerator: Any):
 
 def store_layers(cfg: Any, model: Any) -> list[int]:
     """The hidden-state layers the store keeps: ``layers`` as given, or with ``layers: auto`` the union of the layers
-    each family of ``read_by`` reads by default (EAGLE-3: ``model.draft_layers.eagle3``, else its rule from the layer
-    count; DFlash: the outputs of ``model.draft_layers.dflash`` or its rule, i.e. those indices + 1), sorted."""
-    from selfspec.heads.dflash import default_target_layer_ids
-    from selfspec.heads.eagle import default_layer_ids
+    each family of ``read_by`` reads (its row's ``reads_layers``: EAGLE-3 the inputs of ``model.draft_layers.eagle3``,
+    else of its rule from the layer count, heads/families.py's ``DEFAULT_LAYERS``; DFlash the outputs of
+    ``model.draft_layers.dflash`` or its rule, i.e. those indices + 1), sorted. A family that reads the last hidden
+    state alone adds nothing: the store keeps that one anyway."""
+    from selfspec.heads.families import DEFAULT_LAYERS  # the heads' modules import torch: not for a setting's check
 
     num = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     layers = cfg_get(cfg, "layers", "auto")
     if layers is None or layers == "auto":
-        families = cfg_get(cfg, "read_by", ["eagle3", "dflash"]) or []
+        families = cfg_get(cfg, "read_by", layer_readers()) or []
         if isinstance(families, str):
             families = [families]
         draft = to_dict(cfg_get(cfg_get(cfg, "model", {}), "draft_layers"))
+        trained = [n for n, f in FAMILIES.items() if f.trains]
         chosen: set[int] = set()
         for family in families:
-            if family == "eagle3":
-                chosen |= {int(i) for i in (draft.get("eagle3") or default_layer_ids(num))}
-            elif family == "dflash":
-                chosen |= {int(i) + 1 for i in (draft.get("dflash") or default_target_layer_ids(num))}
-            elif family not in FAMILIES:
-                raise SettingError(f"read_by: {family!r} is not one of {', '.join(FAMILIES)}.")
+            if family not in trained:
+                raise SettingError(f"read_by: {family!r} is not one of {', '.join(trained)}.")
+            reads = FAMILIES[family].reads_layers
+            if reads is None:
+                continue
+            shift = 1 if reads == "outputs" else 0  # hidden-state index i is the input of layer i, the output of i - 1
+            chosen |= {int(i) + shift for i in (draft.get(family) or DEFAULT_LAYERS[family](num))}
         return sorted(chosen)
     if isinstance(layers, (str, int)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
         raise SettingError(f"layers={layers!r}: auto, or a list of hidden-state indices such as [2,16,29].")

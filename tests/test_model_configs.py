@@ -74,9 +74,9 @@ def test_entry_composes_and_its_drafters_read_its_layers(entry):
     eagle = compose("eagle", [f"model={entry}", "heads=eagle3", "trainer=gpu"])
     assert eagle.model.name_or_path == model["name_or_path"] and eagle.model.config_only is False
     assert eagle.model.dtype == "bfloat16" and eagle.trainer.mixed_precision == "bf16"
-    assert list(eagle.heads.layer_ids) == model["draft_layers"]["eagle3"]
+    assert eagle.heads.layer_ids is None and "draft_layers" not in model  # the rule's, from the layer count
     dflash = compose("dflash", [f"model={entry}"])
-    assert list(dflash.heads.target_layer_ids) == model["draft_layers"]["dflash"]
+    assert dflash.heads.target_layer_ids is None
     # the launch command in the entry's header names an accelerate config that exists, and this entry
     header = (CONF / "model" / f"{entry}.yaml").read_text().split("\nsource:")[0]
     launch = re.search(r"accelerate launch --config_file (\S+) .*model=(\S+)", header)
@@ -108,10 +108,10 @@ def test_layer_kinds_and_the_layers_drafters_read_fit_the_target(entry, targets)
     count, window = SLIDING_LAYERS.get(entry, (0, None))
     assert len(kinds) == n and kinds.count(SLIDING) == count and kinds.count(FULL) == n - count
     assert sliding_window(model.config) == window
-    layers = entry_config(entry)["draft_layers"]
+    # the layers each drafter reads by its rule from the layer count (heads/families.py's DEFAULT_LAYERS), through
     # the drafters' own checks of the target (range, three distinct layers for EAGLE-3, none repeated for DFlash)
-    eagle3 = EagleConfig.from_target(model, variant="eagle3", layer_ids=layers["eagle3"]).layer_ids
-    dflash = DFlashConfig.from_target(model, target_layer_ids=layers["dflash"]).target_layer_ids
+    eagle3 = EagleConfig.from_target(model, variant="eagle3").layer_ids
+    dflash = DFlashConfig.from_target(model).target_layer_ids
     assert eagle3 == sorted(set(eagle3)) and 1 <= eagle3[0] and eagle3[-1] < n  # inputs of layers, past the embeddings
     assert eagle3 == engine_layer_ids(n)  # what vLLM and SGLang fuse when an export names no layers
     assert dflash == [i - 1 for i in eagle3]  # the outputs just before: one feature store serves both

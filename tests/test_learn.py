@@ -246,7 +246,7 @@ def binomial_tail(n: int, p: float, k: int) -> float:
 def test_learn_refuses_what_it_cannot_train(tmp_path):
     from selfspec.train.online import LearnSetupError
 
-    with pytest.raises(LearnSetupError, match="learn=true trains eagle, eagle3, dflash, medusa heads"):
+    with pytest.raises(LearnSetupError, match="learn=true trains dflash, eagle, eagle3, medusa heads"):
         load_session(compose("decode", ["model=tiny", "heads=null", "drafter=suffix", "learn=true",
                                          f"learner.dir={tmp_path / 'l'}"]), learner=online_learner)
     with pytest.raises(DecodeSetupError, match="learn=true trains the heads while decoding, which this command"):

@@ -12,8 +12,9 @@ decode/registry.py joins each with its family's row."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -4,7 +4,8 @@ train/loop.py; train/online.py runs it between a session's requests."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from selfspec.train.dflash_method import DFlashMethod
 from selfspec.train.eagle_method import EagleMethod

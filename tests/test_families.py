@@ -144,6 +144,20 @@ def test_the_table_is_what_the_conf_files_declare():
         assert family.train_conf == (family.conf.stem if family.trains else None)
 
 
+def test_every_row_has_the_code_its_flags_promise():
+    """A family that exports to vLLM has the chain its decode code drafts for the serving check; one that reads
+    layers has its default rule; one that joins vLLM's hybrid names a method whose proposer decode/vllm_hybrid.py
+    extends (vLLM's own names, which that module keeps because it runs in vLLM's venv)."""
+    from selfspec.decode.vllm_hybrid import METHODS as HYBRID_METHODS
+    from selfspec.heads.families import DEFAULT_LAYERS
+
+    for name, family in FAMILIES.items():
+        assert (DRAFTERS[name].chain is not None) == bool(family.exports), name
+        assert (name in DEFAULT_LAYERS) == bool(family.reads_layers), name
+        assert not family.learns_online or family.trains, name
+    assert {f.exports[f.hybrid_export] for f in FAMILIES.values() if f.vllm_hybrid} == set(HYBRID_METHODS)
+
+
 def test_a_toy_family_is_found_by_decode_heads_export_serving_learning_and_training(toy, tmp_path, monkeypatch,
                                                                                      capsys):
     from hydra.core.global_hydra import GlobalHydra

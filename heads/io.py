@@ -39,13 +39,14 @@ from selfspec.core import folders
 from selfspec.core.config import to_plain
 from selfspec.core.errors import SelfspecError
 from selfspec.core.families import FAMILIES
-from selfspec.heads.families import HEADS, HeadBuilder
 from selfspec.core.target import Target, TargetMismatchError, check_fingerprint, fingerprint
+from selfspec.heads.families import HEADS, HeadBuilder
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ADAPTER_DIR = "adapter"
 FORMAT_VERSION = 1
+
 
 class HeadsLoadError(SelfspecError, RuntimeError):
     """A heads folder is missing, incomplete or corrupt; the message says which file and what to do."""

@@ -272,7 +272,7 @@ def training_method(head_type: str, heads_config: dict):
     from omegaconf import OmegaConf, open_dict
 
     from selfspec.core.config import compose
-    from selfspec.train.families import METHODS
+    from selfspec.train.families import METHODS  # every family's method and its imports: only once one learns
 
     family = FAMILIES[head_type]
     cfg = compose(family.train_conf, family.train_overrides(), config_dir=family.conf.parent)

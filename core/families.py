@@ -48,10 +48,6 @@ BLOCK = "families"  # the block of a conf file that declares families
 READS_LAYERS = (None, "inputs", "outputs")  # what ``reads_layers`` may say
 
 
-class FamilyError(SelfspecError, LookupError):
-    """A family has no code of the kind asked for in a room's registry; the message says which family and room."""
-
-
 class FamilyConfError(SelfspecError, ValueError):
     """A conf file's ``families:`` block holds something that is not a row; the message names the file and field."""
 
@@ -136,10 +132,3 @@ def declared(conf_dir: Path = CONF_DIR) -> dict[str, Family]:
 
 
 FAMILIES: dict[str, Family] = declared()
-
-
-def family(name: str) -> Family:
-    """The family ``name``; a :class:`FamilyError` listing the known ones otherwise."""
-    if name not in FAMILIES:
-        raise FamilyError(f"No family {name!r}; known: {', '.join(FAMILIES)}.")
-    return FAMILIES[name]

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.core import folders
+from selfspec.core.archs import context_limit
 from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
     ENGINE_DEFAULTS,
     REPO,
@@ -381,7 +382,7 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
     eos = set(chain.decoder.eos_token_ids)
-    limit = int(getattr(target.model.config, "max_position_embeddings", 2048))
+    limit = context_limit(target.model.config)
     longest = max(len(p) for p in prompts) + settings.max_new_tokens + settings.k + 1
     if longest > limit:
         raise ServingError(f"The longest prompt plus max_new_tokens ({longest} tokens) exceeds the target's context "

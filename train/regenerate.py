@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from selfspec.core import folders
+from selfspec.core.archs import context_limit
 from selfspec.core.errors import SettingError
 from selfspec.core.vllm_env import VllmSettings
 from selfspec.train.data import (
@@ -523,7 +524,7 @@ def run(cfg) -> RegenerateReport:
         from selfspec.core.vllm_env import served_model
 
         path, tokenizer = served_model(cfg.model)
-        max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        max_positions = context_limit(AutoConfig.from_pretrained(path))
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
         engine = open_vllm_engine(path, tokenizer, cfg.model, settings, answering, log_path=log_path)
     else:
@@ -531,7 +532,7 @@ def run(cfg) -> RegenerateReport:
 
         target = load_target(cfg.model)
         tokenizer = target.tokenizer
-        max_positions = getattr(target.model.config, "max_position_embeddings", None)
+        max_positions = context_limit(target.model.config)
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
         engine = HFEngine(target.model, tokenizer, int(cfg.batch_size))
     skipped: dict[str, int] = {}

@@ -41,6 +41,7 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
     vllm_python,
     worker_env,
 )
+from selfspec.heads.eagle import serving_form
 from selfspec.heads.export import VLLM_TOKEN_MAP_FLAG
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
@@ -96,9 +97,10 @@ def formats_for(head_type: str, head_config: dict) -> list[str]:
     for the families it extends)."""
     if head_type == "medusa":
         return ["vllm"]
-    if head_type == "eagle" and not head_config.get("fc_bias", True) and not head_config.get("input_norm", True):
+    form = serving_form(head_config)
+    if head_type == "eagle" and not form["fc_bias"] and not form["input_norm"]:
         return ["eagle"]
-    if head_type == "eagle3" and head_config.get("layout") == "midlayer":
+    if head_type == "eagle3" and form["layout"] == "midlayer":
         return ["eagle3", "speculators", HYBRID]
     if head_type == "dflash":
         return ["dflash", HYBRID]

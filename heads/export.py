@@ -80,6 +80,7 @@ from torch import nn
 
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
+from selfspec.heads.eagle import serving_form
 from selfspec.heads.export_dflash import dflash_to_vllm
 from selfspec.core.archs import whole_context_window
 
@@ -94,9 +95,9 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
     """``auto`` -> the serving format for these heads; an explicit format is checked against them."""
     if fmt not in FORMATS:
         raise ExportError(f"format={fmt!r}: use one of {', '.join(FORMATS)}.")
-    midlayer = head_type == "eagle3" and head_config.get("layout", "fc") == "midlayer"
-    vllm_eagle = head_type == "eagle" and not head_config.get("fc_bias", True) \
-        and not head_config.get("input_norm", True)
+    form = serving_form(head_config)
+    midlayer = head_type == "eagle3" and form["layout"] == "midlayer"
+    vllm_eagle = head_type == "eagle" and not form["fc_bias"] and not form["input_norm"]
     if fmt == "auto":
         if head_type in ("medusa", "dflash"):
             return "vllm" if head_type == "medusa" else "dflash"
@@ -120,8 +121,8 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
             raise ExportError(f"format=eagle is vLLM's EAGLE-1 format; these are {head_type} heads"
                               + (": use format=eagle3 or speculators." if head_type == "eagle3" else "."))
         raise ExportError(
-            f"These EAGLE-1 heads (fc_bias={head_config.get('fc_bias', True)}, input_norm="
-            f"{head_config.get('input_norm', True)}) have no serving-engine format: vLLM's EAGLE-1 "
+            f"These EAGLE-1 heads (fc_bias={form['fc_bias']}, input_norm="
+            f"{form['input_norm']}) have no serving-engine format: vLLM's EAGLE-1 "
             "(EagleLlamaForCausalLM) reads an fc without bias into a layer without input norm. Retrain with "
             "`python train/eagle.py heads=eagle heads.fc_bias=false heads.input_norm=false`, or export "
             "format=selfspec (a copy of the folder, for selfspec's own decoder)."
@@ -133,7 +134,7 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
             raise ExportError(f"format={fmt} is for EAGLE-3 heads; these are EAGLE-1 heads: format=eagle (vLLM's "
                               "EAGLE-1) takes those trained with heads.fc_bias=false heads.input_norm=false.")
         raise ExportError(
-            f"These {head_type} heads (layout={head_config.get('layout', 'fc')}) have no serving-engine format: "
+            f"These {head_type} heads (layout={form['layout']}) have no serving-engine format: "
             "SGLang and vLLM load EAGLE-3 as published, which is eagle3 with heads.layout=midlayer. Retrain with "
             "`python train/eagle.py heads=eagle3 heads.layout=midlayer`, or export format=selfspec (a copy of the "
             "folder, for selfspec's own decoder)."
@@ -288,7 +289,7 @@ def fused_weight_in_layer_order(fc: torch.Tensor, layer_ids: list[int]) -> torch
 def eagle3_state(drafter: nn.Module, layer_prefix: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
     """A midlayer EAGLE-3 drafter's weights under the published names (``layer_prefix``: ``midlayer.`` for
     SGLang's form, ``layers.0.`` for speculators'), the fused layers in ascending order (:func:`served_layer_ids`)."""
-    if getattr(drafter.config, "layout", "fc") != "midlayer":
+    if drafter.config.layout != "midlayer":
         raise ExportError("Only eagle3 drafters with layout=midlayer have the published EAGLE-3 weights.")
     layer_ids = list(drafter.config.layer_ids)
     served_layer_ids(layer_ids)

@@ -103,6 +103,18 @@ def text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+UNBOUNDED_CONTEXT = 1 << 30  # the context limit of a config that sets no max_position_embeddings
+
+
+def context_limit(config) -> int:
+    """The longest sequence (prompt + new tokens) a target of ``config`` takes: its text config's
+    ``max_position_embeddings``, or :data:`UNBOUNDED_CONTEXT` where it sets none. The engine stops there, the cost
+    curve, a layer stack's probe and a serve check fit in it, and vLLM's ``max_model_len`` is kept within it.
+    Sliding-window layers need no limit of their own: the engine keeps every layer's full cache and cuts each sliding
+    layer's mask to its window."""
+    return int(getattr(text_config(config), "max_position_embeddings", None) or UNBOUNDED_CONTEXT)
+
+
 def layer_kinds(config) -> list[str]:
     """Each decoder layer's attention kind, :data:`FULL` or :data:`SLIDING`, as the model's own forward picks its
     mask: ``config.layer_types`` where the config has them, else every layer slides when ``sliding_window`` is set
@@ -265,7 +277,7 @@ def llama_layer_fields(config) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(getattr(config, "rms_norm_eps", None) or 1e-6),
-        "max_position_embeddings": int(config.max_position_embeddings),
+        "max_position_embeddings": context_limit(config),
         "rope_parameters": {k: v for k, v in rope_parameters(config).items() if k != "partial_rotary_factor"},
         "attention_bias": False,
         "mlp_bias": False,
@@ -283,4 +295,4 @@ def whole_context_window(target_config) -> int | None:
     and so attends to every position, as it was trained to."""
     if set(layer_kinds(target_config)) != {SLIDING}:
         return None
-    return int(text_config(target_config).max_position_embeddings)
+    return context_limit(target_config)

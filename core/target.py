@@ -1,9 +1,11 @@
 """Target models: load a frozen Hugging Face CausalLM from a model config, and identify it.
 
-A target comes from one of three sources (``cfg.source``):
+A target is loaded from its :class:`TargetSettings`, a ``model`` config (conf/model/) read once by
+:meth:`TargetSettings.from_config`; what a config leaves out is conf/model/defaults/target.yaml's. It comes from one of
+three sources (``source``):
 
-- ``hub``: a hub id or a local Hugging Face folder (``cfg.name_or_path``), optionally a GGUF file in it
-  (``cfg.gguf_file``), which transformers dequantizes to float. With ``cfg.config_only`` only its config.json is read
+- ``hub``: a hub id or a local Hugging Face folder (``name_or_path``), optionally a GGUF file in it
+  (``gguf_file``), which transformers dequantizes to float. With ``config_only`` only its config.json is read
   and the model is built on the meta device, without weights: a dry run that checks an entry of conf/model/ (its
   sizes, layers and the layers drafters read; scripts/check_targets.py) but cannot run a forward, so the entry points
   refuse it.
@@ -24,7 +26,8 @@ import hashlib
 import inspect
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from selfspec.core.archs import TINY_ARCHS, text_config
-from selfspec.core.config import cfg_get
+from selfspec.core.config import CONF_DIR, MISSING, to_dict
 from selfspec.core.embedded import EMBEDDED, SMOLLM2
 from selfspec.core.folders import cache_dir, cache_lock  # noqa: F401  (imported from here by other modules)
 from selfspec.core.errors import SelfspecError, SettingError
@@ -52,6 +55,57 @@ class TargetMismatchError(SelfspecError, ValueError):
     """Drafter weights were trained for a different target model."""
 
 
+TARGET_DEFAULTS = CONF_DIR / "model" / "defaults" / "target.yaml"  # what a model config leaves out gets
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """How a target is loaded: a ``model`` config (an entry of conf/model/, what a heads folder records, or one code
+    builds) read once by :meth:`from_config`. Every field is set there, from conf/model/defaults/target.yaml where the
+    config leaves it out: the code past it reads these fields, never the config."""
+
+    source: str  # hub | tiny | an embedded model (core/embedded.py)
+    name_or_path: str | None  # source=hub: a hub id or a local folder
+    gguf_file: str | None
+    revision: str | None
+    config_only: bool  # built from its config.json alone, on the meta device (scripts/check_targets.py)
+    dtype: str  # auto | float32 | bfloat16 | float16 (as asked: resolve_dtype reads it on the device)
+    device: str  # auto | cpu | cuda[:i]
+    device_map: Any  # from_pretrained's, over ``device`` (selfspec-features); None: none
+    attn_implementation: str  # as asked (attention_for may load another)
+    chat_template: str | None  # None: the tokenizer's own
+    tiny: dict  # source=tiny: build_tiny's arguments
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "TargetSettings":
+        """``cfg`` (a DictConfig, a dict, or settings already read) as settings: its keys over
+        conf/model/defaults/target.yaml's. A key that is not a field is left to the configs that read it
+        (``draft_layers``, which conf/heads/ interpolates)."""
+        if isinstance(cfg, cls):
+            return cfg
+        given = {k: v for k, v in to_dict(cfg).items()
+                 if k in _FIELDS and not (isinstance(v, str) and v == MISSING)}  # ``???``: left out
+        values = {**target_defaults(), **given}
+        values["tiny"] = dict(values["tiny"] or {})
+        values["config_only"] = bool(values["config_only"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "TargetSettings":
+        """These settings with ``changes`` (a device, a dtype, ...)."""
+        return replace(self, **changes)
+
+
+_FIELDS = frozenset(f.name for f in fields(TargetSettings))
+
+
+@cache
+def target_defaults() -> dict[str, Any]:
+    """conf/model/defaults/target.yaml: the settings a model config leaves out get."""
+    from omegaconf import OmegaConf
+
+    return to_dict(OmegaConf.load(TARGET_DEFAULTS))
+
+
 @dataclass
 class Target:
     model: PreTrainedModel
@@ -68,12 +122,10 @@ class Target:
 LOAD_SETTINGS = ("source", "name_or_path", "gguf_file", "revision", "dtype", "attn_implementation", "chat_template")
 
 
-def load_settings(cfg: Any, attn: str) -> dict[str, Any]:
-    """The :data:`LOAD_SETTINGS` of ``cfg`` that are set, with ``attn`` the attention implementation the target was
-    loaded with (which may differ from the one asked: :func:`attention_for`), and a tiny model's ``tiny`` recipe."""
-    from selfspec.core.config import to_plain
-
-    out = {k: to_plain(cfg_get(cfg, k)) for k in LOAD_SETTINGS if cfg_get(cfg, k) is not None}
+def load_settings(settings: TargetSettings, attn: str) -> dict[str, Any]:
+    """The :data:`LOAD_SETTINGS` of ``settings`` that are set, with ``attn`` the attention implementation the target
+    was loaded with (which may differ from the one asked: :func:`attention_for`)."""
+    out = {k: getattr(settings, k) for k in LOAD_SETTINGS if getattr(settings, k) is not None}
     out["attn_implementation"] = attn
     return out
 
@@ -127,60 +179,59 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
-def load_target(cfg: Any, allow_config_only: bool = False) -> Target:
-    """Load the target described by a ``model`` config group (a DictConfig or dict); frozen, eval mode.
+def load_target(settings: TargetSettings | Any, allow_config_only: bool = False) -> Target:
+    """Load the target ``settings`` describe (:class:`TargetSettings`, or a ``model`` config, read by
+    :meth:`TargetSettings.from_config`); frozen, eval mode.
 
     ``model.config_only=true`` (``source=hub``) builds it from its config.json alone, on the meta device; only callers
     that never run it pass ``allow_config_only`` (the dry run of scripts/check_targets.py, the tests), the others get
     a :class:`TargetLoadError` saying so.
     """
-    source = cfg_get(cfg, "source", "hub")
-    config_only = bool(cfg_get(cfg, "config_only", False))
+    s = TargetSettings.from_config(settings)
+    source, config_only = s.source, s.config_only
     if config_only and source != "hub":
         raise TargetLoadError(f"model.config_only=true reads a hub id's or folder's config.json; model.source="
                               f"{source!r} has none (use source=hub with model.name_or_path=ID_OR_FOLDER).")
     if config_only and not allow_config_only:
         raise TargetLoadError(
-            f"model.config_only=true builds {cfg_get(cfg, 'name_or_path')!r} without weights (on the meta device): it "
+            f"model.config_only=true builds {s.name_or_path!r} without weights (on the meta device): it "
             "can be checked (python scripts/check_targets.py) but not run. Drop model.config_only to train or decode.")
-    device = resolve_device(cfg_get(cfg, "device", "auto"))
-    dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
-    attn = cfg_get(cfg, "attn_implementation", "sdpa")
-    device_map = cfg_get(cfg, "device_map")  # from_pretrained's, over model.device (selfspec-features)
+    device = resolve_device(s.device)
+    dtype = resolve_dtype(s.dtype, device)
+    attn = s.attn_implementation
+    device_map = s.device_map  # from_pretrained's, over model.device (selfspec-features)
     if device_map is not None and source == "tiny":  # built in memory: one device
         if not isinstance(device_map, str) or device_map in ("auto", "balanced", "balanced_low_0", "sequential"):
             raise TargetLoadError(f"device_map={device_map!r} spreads a checkpoint over devices; model.source=tiny "
                                   "is built on one: give a device (cpu, cuda:0) or none.")
         device, device_map = resolve_device(device_map), None
     if source == "tiny":
-        tiny = dict(cfg_get(cfg, "tiny", {}) or {})
-        model, tokenizer = build_tiny(**tiny, attn_implementation=attn)
-        name = f"tiny-{tiny.get('arch', 'llama')}"  # the row of core/archs.py (Gemma 3's model type is gemma3_text)
-        settings = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(model.tiny_spec),
+        model, tokenizer = build_tiny(**s.tiny, attn_implementation=attn)
+        name = f"tiny-{s.tiny.get('arch', 'llama')}"  # the row of core/archs.py (Gemma 3's model type is gemma3_text)
+        recorded = {"source": "tiny", "dtype": "float32", "device": "cpu", "tiny": dict(model.tiny_spec),
                     "attn_implementation": model.config._attn_implementation}
     elif source in EMBEDDED:
         folder = EMBEDDED[source].ensure()
         model, tokenizer = _load_hf(str(folder), None, dtype, attn, device_map)
         name = EMBEDDED[source].hub_id
     elif source == "hub":
-        name = cfg_get(cfg, "name_or_path")
+        name = s.name_or_path
         if not name:
             raise TargetLoadError("model.name_or_path is not set: give a hub id or a local Hugging Face folder.")
         if config_only:
             model, tokenizer = _build_from_config(name, dtype, attn)
         else:
-            model, tokenizer = _load_hf(name, cfg_get(cfg, "gguf_file"), dtype, attn, device_map,
-                                        revision=cfg_get(cfg, "revision"))
+            model, tokenizer = _load_hf(name, s.gguf_file, dtype, attn, device_map, revision=s.revision)
     else:
         raise TargetLoadError(f"Unknown model.source={source!r}; use hub, tiny or one of {', '.join(EMBEDDED)}.")
     if source != "tiny":
-        settings = load_settings(cfg, model.config._attn_implementation)
-    set_chat_template(tokenizer, cfg_get(cfg, "chat_template"))
+        recorded = load_settings(s, model.config._attn_implementation)
+    set_chat_template(tokenizer, s.chat_template)
     model = text_only(model)
     if not config_only and device_map is None:  # a device_map placed (and typed) it already
         model = model.to(device=device, dtype=dtype)
     freeze(model)
-    return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only, settings=settings)
+    return Target(model=model, tokenizer=tokenizer, name=name, config_only=config_only, settings=recorded)
 
 
 def set_chat_template(tokenizer: PreTrainedTokenizerBase | None, template: str | None) -> None:

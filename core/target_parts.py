@@ -39,12 +39,12 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from selfspec.core.config import cfg_get, to_dict
 from selfspec.core.layers import decoder_of
 from selfspec.core.embedded import EMBEDDED
 from selfspec.core.target import (
     Target,
     TargetLoadError,
+    TargetSettings,
     attention_for,
     freeze,
     load_settings,
@@ -64,7 +64,7 @@ class TargetParts:
     """How a :class:`~selfspec.core.target.Target` holds only parts (its ``parts``): what was kept and how to load the
     rest."""
 
-    cfg: dict[str, Any]  # the model config group it was loaded from, device and dtype resolved
+    settings: TargetSettings  # the settings it was loaded with, device and dtype resolved
     kept: list[str]  # the names of the materialised parameters (named_parameters(remove_duplicate=False))
     layers: list[int]  # the decoder layers among them
     checkpoint: "_Checkpoint | None" = None  # where each tensor is read from (None: from a whole load)
@@ -106,36 +106,35 @@ def layer_indices(layers: Sequence[int] | None, num_layers: int) -> list[int]:
     return sorted(out)
 
 
-def load_target_parts(cfg: Any, layers: Sequence[int] = ()) -> Target:
-    """The target of the ``model`` config group ``cfg`` (as :func:`selfspec.core.target.load_target` takes it), built on
-    the meta device with only its input embeddings, final norm, LM head and decoder ``layers`` materialised, on its
-    device and in its dtype; frozen, eval mode. Its ``parts`` say what it holds (:class:`TargetParts`)."""
-    cfg = to_dict(cfg) if not isinstance(cfg, dict) else dict(cfg)
-    if cfg_get(cfg, "config_only", False):
-        return load_target(cfg)  # refused there, with its message
-    device = resolve_device(cfg_get(cfg, "device", "auto"))
-    dtype = resolve_dtype(cfg_get(cfg, "dtype", "auto"), device)
-    asked = dict(cfg)  # what the heads record (load_settings): the dtype as asked ("auto"), not as resolved here
-    cfg.update(device=str(device), dtype=str(dtype).removeprefix("torch."))
-    source = cfg_get(cfg, "source", "hub")
+def load_target_parts(settings: TargetSettings | Any, layers: Sequence[int] = ()) -> Target:
+    """The target ``settings`` describe (as :func:`selfspec.core.target.load_target` takes them), built on the meta
+    device with only its input embeddings, final norm, LM head and decoder ``layers`` materialised, on its device and
+    in its dtype; frozen, eval mode. Its ``parts`` say what it holds (:class:`TargetParts`)."""
+    asked = TargetSettings.from_config(settings)  # what the heads record (load_settings): the dtype as asked ("auto")
+    if asked.config_only:
+        return load_target(asked)  # refused there, with its message
+    device = resolve_device(asked.device)
+    dtype = resolve_dtype(asked.dtype, device)
+    resolved = asked.replace(device=str(device), dtype=str(dtype).removeprefix("torch."))
+    source = asked.source
     checkpoint = None
     if source in EMBEDDED:
         checkpoint = _Checkpoint.find(str(EMBEDDED[source].ensure()))
-    elif source == "hub" and not cfg_get(cfg, "gguf_file") and cfg_get(cfg, "name_or_path"):
-        checkpoint = _Checkpoint.find(str(cfg_get(cfg, "name_or_path")))
+    elif source == "hub" and not asked.gguf_file and asked.name_or_path:
+        checkpoint = _Checkpoint.find(str(asked.name_or_path))
     why = "model.source=tiny builds it in code" if source == "tiny" else "its weights are not safetensors files"
     if checkpoint is not None:
-        target, why = _from_checkpoint(cfg, checkpoint, layers, device, dtype)
+        target, why = _from_checkpoint(resolved, checkpoint, layers, device, dtype)
         if target is not None:
             target.settings = load_settings(asked, target.settings["attn_implementation"])
             return target
     print(f"[selfspec] target parts: {why}, so the whole target is loaded once and all but its embeddings, final norm "
           "and LM head dropped (the process's peak memory holds it that once).", file=sys.stderr)
-    target = load_target(cfg)
+    target = load_target(resolved)
     wanted = layer_indices(layers, len(decoder_of(target.model).layers))
     kept = part_names(target.model, wanted)
     _drop(target.model, kept)
-    target.parts = TargetParts(cfg=cfg, kept=kept, layers=wanted)
+    target.parts = TargetParts(settings=resolved, kept=kept, layers=wanted)
     if source != "tiny":
         target.settings = load_settings(asked, target.settings["attn_implementation"])
     gc.collect()
@@ -150,8 +149,8 @@ def load_rest(target: Target) -> None:
         return
     model = target.model
     missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
-    device = torch.device(parts.cfg["device"])
-    dtype = resolve_dtype(parts.cfg["dtype"], device)
+    device = torch.device(parts.settings.device)
+    dtype = resolve_dtype(parts.settings.dtype, device)
     if parts.checkpoint is not None:
         read = _keys_to_read(model, missing, parts.keys, parts.checkpoint)
         if isinstance(read, str):
@@ -159,7 +158,7 @@ def load_rest(target: Target) -> None:
         tensors = parts.checkpoint.read(list(read.values()))
         _materialise(model, {n: tensors[k] for n, k in read.items()}, device, dtype)
     else:
-        whole = load_target(parts.cfg).model
+        whole = load_target(parts.settings).model
         tensors = dict(whole.named_parameters(remove_duplicate=False))
         _materialise(model, {n: tensors[n].detach() for n in missing}, device, dtype)
         del whole, tensors
@@ -247,7 +246,7 @@ class _Checkpoint:
         return out
 
 
-def _from_checkpoint(cfg: dict, checkpoint: _Checkpoint, layers: Sequence[int], device: torch.device,
+def _from_checkpoint(settings: TargetSettings, checkpoint: _Checkpoint, layers: Sequence[int], device: torch.device,
                      dtype: torch.dtype) -> tuple[Target | None, str]:
     """(the parts of ``checkpoint``'s model, "") or (None, why they cannot be read alone)."""
     from accelerate import init_empty_weights
@@ -260,7 +259,7 @@ def _from_checkpoint(cfg: dict, checkpoint: _Checkpoint, layers: Sequence[int], 
         return None, f"its config could not be read ({err})"
     if getattr(config, "quantization_config", None):
         return None, "its checkpoint is quantized"
-    attn = attention_for(config, cfg_get(cfg, "attn_implementation", "sdpa"))
+    attn = attention_for(config, settings.attn_implementation)
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):  # buffers computed, on the CPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     key_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}  # the checkpoint's names
@@ -288,11 +287,11 @@ def _from_checkpoint(cfg: dict, checkpoint: _Checkpoint, layers: Sequence[int], 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     freeze(model)
-    set_chat_template(tokenizer, cfg_get(cfg, "chat_template"))
-    source = cfg_get(cfg, "source")
+    set_chat_template(tokenizer, settings.chat_template)
+    source = settings.source
     target = Target(model=model, tokenizer=tokenizer, name=EMBEDDED[source].hub_id if source in EMBEDDED else name,
-                    settings=load_settings(cfg, attn))
-    target.parts = TargetParts(cfg=cfg, kept=kept, layers=wanted, checkpoint=checkpoint, keys=keys)
+                    settings=load_settings(settings, attn))
+    target.parts = TargetParts(settings=settings, kept=kept, layers=wanted, checkpoint=checkpoint, keys=keys)
     return target, ""
 
 

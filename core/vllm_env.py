@@ -145,23 +145,23 @@ def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     return folder
 
 
-def served_model(model_cfg: Any) -> tuple[str, Any]:
-    """What vLLM loads for a ``model`` config, and the target's tokenizer, without loading the target's weights where
+def served_model(settings: Any) -> tuple[str, Any]:
+    """What vLLM loads for a target's settings (a :class:`~selfspec.core.target.TargetSettings`, or a ``model`` config
+    read into one), and the target's tokenizer, without loading the target's weights where
     vLLM can read them itself: SmolLM2's converted folder, a clean local folder, a hub id (vLLM fetches it). A tiny
     target or a GGUF file is built or dequantized here and saved (:func:`served_target_dir`). Returns (a folder or hub
     id, the tokenizer)."""
     from transformers import AutoTokenizer
 
-    from selfspec.core.config import cfg_get
     from selfspec.core.embedded import EMBEDDED
-    from selfspec.core.target import TargetLoadError, load_target, set_chat_template
+    from selfspec.core.target import TargetLoadError, TargetSettings, load_target, set_chat_template
 
-    source = cfg_get(model_cfg, "source", "hub")
+    s = TargetSettings.from_config(settings)
     name = None
-    if source in EMBEDDED:
-        name = str(EMBEDDED[source].ensure())
-    elif source == "hub" and not cfg_get(model_cfg, "gguf_file") and not cfg_get(model_cfg, "revision"):
-        name = str(cfg_get(model_cfg, "name_or_path") or "")
+    if s.source in EMBEDDED:
+        name = str(EMBEDDED[s.source].ensure())
+    elif s.source == "hub" and not s.gguf_file and not s.revision:
+        name = str(s.name_or_path or "")
         local = Path(name).expanduser()
         if local.is_dir():
             config = local / "config.json"
@@ -170,12 +170,12 @@ def served_model(model_cfg: Any) -> tuple[str, Any]:
     if name:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
-            set_chat_template(tokenizer, cfg_get(model_cfg, "chat_template"))
+            set_chat_template(tokenizer, s.chat_template)
             return name, tokenizer
         except OSError as err:
             raise TargetLoadError(f"Could not load the tokenizer of {name!r}: {err}\nDownload the model elsewhere and "
                                   "point model.name_or_path at its folder.") from err
-    target = load_target({**dict(model_cfg), "device": "cpu"})
+    target = load_target(s.replace(device="cpu"))
     return str(served_target_dir(target)), target.tokenizer
 
 

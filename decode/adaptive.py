@@ -38,6 +38,7 @@ from selfspec.decode.step import synchronize, tree_forward
 from selfspec.decode.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
 from selfspec.decode.tree import Tree, load_tree
 from selfspec.decode.types import ROOT, Beside, DecodeState, Draft
+from selfspec.core.archs import context_limit
 from selfspec.core.kv import crop_cache
 from selfspec.core.target import cache_kwarg
 
@@ -443,8 +444,7 @@ def measured_cost_curve(model: torch.nn.Module, linear_kernel: str = "torch", ca
     once per process against a fresh one-token timing (:func:`settled_curve`); ``clock`` times the forwards."""
     path = _cache_file(model, linear_kernel)
     if path not in _SETTLED:
-        limit = getattr(model.config, "max_position_embeddings", cache_length)
-        length = max(1, min(cache_length, limit - max(CURVE_SIZES)))
+        length = max(1, min(cache_length, context_limit(model.config) - max(CURVE_SIZES)))
         with measured_decoding_kernels(model, linear_kernel=linear_kernel):
             forward, reset = _verify_forwards(model, length, CURVE_SIZES)
             _SETTLED[path] = settled_curve(

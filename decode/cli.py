@@ -68,8 +68,8 @@ def run_export(cfg) -> dict:
     out = Path(str(cfg.out)) if cfg.get("out") else heads_path.parent / f"{heads_path.name}-{fmt}"
     overwrite = bool(cfg.get("overwrite", False))
     folders.in_the_way(out, "export", overwrite, setting="out")  # before the target loads: a user's folder is refused
-    model_cfg = resolve_target_config(cfg.get("model"), meta, device=cfg.get("device"), target=cfg.get("target"))
-    target = load_target(model_cfg)
+    target = load_target(resolve_target_config(cfg.get("model"), meta, device=cfg.get("device"),
+                                               target=cfg.get("target")))
     dtype = getattr(torch, str(cfg.dtype)) if cfg.get("dtype") else None
     repo = str(cfg.push_to_hub) if cfg.get("push_to_hub") else None
     folder, fmt = export_heads(heads_path, out, target, fmt=fmt, include_embeddings=bool(cfg.include_embeddings),

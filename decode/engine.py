@@ -38,6 +38,7 @@ from selfspec.decode.tree import Tree, single_node_tree
 from selfspec.decode.types import (DecodeSetupError, DecodeState, DepthControl, DepthPolicy, Draft, Drafter,
                                    ForwardOutput)
 from selfspec.decode.verify import Sampling, Verdict, verify
+from selfspec.core.archs import context_limit
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.target import cache_kwarg
 
@@ -102,14 +103,6 @@ class DecodeResult:
 # --- target checks --------------------------------------------------------------------------------------------------
 
 _CHECKED_MODELS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
-
-
-def context_limit(model: torch.nn.Module) -> int:
-    """Longest sequence (prompt + new tokens) the engine decodes for this target: its ``max_position_embeddings``.
-    Sliding-window layers need no limit of their own: the engine keeps every layer's full cache and cuts each
-    sliding layer's mask to its window (core/archs.py)."""
-    config = model.config.get_text_config(decoder=True)
-    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)
 
 
 def check_tree_attention(model: torch.nn.Module) -> None:
@@ -302,7 +295,7 @@ class SpeculativeDecoder:
             )
         if ids.numel() == 0:
             raise DecodeSetupError("The prompt is empty: give at least one token (a chat template adds several).")
-        limit = context_limit(self.model)
+        limit = context_limit(self.model.config)
         if ids.numel() >= limit:
             raise DecodeSetupError(
                 f"The prompt has {ids.numel()} tokens but the target's context is {limit}: shorten the prompt "
@@ -357,7 +350,7 @@ class SpeculativeDecoder:
         if stop and self.decode is None:
             raise ValueError("Stop strings need a decode function: SpeculativeDecoder(..., decode=tokenizer.decode).")
         ids = self.prompt_tensor(prompt_ids)
-        rule = StopRule(max_new_tokens, context_limit(self.model), self.eos_token_ids, tuple(stop), self.decode)
+        rule = StopRule(max_new_tokens, context_limit(self.model.config), self.eos_token_ids, tuple(stop), self.decode)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         stats = DecodeStats(prompt_tokens=len(ids))
         control = self.drafter.depth_control(DepthControl(self.depth_policy, clock))

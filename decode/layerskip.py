@@ -43,8 +43,8 @@ from selfspec.decode.step import synchronize, tree_forward
 from selfspec.decode.tree import chain_tree, tree_position_ids
 from selfspec.decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
 from selfspec.decode.verify import Verdict
-from selfspec.core.archs import (attention_mask_for, layer_position_embeddings, mask_of_layer, output_logits, sliding_window,
-                        text_config)
+from selfspec.core.archs import (attention_mask_for, context_limit, layer_position_embeddings, mask_of_layer,
+                                 output_logits, sliding_window)
 from selfspec.core.kv import cache_length, crop_cache
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the stack runs of the target's decoder
@@ -128,8 +128,7 @@ def check_layer_stack(stack: LayerStack) -> None:
         return
     device = stack.lm_head.weight.device
     vocab = int(stack.lm_head.weight.shape[0])
-    limit = getattr(text_config(stack.config), "max_position_embeddings", None) or 1 << 30
-    length = min(2 * (sliding_window(stack.config) or 4) + 3, int(limit))
+    length = min(2 * (sliding_window(stack.config) or 4) + 3, context_limit(stack.config))
     tokens = (vocab // 3 + torch.arange(length, device=device) * 7) % vocab  # ordinary tokens
     try:
         cache = new_cache()

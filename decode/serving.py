@@ -32,6 +32,7 @@ from typing import Any
 
 from selfspec.core import folders
 from selfspec.core.families import FAMILIES
+from selfspec.core.archs import context_limit
 from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from here by the bench, the CLI and the tests
     ENGINE_DEFAULTS,
     REPO,
@@ -43,6 +44,7 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
 )
 from selfspec.decode.families import DRAFTERS
 from selfspec.heads.export import FORMATS as EXPORT_FORMATS
+from selfspec.heads.eagle import serving_form
 from selfspec.heads.export import VLLM_TOKEN_MAP_FLAG
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
@@ -96,9 +98,10 @@ def served_format(fmt: str, head_type: str) -> ServedFormat:
 
 def formats_for(head_type: str, head_config: dict) -> list[str]:
     """Every format these heads (their type and saved ``head_config``) export to that vLLM serves (the hybrid too,
-    for the families it extends): their family's ``exports``, where the heads hold what those need."""
+    for the families it extends): their family's ``exports``, where the heads hold what those need (an EAGLE field
+    they do not record read as EagleConfig's default, heads/eagle.py:serving_form)."""
     family = FAMILIES.get(head_type)
-    if family is None or not family.exportable(head_config):
+    if family is None or not family.exportable({**head_config, **serving_form(head_config)}):
         return []
     return [*family.exports, *([HYBRID] if family.vllm_hybrid else [])]
 
@@ -374,7 +377,7 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
     eos = set(chain.decoder.eos_token_ids)
-    limit = int(getattr(target.model.config, "max_position_embeddings", 2048))
+    limit = context_limit(target.model.config)
     longest = max(len(p) for p in prompts) + settings.max_new_tokens + settings.k + 1
     if longest > limit:
         raise ServingError(f"The longest prompt plus max_new_tokens ({longest} tokens) exceeds the target's context "

@@ -202,7 +202,7 @@ def load_session(cfg: Any, untrained: bool = False, learner: LearnerFactory | No
         heads_config = read_heads_config(settings.heads)
     chosen = choose_family(settings.family, settings.heads, heads_config)
     draft_settings = chosen.settings(heads_config, settings.draft)
-    target = load_target(settings.target_config(heads_config))
+    target = load_target(settings.target_settings(heads_config))
     target, module = load_drafter_heads(chosen, settings.heads, heads_config, target, settings.random_heads,
                                         settings.heads_check)
     if untrained and module is not None and heads_config is not None:

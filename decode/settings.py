@@ -1,5 +1,5 @@
 """The decode settings, read once from a composed conf/decode/decode.yaml into a :class:`DecodeSettings`, and the
-target's model config they name.
+target's settings they name (:class:`~selfspec.core.target.TargetSettings`).
 
 Every decode default is written in conf/ only (conf/decode/decode.yaml for the session, each family's conf file for
 its ``draft.*`` settings and conf/decode/hybrid.yaml for the hybrid's, bench.yaml and serve_check.yaml for those
@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from selfspec.core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
 from selfspec.core.embedded import EMBEDDED
+from selfspec.core.target import TargetSettings
 from selfspec.decode.linear_kernels import KERNELS
 from selfspec.decode.types import DecodeSetupError
 from selfspec.decode.verify import Sampling
@@ -46,14 +47,14 @@ def _left_unset(cfg: Any, key: str) -> bool:
         return False
 
 
-def number(values: dict, key: str, kind: type) -> Any:
-    """``values[key]`` as ``kind`` (int or float), refused in one line when it is not a number
+def number(key: str, value: Any, kind: type) -> Any:
+    """Setting ``key``'s ``value`` as ``kind`` (int or float), refused in one line when it is not a number
     (``max_new_tokens=abc``)."""
     try:
-        return kind(values[key])
+        return kind(value)
     except (TypeError, ValueError):
         what = "a whole number" if kind is int else "a number"
-        raise DecodeSetupError(f"{key}={values[key]!r} is not {what}.") from None
+        raise DecodeSetupError(f"{key}={value!r} is not {what}.") from None
 
 
 def decode_config(overrides: dict | None = None) -> Any:
@@ -98,22 +99,24 @@ class DecodeSettings:
         kernel = str(c["linear_kernel"])
         if kernel not in KERNELS:
             raise DecodeSetupError(f"linear_kernel={kernel!r}: use one of {', '.join(KERNELS)}.")
+        n = {k: number(k, c[k], kind) for k, kind in (("temperature", float), ("top_k", int), ("top_p", float),
+                                                       ("max_new_tokens", int), ("seed", int))}
         return cls(
             heads=None if c["heads"] in (None, "none", "null") else str(c["heads"]),
             family=None if c["drafter"] is None else str(c["drafter"]),
-            draft={k: v for k, v in to_dict(c["draft"]).items() if v is not None},
-            random_heads=to_dict(c["random_heads"]), model=c["model"], target=to_dict(c["target"]),
+            draft={k: v for k, v in (c["draft"] or {}).items() if v is not None},  # plain values (required)
+            random_heads=dict(c["random_heads"] or {}), model=c["model"], target=dict(c["target"] or {}),
             device=c["device"], dtype=c["dtype"],
-            sampling=Sampling(acceptance=str(c["acceptance"]), temperature=number(c, "temperature", float),
-                              top_k=number(c, "top_k", int), top_p=number(c, "top_p", float)),
-            linear_kernel=kernel, max_new_tokens=number(c, "max_new_tokens", int),
+            sampling=Sampling(acceptance=str(c["acceptance"]), temperature=n["temperature"], top_k=n["top_k"],
+                              top_p=n["top_p"]),
+            linear_kernel=kernel, max_new_tokens=n["max_new_tokens"],
             stop=[str(s) for s in (c["stop"] or [])],
-            seed=number(c, "seed", int), chat=bool(c["chat"]), system_prompt=c["system_prompt"],
-            learn=bool(c["learn"]), learner=to_dict(c["learner"]), heads_check=str(c["heads_check"]),
+            seed=n["seed"], chat=bool(c["chat"]), system_prompt=c["system_prompt"],
+            learn=bool(c["learn"]), learner=dict(c["learner"] or {}), heads_check=str(c["heads_check"]),
         )
 
-    def target_config(self, heads_config: dict | None) -> dict:
-        """The model config of the target to decode with (:func:`resolve_target_config`)."""
+    def target_settings(self, heads_config: dict | None) -> TargetSettings:
+        """The settings of the target to decode with (:func:`resolve_target_config`)."""
         return resolve_target_config(self.model, heads_config, self.device, self.dtype, self.target)
 
 
@@ -160,10 +163,11 @@ def model_settings() -> set[str]:
 
 
 def resolve_target_config(model: Any, heads_config: dict | None, device: str | None = None,
-                          dtype: str | None = None, target: dict | None = None) -> dict:
-    """``model=`` wins; else the heads' target; else (random heads, vanilla) the embedded SmolLM2. ``target``'s
-    settings (``model.KEY=VALUE``) are set over that config (a tiny model's ``tiny`` recipe key by key), then
-    ``device`` and ``dtype`` where given."""
+                          dtype: str | None = None, target: dict | None = None) -> TargetSettings:
+    """The settings of the target to load: ``model=`` wins; else the heads' target; else (random heads, vanilla) the
+    embedded SmolLM2. ``target``'s settings (``model.KEY=VALUE``) are set over that config (a tiny model's ``tiny``
+    recipe key by key), then ``device`` and ``dtype`` where given; what it still leaves out is
+    conf/model/defaults/target.yaml's (:meth:`TargetSettings.from_config`)."""
     model = to_plain(model)
     if model is not None:
         model_cfg = model_config(model)
@@ -178,10 +182,10 @@ def resolve_target_config(model: Any, heads_config: dict | None, device: str | N
             value = {**dict(model_cfg.get("tiny") or {}), **value}
         model_cfg[key] = value
     model_cfg.update({k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
-    return model_cfg
+    return TargetSettings.from_config(model_cfg)
 
 
-def target_config_from_overrides(overrides: list[str]) -> dict:
+def target_config_from_overrides(overrides: list[str]) -> TargetSettings:
     """The target conf/decode/decode.yaml names under command-line ``overrides`` (its ``model``, ``device``,
     ``dtype``): for scripts that need a target and no drafter (scripts/kernel_plan.py, scripts/engine_ceiling.py)."""
     cfg = compose("decode", overrides, config_dir=DECODE_CONFIGS)

@@ -33,7 +33,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from selfspec.core.archs import rope_parameters, text_config
+from selfspec.core.archs import context_limit, rope_parameters, text_config
 from selfspec.core.layers import init_linears
 from selfspec.heads.eagle import default_layer_ids
 from selfspec.core.errors import SettingError
@@ -98,7 +98,7 @@ class DFlashConfig:
             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
             intermediate_size=t.intermediate_size,
             rms_norm_eps=t.rms_norm_eps,
-            max_position_embeddings=t.max_position_embeddings,
+            max_position_embeddings=context_limit(t),
             rope_parameters=rope_parameters(t),
             attention_bias=False,
             hidden_act="silu",

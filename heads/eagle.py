@@ -54,7 +54,8 @@ builds the plain one. The losses are pure functions in :mod:`selfspec.heads.eagl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,6 +129,17 @@ class EagleConfig:
                              **self.draft_layer)
         config._attn_implementation = attn_implementation
         return config
+
+
+SERVING_FORM = ("fc_bias", "input_norm", "layout")  # the fields that decide which serving engine loads EAGLE heads
+
+
+def serving_form(head_config: dict) -> dict[str, Any]:
+    """A saved ``head_config``'s :data:`SERVING_FORM` fields, each :class:`EagleConfig`'s default where it records none
+    (heads of another family, or saved before the field): what heads/export.py and decode/serving.py read to tell which
+    serving engine's format the heads have."""
+    defaults = {f.name: f.default for f in fields(EagleConfig)}
+    return {k: head_config.get(k, defaults[k]) for k in SERVING_FORM}
 
 
 def engine_layer_ids(num_layers: int) -> list[int]:

@@ -83,6 +83,7 @@ from torch import nn
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 from selfspec.core.families import FAMILIES
+from selfspec.heads.eagle import serving_form
 from selfspec.heads.export_dflash import dflash_to_vllm
 from selfspec.core.archs import whole_context_window
 
@@ -113,8 +114,9 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
     if fmt not in exports:
         raise ExportError(f"format={fmt} does not fit these {head_type} heads: use format={' or '.join(exports)}"
                           + (f" (for heads trained with {needs})." if needs else "."))
-    if not family.exportable(head_config):
-        held = ", ".join(f"{k}={_override(head_config.get(k))}" for k in family.export_needs)
+    form = {**head_config, **serving_form(head_config)}  # EAGLE fields not recorded: EagleConfig's defaults
+    if not family.exportable(form):
+        held = ", ".join(f"{k}={_override(form.get(k))}" for k in family.export_needs)
         raise ExportError(
             f"These {head_type} heads ({held}) have no serving-engine format: {', '.join(exports)} need heads "
             f"trained with {needs}, as the engines load them. Retrain with `selfspec-train {head_type} {needs}`, or "
@@ -274,7 +276,7 @@ def fused_weight_in_layer_order(fc: torch.Tensor, layer_ids: list[int]) -> torch
 def eagle3_state(drafter: nn.Module, layer_prefix: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
     """A midlayer EAGLE-3 drafter's weights under the published names (``layer_prefix``: ``midlayer.`` for
     SGLang's form, ``layers.0.`` for speculators'), the fused layers in ascending order (:func:`served_layer_ids`)."""
-    if getattr(drafter.config, "layout", "fc") != "midlayer":
+    if drafter.config.layout != "midlayer":
         raise ExportError("Only eagle3 drafters with layout=midlayer have the published EAGLE-3 weights.")
     layer_ids = list(drafter.config.layer_ids)
     served_layer_ids(layer_ids)

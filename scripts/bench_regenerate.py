@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from selfspec.core.archs import context_limit
 from selfspec.core.config import compose
 from selfspec.core.vllm_env import VllmSettings
 from selfspec.train.data import open_records, read_records
@@ -85,8 +86,8 @@ def main() -> None:
     from selfspec.core.vllm_env import served_model
 
     target = load_target(cfg.model)
-    answering = answering_of(cfg, usable_length(cfg.data.get("max_length"), getattr(
-        target.model.config, "max_position_embeddings", None), int(cfg.max_new_tokens)))
+    answering = answering_of(cfg, usable_length(cfg.data.get("max_length"), context_limit(target.model.config),
+                                                int(cfg.max_new_tokens)))
     engines: dict[str, AnswerEngine] = {f"hf, batch {b}": HFEngine(target.model, target.tokenizer, int(b))
                                         for b in args.hf_batch_sizes.split(",")}
     path, tokenizer = served_model(cfg.model)

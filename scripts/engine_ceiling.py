@@ -59,12 +59,12 @@ def load(args: argparse.Namespace):
     from selfspec.core.errors import SettingError
     from selfspec.core.target import load_target
 
-    model_cfg = target_config_from_overrides(args.overrides)
+    settings = target_config_from_overrides(args.overrides)
     if args.shape:
-        if model_cfg.get("source") != "tiny":
+        if settings.source != "tiny":
             raise SettingError(f"--shape {args.shape} builds a random stand-in: add `-- model=tiny`.")
-        model_cfg["tiny"] = {**model_cfg.get("tiny", {}), **SHAPES[args.shape]}
-    return load_target(model_cfg)
+        settings = settings.replace(tiny={**settings.tiny, **SHAPES[args.shape]})
+    return load_target(settings)
 
 
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:

@@ -114,8 +114,8 @@ def test_model_key_value_sets_the_target_s_setting_in_every_decode_side_config(c
     assert cfg.model == "tiny"
     assert dict(cfg.target) == {"attn_implementation": "eager", "tiny": {"num_hidden_layers": 2}, "revision": "abc"}
     resolved = resolve_target_config(cfg.model, None, target=cfg.target)
-    assert resolved["attn_implementation"] == "eager" and resolved["revision"] == "abc"
-    assert resolved["tiny"]["num_hidden_layers"] == 2 and resolved["tiny"]["hidden_size"] == 64
+    assert resolved.attn_implementation == "eager" and resolved.revision == "abc"
+    assert resolved.tiny["num_hidden_layers"] == 2 and resolved.tiny["hidden_size"] == 64
 
 
 def test_a_mistyped_target_setting_is_refused_naming_the_settings():
@@ -124,7 +124,7 @@ def test_a_mistyped_target_setting_is_refused_naming_the_settings():
 
     settings = DecodeSettings.from_config(compose("decode", ["model=tiny", "model.attn_implementaton=eager"]))
     with pytest.raises(DecodeSetupError, match=r"model.attn_implementaton is not a setting .* attn_implementation, "):
-        settings.target_config(None)
+        settings.target_settings(None)
 
 
 def test_training_configs_keep_model_as_their_config_group():

@@ -308,3 +308,43 @@ def test_the_recorded_hash_is_the_cached_file_s(source):
     if not cached.exists():
         pytest.skip(f"no {cached} here")
     assert model.checked(cached, "") == cached
+
+
+def test_target_settings_are_the_config_over_the_defaults_file():
+    """A model config is read once into TargetSettings: each entry of conf/model/ keeps its own values, and what a
+    config leaves out (a heads folder's record, ``model=FOLDER``) comes from conf/model/defaults/target.yaml only."""
+    from omegaconf import OmegaConf
+
+    from selfspec.core.target import TARGET_DEFAULTS, TargetSettings
+    from selfspec.decode.settings import MODEL_CONFIGS
+
+    defaults = OmegaConf.to_container(OmegaConf.load(TARGET_DEFAULTS))
+    for path in sorted(MODEL_CONFIGS.glob("*.yaml")):
+        entry = OmegaConf.to_container(OmegaConf.load(path))
+        settings = TargetSettings.from_config(OmegaConf.create(entry))
+        for key, value in {**defaults, **entry}.items():
+            if hasattr(settings, key):
+                assert getattr(settings, key) == (value or {} if key == "tiny" else value), (path.name, key)
+    recorded = TargetSettings.from_config({"source": "hub", "name_or_path": "x", "dtype": "float32"})
+    assert (recorded.device, recorded.attn_implementation, recorded.config_only) == (
+        defaults["device"], defaults["attn_implementation"], defaults["config_only"])
+    assert TargetSettings.from_config(recorded) is recorded and recorded.replace(device="cpu").device == "cpu"
+
+
+def test_context_limit_reads_max_positions_with_one_fallback():
+    from types import SimpleNamespace
+
+    from selfspec.core.archs import UNBOUNDED_CONTEXT, context_limit
+
+    model, _ = build_tiny("llama", max_position_embeddings=96)
+    assert context_limit(model.config) == 96
+    assert context_limit(SimpleNamespace()) == context_limit(SimpleNamespace(max_position_embeddings=None)) \
+        == UNBOUNDED_CONTEXT
+
+
+def test_serving_form_defaults_are_eagle_config_s():
+    from selfspec.heads.eagle import EagleConfig, serving_form
+
+    made = EagleConfig()
+    assert serving_form({}) == {"fc_bias": made.fc_bias, "input_norm": made.input_norm, "layout": made.layout}
+    assert serving_form({"layout": "midlayer", "fc_bias": False})["layout"] == "midlayer"

@@ -106,19 +106,19 @@ def _accelerator(source: Any):
 def _load_target(cfg: Any, source: Any, accelerator: Any):
     """The target the store is built from: for vLLM only its parts this process reads (embeddings, final norm and LM
     head, on the CPU); for HF the whole of it, on this process's device or spread by ``feature_store.device_map``."""
-    model_cfg = to_dict(cfg_get(cfg, "model"))
+    from selfspec.core.target import TargetSettings, load_target
+
+    settings = TargetSettings.from_config(cfg_get(cfg, "model"))
     if source.engine == "vllm":
         from selfspec.core.target_parts import load_target_parts
 
-        return load_target_parts({**model_cfg, "device": "cpu"}, [])
-    from selfspec.core.target import load_target
-
+        return load_target_parts(settings.replace(device="cpu"), [])
     device_map = source.settings.get("device_map")
     if accelerator is not None:
-        model_cfg["device"] = str(accelerator.device)
+        settings = settings.replace(device=str(accelerator.device))
     if device_map is not None:
-        model_cfg["device_map"] = device_map
-    return load_target(model_cfg)
+        settings = settings.replace(device_map=device_map)
+    return load_target(settings)
 
 
 def _load_datasets(cfg: Any, tokenizer: Any, accelerator: Any):

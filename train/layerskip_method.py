@@ -44,6 +44,7 @@ from torch.nn import functional as F
 
 from selfspec.core.archs import output_logits
 from selfspec.core.errors import SettingError
+from selfspec.core.target import TargetSettings
 from selfspec.heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
 from selfspec.core.runtime import rows_through
 from selfspec.train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
@@ -169,8 +170,8 @@ class LayerSkipMethod(TrainMethod):
             self.exit_layer = int(self.exit_layer)
         self.features = FeatureSource.from_cfg(cfg)
         self.run_dir = Path(str(cfg.run_dir))
-        model_cfg = cfg.get("model") or {}
-        self.decode_dtype = str(model_cfg.get("dtype", "auto"))  # what decoding runs the target in (model.dtype)
+        # what decoding runs the target in (model.dtype)
+        self.decode_dtype = str(TargetSettings.from_config(cfg.get("model") or {}).dtype)
         self.layers: list[int] = []
         self.token_map: torch.Tensor | None = None
         self.vocab_coverage: float | None = None

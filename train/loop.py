@@ -243,17 +243,16 @@ def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_targe
     :meth:`TrainMethod.store_target_layers`): only its embeddings, final norm, LM head and those decoder layers are
     materialised, the rest stays on the meta device (selfspec.core.target_parts); a store still to be built loads the
     rest while it is built (selfspec.train.feature_store)."""
-    from selfspec.core.target import load_target
+    from selfspec.core.target import TargetSettings, load_target
 
-    model_cfg = to_dict(cfg.model)
-    model_cfg["device"] = str(accelerator.device)  # each rank on its own device, not "auto" (= cuda:0 for all)
-    model_cfg["dtype"] = training_dtype(target_dtype, accelerator.device, model_cfg.get("dtype", "auto"),
-                                        trains_target)
+    asked = TargetSettings.from_config(cfg.model)
+    settings = asked.replace(device=str(accelerator.device),  # each rank on its own device, not "auto" (= cuda:0)
+                             dtype=training_dtype(target_dtype, accelerator.device, asked.dtype, trains_target))
     if store_layers is None or trains_target:
-        return load_target(model_cfg)
+        return load_target(settings)
     from selfspec.core.target_parts import load_target_parts
 
-    target = load_target_parts(model_cfg, store_layers)
+    target = load_target_parts(settings, store_layers)
     if accelerator.is_main_process:
         print(f"[selfspec] features=store: the trainer holds the target's {target.parts.describe(target.model)}; "
               "the rest stays on the meta device.", file=sys.stderr)

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from selfspec.core import folders
+from selfspec.core.archs import context_limit
 from selfspec.core.errors import SettingError
 from selfspec.core.vllm_env import VllmSettings
 from selfspec.train.data import (
@@ -315,21 +316,22 @@ class VllmEngine(AnswerEngine):
         self.session.close()
 
 
-def open_vllm_engine(path: str, tokenizer, model_cfg: Any, settings: VllmSettings, answering: Answering,
+def open_vllm_engine(path: str, tokenizer, target: Any, settings: VllmSettings, answering: Answering,
                      log_path: Path | None = None) -> VllmEngine:
-    """Start vLLM on ``path`` (selfspec.core.vllm_env.served_model's folder or hub id for ``model_cfg``) in ``model.dtype``,
-    for conversations of at most ``answering.max_length`` tokens."""
+    """Start vLLM on ``path`` (selfspec.core.vllm_env.served_model's folder or hub id for the ``target``'s settings, a
+    :class:`~selfspec.core.target.TargetSettings` or a ``model`` config read into one) in its dtype, for conversations
+    of at most ``answering.max_length`` tokens."""
     from transformers import GenerationConfig
 
-    from selfspec.core.config import cfg_get
-    from selfspec.core.target import resolve_device, resolve_dtype
+    from selfspec.core.target import TargetSettings, resolve_device, resolve_dtype
     from selfspec.core.vllm_env import VllmSession, llm_kwargs, replica_env, visible_gpus
 
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's end of sequence alone
         eos = None
-    dtype = resolve_dtype(cfg_get(model_cfg, "dtype", "auto"), resolve_device(cfg_get(model_cfg, "device", "auto")))
+    target = TargetSettings.from_config(target)
+    dtype = resolve_dtype(target.dtype, resolve_device(target.device))
     kwargs = llm_kwargs(settings, path, str(dtype).removeprefix("torch."), answering.max_length, answering.seed)
     session = VllmSession(kwargs, settings.venv, replica_env(settings, visible_gpus()), log_path=log_path,
                           timeout=settings.timeout)
@@ -522,7 +524,7 @@ def run(cfg) -> RegenerateReport:
         from selfspec.core.vllm_env import served_model
 
         path, tokenizer = served_model(cfg.model)
-        max_positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        max_positions = context_limit(AutoConfig.from_pretrained(path))
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
         engine = open_vllm_engine(path, tokenizer, cfg.model, settings, answering, log_path=log_path)
     else:
@@ -530,7 +532,7 @@ def run(cfg) -> RegenerateReport:
 
         target = load_target(cfg.model)
         tokenizer = target.tokenizer
-        max_positions = getattr(target.model.config, "max_position_embeddings", None)
+        max_positions = context_limit(target.model.config)
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
         engine = HFEngine(target.model, tokenizer, int(cfg.batch_size))
     skipped: dict[str, int] = {}

@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from selfspec.core.archs import context_limit
 from selfspec.decode.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
                                      served_format, served_target_dir)
 from selfspec.decode.types import DecodeSetupError
@@ -88,7 +89,7 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
     s = base.settings
     eos = sorted(base.decoder.eos_token_ids)
     model = base.target.model
-    limit = int(getattr(model.config, "max_position_embeddings", 2048))
+    limit = context_limit(model.config)
     job = {"model": str(served), "dtype": str(model.dtype).removeprefix("torch."),
            "max_model_len": min(limit, max(map(len, prompts)) + s.max_new_tokens + k + 8),
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,

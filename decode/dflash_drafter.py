@@ -288,7 +288,7 @@ class DFlashBlockDrafter(DrafterBase):
                                    self._trees)
 
 
-# --- what decode/families.py registers for the dflash family ---------------------------------------------------------------
+# --- what decode/families.py registers for the dflash family ---------------------------------------------------------
 
 
 def dflash_from_settings(heads: DFlashHeads, target, settings: dict) -> DFlashBlockDrafter:

@@ -134,7 +134,7 @@ class MedusaDrafter(DrafterBase):
         return Draft(tokens=torch.cat([root, candidates[index]]), tree=tree)
 
 
-# --- what decode/families.py registers for the vanilla and medusa families ------------------------------------------------
+# --- what decode/families.py registers for the vanilla and medusa families ------------------------------------------
 
 
 def vanilla_from_settings(heads, target, settings: dict) -> VanillaDrafter:

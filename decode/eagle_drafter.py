@@ -114,7 +114,7 @@ class EagleTreeDrafter(DrafterBase):
         self._backlog.add(self._features(out.hidden_states, path), following, at=start)
 
 
-# --- what decode/families.py registers for the eagle and eagle3 families --------------------------------------------------
+# --- what decode/families.py registers for the eagle and eagle3 families --------------------------------------------
 
 
 def eagle_from_settings(heads: EagleHeads, target, settings: dict) -> EagleTreeDrafter:

@@ -437,7 +437,7 @@ def best_chain(share: Sequence[float], right: Sequence[float], thresholds: Seque
     return best
 
 
-# --- what decode/families.py registers for the layerskip family ------------------------------------------------------------
+# --- what decode/families.py registers for the layerskip family ------------------------------------------------------
 
 
 def layerskip_from_settings(heads: nn.Module | None, target, settings: dict) -> LayerSkipDrafter:

@@ -43,14 +43,12 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
     worker_env,
 )
 from selfspec.decode.families import DRAFTERS
-from selfspec.heads.export import FORMATS as EXPORT_FORMATS
-from selfspec.heads.eagle import serving_form
-from selfspec.heads.export import VLLM_TOKEN_MAP_FLAG
+from selfspec.heads.export import FORMATS as EXPORT_FORMATS, VLLM_TOKEN_MAP_FLAG, served_exports
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 
 
-# --- the formats, and how vLLM is told to draft with each ----------------------------------------------------------
+# --- the formats, and how vLLM is told to draft with each -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -98,12 +96,9 @@ def served_format(fmt: str, head_type: str) -> ServedFormat:
 
 def formats_for(head_type: str, head_config: dict) -> list[str]:
     """Every format these heads (their type and saved ``head_config``) export to that vLLM serves (the hybrid too,
-    for the families it extends): their family's ``exports``, where the heads hold what those need (an EAGLE field
-    they do not record read as EagleConfig's default, heads/eagle.py:serving_form)."""
-    family = FAMILIES.get(head_type)
-    if family is None or not family.exportable({**head_config, **serving_form(head_config)}):
-        return []
-    return [*family.exports, *([HYBRID] if family.vllm_hybrid else [])]
+    for the families it extends): heads/export.py's ``served_exports``, and the hybrid where the family joins it."""
+    exports = served_exports(head_type, head_config)
+    return [*exports, *([HYBRID] if exports and FAMILIES[head_type].vllm_hybrid else [])]
 
 
 def default_formats(head_type: str, head_config: dict) -> list[str]:
@@ -132,7 +127,7 @@ def chain_settings(head_type: str, k: int) -> dict:
     return {**drafting.chain(k), "adaptive": False, "suffix": False}
 
 
-# --- running vLLM ----------------------------------------------------------------------------------------------------
+# --- running vLLM -----------------------------------------------------------------------------------------------------
 
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
@@ -196,7 +191,7 @@ def _run_worker(python: Path, job: dict, timeout: float | None) -> tuple[dict, s
         return result, text
 
 
-# --- acceptance, counted the way vLLM counts it ---------------------------------------------------------------------
+# --- acceptance, counted the way vLLM counts it -----------------------------------------------------------------------
 
 
 def acceptance_per_position(depths: list[int], accepted: list[int], emitted: list[int], length: int,
@@ -240,7 +235,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-# --- the check ------------------------------------------------------------------------------------------------------
+# --- the check --------------------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -492,7 +492,7 @@ def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArra
     return index
 
 
-# --- what decode/families.py registers for the suffix family ---------------------------------------------------------------
+# --- what decode/families.py registers for the suffix family ---------------------------------------------------------
 
 
 def suffix_from_settings(heads, target, settings: dict) -> SuffixDrafter:

@@ -114,14 +114,27 @@ def resolve_format(fmt: str, head_type: str, head_config: dict) -> str:
     if fmt not in exports:
         raise ExportError(f"format={fmt} does not fit these {head_type} heads: use format={' or '.join(exports)}"
                           + (f" (for heads trained with {needs})." if needs else "."))
-    form = {**head_config, **serving_form(head_config)}  # EAGLE fields not recorded: EagleConfig's defaults
-    if not family.exportable(form):
+    if not served_exports(head_type, head_config):
+        form = serving_config(head_config)
         held = ", ".join(f"{k}={_override(form.get(k))}" for k in family.export_needs)
         raise ExportError(
             f"These {head_type} heads ({held}) have no serving-engine format: {', '.join(exports)} need heads "
             f"trained with {needs}, as the engines load them. Retrain with `selfspec-train {head_type} {needs}`, or "
             f"{keep}.")
     return fmt
+
+
+def serving_config(head_config: dict) -> dict:
+    """A saved ``head_config`` with the EAGLE serving fields it does not record read as EagleConfig's defaults
+    (heads/eagle.py:serving_form): what a family's ``export_needs`` are checked against."""
+    return {**head_config, **serving_form(head_config)}
+
+
+def served_exports(head_type: str, head_config: dict) -> list[str]:
+    """The serving-engine formats heads of ``head_type`` saved with ``head_config`` export to: their family's
+    ``exports`` where the heads hold what those need, else none (decode/serving.py's formats and the check above)."""
+    family = FAMILIES.get(head_type)
+    return list(family.exports) if family is not None and family.exportable(serving_config(head_config)) else []
 
 
 def _override(value: Any) -> str:

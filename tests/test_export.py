@@ -327,7 +327,10 @@ def test_export_script_writes_beside_the_heads(tmp_path):
     heads = MedusaHeads(MedusaConfig(64, 320, num_heads=2, num_layers=1, shared_lm_head=False,
                                      draft_vocab_size=None), model.lm_head)
     save_heads(tmp_path / "heads", heads, "medusa", heads.config.to_dict(), Target(model, tokenizer, "tiny-llama"))
+    from selfspec.core.config import store_open_dict
+
     conf = Path(__file__).resolve().parents[1] / "conf" / "decode"
+    store_open_dict()  # as core/config.py's compose and hydra_app do: decode.yaml's draft node needs it
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose("export", [f"heads={tmp_path / 'heads'}"])
     result = run_export(cfg)

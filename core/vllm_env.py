@@ -2,8 +2,8 @@
 folder it loads the target from, and a long-lived generation worker (:class:`VllmSession`).
 
 vLLM pins its own torch and transformers, so it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes
-it; ``.ci/run`` too) and selfspec talks to it through files and pipes. decode/serving.py (the serving check, the
-benchmark's vLLM rows) runs one job per process with decode/serving_worker.py; train/regenerate.py's ``engine=vllm``
+it; ``.ci/run`` too) and selfspec talks to it through files and pipes. serve/serving.py (the serving check, the
+benchmark's vLLM rows) runs one job per process with serve/serving_worker.py; train/regenerate.py's ``engine=vllm``
 keeps one :class:`VllmSession` open and sends it a batch of requests per turn (core/vllm_worker.py).
 """
 
@@ -89,8 +89,8 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
 
 
 def selfspec_pythonpath() -> str:
-    """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.decode`` and ``selfspec.core`` (a
-    ``custom_class`` proposer such as ``selfspec.decode.vllm_suffix.SuffixProposer``, and what it imports) from this installation, whether
+    """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.serve`` and the rooms it reads (a
+    ``custom_class`` proposer such as ``selfspec.serve.vllm_suffix.SuffixProposer``, and what it imports) from this installation, whether
     editable (the repository's folders) or a wheel (site-packages), and nothing else of selfspec's venv: a
     ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
     import importlib.util
@@ -100,7 +100,7 @@ def selfspec_pythonpath() -> str:
     root = cache_dir() / "vllm-path"
     pkg = root / "selfspec"
     pkg.mkdir(parents=True, exist_ok=True)
-    for name in ("core", "decode", "heads", "train", "conf"):
+    for name in ("core", "cpu_kernels", "decode", "heads", "serve", "train", "conf"):
         where = Path(importlib.util.find_spec(f"selfspec.{name}").submodule_search_locations[0]).resolve()
         link = pkg / name
         if link.is_symlink() and link.resolve() == where:

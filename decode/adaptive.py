@@ -35,7 +35,7 @@ import torch
 
 from selfspec.decode.cache import new_cache
 from selfspec.decode.step import synchronize, tree_forward
-from selfspec.decode.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
+from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
 from selfspec.decode.tree import Tree, load_tree
 from selfspec.decode.types import ROOT, Beside, DecodeState, Draft
 from selfspec.core.archs import context_limit
@@ -308,7 +308,7 @@ def verify_cost_curve(
 ) -> list[dict]:
     """Median and fastest time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default
     mc_sim_7b_63 and chains beyond its size) over a ``cache_length`` cache, with the linear layers of
-    ``linear_kernel`` (see selfspec.decode.linear_kernels; small-batch ones pad rows as this machine's measured plan says), sizes
+    ``linear_kernel`` (see selfspec.cpu_kernels.linear_kernels; small-batch ones pad rows as this machine's measured plan says), sizes
     interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
     with measured_decoding_kernels(model, linear_kernel=linear_kernel):
         forward, reset = _verify_forwards(model, cache_length, sizes, tree)

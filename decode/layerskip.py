@@ -348,9 +348,9 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
-    (``linear_kernel``, selfspec.decode.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
+    (``linear_kernel``, selfspec.cpu_kernels.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
     "draft": {E: (layers + exit) / forward}}."""
-    from selfspec.decode.linear_kernels import measured_decoding_kernels
+    from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels
 
     with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)

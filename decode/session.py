@@ -22,7 +22,7 @@ from selfspec.core.target import Target, load_target
 from selfspec.decode import registry
 from selfspec.decode.adaptive import AdaptiveDepth, measured_cost_curve
 from selfspec.decode.engine import DecodeResult, Observer, SpeculativeDecoder
-from selfspec.decode.linear_kernels import use_small_batch
+from selfspec.cpu_kernels.linear_kernels import use_small_batch
 from selfspec.decode.registry import DrafterEntry
 from selfspec.decode.settings import DecodeSettings
 from selfspec.decode.step import synchronize

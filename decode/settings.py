@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from selfspec.core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
 from selfspec.core.embedded import EMBEDDED
 from selfspec.core.target import TargetSettings
-from selfspec.decode.linear_kernels import KERNELS
+from selfspec.cpu_kernels.linear_kernels import KERNELS
 from selfspec.decode.types import DecodeSetupError
 from selfspec.decode.verify import Sampling
 

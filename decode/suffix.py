@@ -292,7 +292,7 @@ class SuffixDrafter(DrafterBase):
     ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
     ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
     ``chain``: draft one branch (the best child at each level) instead of a tree, for engines that verify chains
-    (vLLM: decode/vllm_suffix.py).
+    (vLLM: serve/vllm_suffix.py).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None, *, budget: int | str,
@@ -421,7 +421,7 @@ class SuffixDrafter(DrafterBase):
         """The plan's branch was accepted to depth ``accepted``: the calibration learns, per depth, that of the nodes
         chosen there the one on that branch was accepted (if the branch reached it) and the others were not.
         ``observed``: only the depths up to it were seen (a plan that was not verified, scored against the target's
-        tokens where they end: decode/vllm_hybrid.py); default all."""
+        tokens where they end: serve/vllm_hybrid.py); default all."""
         if not plan.chosen:
             return
         by_depth: dict[int, list[float]] = {}

@@ -136,7 +136,7 @@ SERVING_FORM = ("fc_bias", "input_norm", "layout")  # the fields that decide whi
 
 def serving_form(head_config: dict) -> dict[str, Any]:
     """A saved ``head_config``'s :data:`SERVING_FORM` fields, each :class:`EagleConfig`'s default where it records none
-    (heads of another family, or saved before the field): what heads/export.py and decode/serving.py read to tell which
+    (heads of another family, or saved before the field): what heads/export.py and serve/serving.py read to tell which
     serving engine's format the heads have."""
     defaults = {f.name: f.default for f in fields(EagleConfig)}
     return {k: head_config.get(k, defaults[k]) for k in SERVING_FORM}

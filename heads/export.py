@@ -132,7 +132,7 @@ def serving_config(head_config: dict) -> dict:
 
 def served_exports(head_type: str, head_config: dict) -> list[str]:
     """The serving-engine formats heads of ``head_type`` saved with ``head_config`` export to: their family's
-    ``exports`` where the heads hold what those need, else none (decode/serving.py's formats and the check above)."""
+    ``exports`` where the heads hold what those need, else none (serve/serving.py's formats and the check above)."""
     family = FAMILIES.get(head_type)
     return list(family.exports) if family is not None and family.exportable(serving_config(head_config)) else []
 

@@ -78,7 +78,7 @@ def profile_selfspec(model, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 def profile_vllm(target, prompts: list[list[int]], new_tokens: int, venv: str | None) -> dict:
-    from selfspec.decode.serving import run_vllm, served_target_dir
+    from selfspec.serve.serving import run_vllm, served_target_dir
 
     model = target.model
     job = {"model": str(served_target_dir(target)), "dtype": str(model.dtype).removeprefix("torch."),

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 from selfspec.decode import registry
-from selfspec.decode.bench import format_sweep, sweep_decoders
+from selfspec.bench import format_sweep, sweep_decoders
 from selfspec.decode.prompts import read_questions
 from selfspec.decode.session import load_session
 from selfspec.decode.types import DecodeSetupError

@@ -15,7 +15,7 @@ SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 def test_every_package_folder_is_shipped_under_selfspec():
     folders = {"selfspec." + ".".join(p.parent.relative_to(ROOT).parts)
                for top in ("core", "heads", "decode", "train", "conf") for p in (ROOT / top).rglob("__init__.py")}
-    assert {"selfspec.core", "selfspec.decode.bench", "selfspec.train.data", "selfspec.conf"} <= folders
+    assert {"selfspec.core", "selfspec.bench", "selfspec.train.data", "selfspec.conf"} <= folders
     assert set(SETUPTOOLS["packages"]) == folders
     assert all(name.startswith("selfspec.") for name in SETUPTOOLS["packages"])  # no generic top-level name
     for name, folder in SETUPTOOLS["package-dir"].items():

@@ -2,7 +2,7 @@
 
 ``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
 it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too; core/vllm_env.py finds
-it): this module writes a job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both
+it): this module writes a job, runs ``serve/serving_worker.py`` with that venv's Python and reads its answer. Both
 engines decode the same prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one
 after another in one worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
 
@@ -55,7 +55,7 @@ WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 class ServedFormat:
     export: str  # heads/export.py's format
     method: str | None  # vLLM's speculative method; None: the folder is served itself (``vllm serve <folder>``)
-    hybrid: bool = False  # selfspec's hybrid proposer around vLLM's own (decode/vllm_hybrid.py)
+    hybrid: bool = False  # selfspec's hybrid proposer around vLLM's own (serve/vllm_hybrid.py)
 
     def run(self, folder: str | Path, k: int, name: str | None = None) -> dict:
         """The worker's run: the target with ``--speculative-config``, or (speculators) the exported folder alone,
@@ -68,7 +68,7 @@ class ServedFormat:
         run = {"name": name,
                "speculative_config": {"method": self.method, "model": str(folder), "num_speculative_tokens": int(k)}}
         if self.hybrid:
-            from selfspec.decode.vllm_hybrid import COUNTS_RPC, HOOK
+            from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK
 
             run["engine"] = {"worker_extension_cls": HOOK}
             run["rpc"] = COUNTS_RPC
@@ -132,7 +132,7 @@ def chain_settings(head_type: str, k: int) -> dict:
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
              log_path: str | Path | None = None, one_process: bool = False) -> dict:
-    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own
+    """Run ``job`` (see serve/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own
     (``one_process``: all in one); returns their results in order. ``timeout``: seconds for all the runs together.
     vLLM's log (every run's, in order) is copied to ``log_path`` when given; the lines that name each failed run's
     cause are kept in that run's ``log_errors``.
@@ -348,7 +348,7 @@ class CheckPlan:
     chain: Any  # selfspec's chain-of-k session
     plain: Any  # selfspec's plain decoding on the same target
     eos: set[int]
-    job: dict  # vLLM's job: plain decoding, then each format (decode/serving_worker.py)
+    job: dict  # vLLM's job: plain decoding, then each format (serve/serving_worker.py)
     out_root: Path
 
 

@@ -29,9 +29,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from selfspec.core.folders import claim
-from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
-from selfspec.decode.bench.report import machine_info
-from selfspec.decode.bench.run import first_difference
+from selfspec.bench.prompts import first_turn_ids, load_prompts
+from selfspec.bench.report import machine_info
+from selfspec.bench.run import first_difference
 from selfspec.decode.session import Session, hf_generate, load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError

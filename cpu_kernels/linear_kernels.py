@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.decode.attention import grouped_query_attention
+from selfspec.cpu_kernels.attention import grouped_query_attention
 from selfspec.core.errors import SettingError
 
 MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
@@ -457,7 +457,7 @@ def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan
     """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
     own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their
-    attention as decode/attention.py runs it. Yields how many linears were swapped."""
+    attention as cpu_kernels/attention.py runs it. Yields how many linears were swapped."""
     with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
                              grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
         yield swapped

@@ -1,6 +1,6 @@
 """Learner settings measured offline on a recorded stream (scripts/learn_replay.py's body).
 
-The stream benchmark (train/stream_bench.py) decodes every request with every method: an hour of target forwards
+The stream benchmark (bench/stream_bench.py) decodes every request with every method: an hour of target forwards
 for a hundred requests on a CPU. What the learner's settings change (learning rate, steps, the guard) needs none of
 them again: the learner sees only the recorded examples. So the stream is decoded once, its examples (what
 ``learn=true`` records: the target's answer and the hidden states the drafter reads) saved to ``record=``, and each
@@ -34,8 +34,8 @@ import torch
 from tqdm.auto import tqdm
 
 from selfspec.core.folders import claim
-from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
-from selfspec.decode.bench.report import machine_info
+from selfspec.bench.prompts import first_turn_ids, load_prompts
+from selfspec.bench.report import machine_info
 from selfspec.decode.session import load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError

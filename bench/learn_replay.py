@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from selfspec.core.folders import claim
@@ -85,8 +86,6 @@ def load_record(path: Path, identity: dict) -> list[dict[str, torch.Tensor]]:
 
 
 def run_replay(cfg: Any, command: str = "") -> dict:
-    from omegaconf import OmegaConf
-
     c = required(cfg, REPLAY_KEYS)
     if c["heads"] in (None, "random"):
         raise DecodeSetupError("heads=FOLDER: the trained heads the replay starts from (e.g. the hour recipe's).")

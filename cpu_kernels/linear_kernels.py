@@ -60,6 +60,7 @@ from torch import nn
 
 from selfspec.cpu_kernels.attention import grouped_query_attention
 from selfspec.core.errors import SettingError
+from selfspec.core.folders import cache_dir
 
 MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
 KERNELS = ("auto", "torch", "small_batch")
@@ -219,6 +220,7 @@ def packing_fits(weights: Sequence[torch.Tensor], memory_bytes: int | None = Non
     """Whether packed copies of ``weights`` take at most ``PACK_MEMORY_SHARE`` of ``memory_bytes`` (default: this
     machine's physical memory): the copy is kept beside the weights while the model lives."""
     if memory_bytes is None:
+        # deferred: psutil is accelerate's dependency, not selfspec's; read only to size packing
         import psutil
 
         memory_bytes = psutil.virtual_memory().total
@@ -281,8 +283,6 @@ def sample_weights(weights: Sequence[torch.Tensor], max_bytes: int = 192 << 20) 
 
 
 def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
-    from selfspec.core.target import cache_dir
-
     key = json.dumps({"shapes": [list(w.shape) for w in weights], "dtype": str(weights[0].dtype),
                       "device": str(weights[0].device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,

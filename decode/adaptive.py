@@ -40,7 +40,7 @@ from selfspec.decode.tree import Tree, load_tree
 from selfspec.decode.types import ROOT, Beside, DecodeState, Draft
 from selfspec.core.archs import context_limit
 from selfspec.core.kv import crop_cache
-from selfspec.core.target import cache_kwarg
+from selfspec.core.target import cache_dir, cache_kwarg, fingerprint
 
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # dense where CPU kernels change: costs step, not slope
 CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the fastest of each
@@ -379,8 +379,6 @@ def monotone(ms: Sequence[float]) -> tuple[float, ...]:
 
 
 def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
-    from selfspec.core.target import cache_dir, fingerprint
-
     param = next(model.parameters())
     plan = measured_row_plan(model).widths if use_small_batch(linear_kernel, param.device) else None
     key = json.dumps({"model": fingerprint(model)["digest"], "row_plan": plan,

@@ -39,7 +39,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from selfspec.core.folders import cache_dir
 from selfspec.decode.adaptive import Calibration, CostCurve, best_size, measured_cost_curve
 from selfspec.decode.tree import Tree
 from selfspec.decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
@@ -468,8 +470,6 @@ def corpus_documents(path: Path) -> list[str]:
 def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArray:
     """A corpus file as a suffix array, built once and cached (keyed by the file's path, size, time and the
     tokenizer's vocabulary size and name)."""
-    from selfspec.core.target import cache_dir
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise DecodeSetupError(f"draft.corpus={path}: no such file. Give a json/jsonl of conversations or a text file.")
@@ -479,7 +479,6 @@ def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArra
     cached = cache_dir() / "suffix" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
     if cached.is_file():
         return SuffixArray.load(cached)
-    from tqdm.auto import tqdm
 
     texts = corpus_documents(path)
     documents = [tokenizer(t, add_special_tokens=False)["input_ids"]

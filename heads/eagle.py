@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from selfspec.core.archs import llama_layer_fields, output_logits, text_config
@@ -454,7 +454,6 @@ class EagleHeads(nn.Module):
         bsz, length = input_ids.shape
         if key_padding is None:
             key_padding = torch.ones_like(input_ids, dtype=torch.bool)
-        from transformers import DynamicCache
 
         cache = DynamicCache()
         positions = position_ids

@@ -11,14 +11,15 @@ serve/serving.py.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.core import folders
-from selfspec.core.config import CONF_DIR, hydra_app
-from selfspec.core.errors import reported_errors
+from selfspec.core.config import CONF_DIR, hydra_app, to_plain
+from selfspec.core.errors import SettingError, reported_errors
 
 DECODE_CONF = CONF_DIR / "decode"
 
@@ -28,6 +29,7 @@ DECODE_CONF = CONF_DIR / "decode"
 
 def run_export(cfg) -> dict:
     """Export as ``cfg`` (conf/decode/export.yaml) says; returns {"out", "format", "url"}."""
+    # deferred: torch and the target's loaders only once the command runs, after Hydra has read its config
     import torch
 
     from selfspec.core.target import load_target
@@ -70,12 +72,7 @@ def export_main() -> None:
 def run_check(cfg) -> dict:
     """Check the heads in real vLLM as ``cfg`` (conf/decode/serve_check.yaml) says; writes report.json and report.md
     into ``out`` and returns the report."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    from selfspec.core.config import to_plain
-    from selfspec.core.errors import SettingError
+    # deferred: torch and the engine only once the command runs, after Hydra has read its config
     from selfspec.bench import load_prompts
     from selfspec.serve.serving import CheckSettings, format_report, serve_check, vllm_python
 

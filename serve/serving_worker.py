@@ -62,6 +62,7 @@ def difference(after: dict, before: dict) -> dict:
 
 
 def run_one(job: dict, run: dict) -> dict:
+    # deferred: vLLM is only in its own venv, where this runs
     from vllm import LLM, SamplingParams
 
     spec = {**job, **run, "engine": {**job.get("engine", {}), **run.get("engine", {})}}  # the run's own settings win
@@ -118,6 +119,7 @@ def cleanup() -> None:
     """Tear down what an engine left in this process (its distributed groups), so that the next run's engine starts
     as in a fresh process: without it a MoE model's engine after another model's finds the groups made without its
     expert-parallel one (``AssertionError: expert parallel group is not initialized``)."""
+    # deferred: vLLM is only in its own venv, where this runs
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     gc.collect()
@@ -128,6 +130,7 @@ def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     results = {"vllm_version": None, "runs": []}
+    # deferred: vLLM is only in its own venv, where this runs
     import vllm
 
     results["vllm_version"] = vllm.__version__

@@ -309,6 +309,7 @@ def install() -> bool:
     """Replace vLLM's V1 model runner's EAGLE and DFlash proposers by their hybrid subclasses (once); False where
     vLLM is not importable (selfspec's own venv)."""
     try:
+        # deferred: vLLM is only in its own venv, where this runs
         import vllm.v1.worker.gpu_model_runner as runner
     except ImportError:
         return False

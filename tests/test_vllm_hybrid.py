@@ -106,7 +106,7 @@ def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(
     heads without a hybrid (Medusa) get no such row."""
     from types import SimpleNamespace
 
-    import selfspec.heads.export as export
+    import selfspec.bench.vllm as bench_vllm
     from selfspec.bench.vllm import vllm_runs
     from selfspec.serve.serving import default_formats, formats_for, needs_selfspec
     from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK
@@ -117,7 +117,7 @@ def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(
         exported.append(fmt)
         return out, fmt
 
-    monkeypatch.setattr(export, "export_heads", fake_export)
+    monkeypatch.setattr(bench_vllm, "export_heads", fake_export)
     heads = {"dflash:d": (SimpleNamespace(heads_config={"head_type": "dflash", "head_config": {"block_size": 3}},
                                           target=None), "d"),
              "medusa:m": (SimpleNamespace(heads_config={"head_type": "medusa", "head_config": {"num_heads": 3}},

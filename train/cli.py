@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from selfspec.core.config import hydra_app
@@ -43,6 +45,7 @@ def run(cfg: DictConfig, family: Family) -> None:
     with reported_errors():
         job_run_dir(cfg)
         result = train(cfg, METHODS[family.name](cfg))
+        # deferred: torch only once a run starts, as above
         from selfspec.train.speed_check import after_training
 
         after_training(cfg, result.heads_dir, whole_target=result.whole_target)
@@ -52,9 +55,6 @@ def job_run_dir(cfg: DictConfig) -> None:
     """In a Hydra multirun (``-m``), job N of the sweep trains in ``<run_dir>/N`` (Hydra's folder of the job,
     ``hydra.sweep`` in the entry config) instead of the ``run_dir`` every job of the sweep shares; a single run is
     left as it is. What names ``${run_dir}`` (``feature_store.dir``'s default, ...) follows."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     cfg.run_dir = f"{cfg.run_dir}/{HydraConfig.get().job.num}"
@@ -85,6 +85,7 @@ def regenerate_main() -> None:
     """``selfspec-regenerate``: scripts/regenerate.py (conf/regenerate.yaml, train/regenerate.py)."""
 
     def regenerate(cfg: DictConfig) -> None:
+        # deferred: torch only once the command runs: not for --help or a typo
         from selfspec.train.regenerate import run as regenerate_run
 
         with reported_errors():
@@ -98,6 +99,7 @@ def features_main() -> None:
     store once, for every later ``features=store feature_store.dir=...`` run."""
 
     def features(cfg: DictConfig) -> None:
+        # deferred: torch only once the command runs: not for --help or a typo
         from selfspec.train.features import run as features_run
 
         with reported_errors():

@@ -1,4 +1,6 @@
-"""Decoding benchmarks (the library behind scripts/bench.py and scripts/sweep_trees.py). Batch size 1.
+"""The benchmarks: decoding (the library behind scripts/bench.py and scripts/sweep_trees.py; batch size 1), and
+learning while decoding (stream_bench.py, learn_replay.py: scripts/stream_bench.py, scripts/learn_replay.py); their
+commands are cli.py's. The one room that reads ``decode``, ``serve`` and ``train`` together.
 
 - :func:`run_bench` (run.py): every decoding method (methods.py: HF generate, its prompt lookup and early-exit
   assistants, plain decoding in the engine, one drafter per heads folder, every training-free drafter of

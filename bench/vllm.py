@@ -96,7 +96,6 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if needs_selfspec(runs):  # selfspec's proposers import from this installation, inside vLLM's venv
-
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
 

@@ -17,22 +17,22 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
+from selfspec.core.errors import reported_errors
+from selfspec.core.target import load_target
+from selfspec.cpu_kernels.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths,
+                                                 linear_weights, packing_offered, sample_weights, time_widths,
+                                                 write_row_plan)
+from selfspec.decode.settings import target_config_from_overrides
+
 
 def main(argv: list[str] | None = None) -> dict:
-    from selfspec.cpu_kernels.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights,
-                                       packing_offered, sample_weights, time_widths, write_row_plan)
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=PLAN_REPEATS)
     parser.add_argument("--out", default="outputs/kernel_plan.json")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from selfspec.decode.settings import target_config_from_overrides
-    from selfspec.core.errors import reported_errors
-    from selfspec.core.target import load_target
 
     with reported_errors():
         target = load_target(target_config_from_overrides(args.overrides))

@@ -67,7 +67,6 @@ def run(cfg: Any) -> dict[str, Any]:
         raise SettingError(f"feature_store.engine={source.engine!r}: use hf (the target's forward here) or vllm.")
     accelerator = _accelerator(source)
     if source.engine == "vllm":  # before anything loads (a training run checks it only when it must build)
-
         reason = vllm_available((settings.get("vllm") or {}).get("venv"))
         if reason:
             raise SettingError(f"feature_store.engine=vllm: {reason}")

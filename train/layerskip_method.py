@@ -142,7 +142,6 @@ class ExitTrainModule(nn.Module):
             if exit_module.adapter is None:  # per position: only the trained rows
                 features = exit_module.features(hidden[where])
             else:  # the block attends over the sequence: causal, padding hidden
-
                 mask = causal_mask(hidden.shape[1], 0, hidden.dtype, hidden.device, key_padding=attention_mask)
                 features = exit_module.features(hidden, position_ids_from_mask(attention_mask), mask)[where]
             logits[e] = rows_through(exit_module.logits, features)

@@ -92,9 +92,9 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
 
 def selfspec_pythonpath() -> str:
     """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.serve`` and the rooms it reads (a
-    ``custom_class`` proposer such as ``selfspec.serve.vllm_suffix.SuffixProposer``, and what it imports) from this installation, whether
-    editable (the repository's folders) or a wheel (site-packages), and nothing else of selfspec's venv: a
-    ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
+    ``custom_class`` proposer such as ``selfspec.serve.vllm_suffix.SuffixProposer``, and what it imports) from this
+    installation, whether editable (the repository's folders) or a wheel (site-packages), and nothing else of
+    selfspec's venv: a ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
     # deferred: core/target.py loads torch and transformers, which finding vLLM's venv needs neither of
     from selfspec.core.target import cache_dir
 

@@ -308,8 +308,8 @@ def verify_cost_curve(
 ) -> list[dict]:
     """Median and fastest time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default
     mc_sim_7b_63 and chains beyond its size) over a ``cache_length`` cache, with the linear layers of
-    ``linear_kernel`` (see selfspec.cpu_kernels.linear_kernels; small-batch ones pad rows as this machine's measured plan says), sizes
-    interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
+    ``linear_kernel`` (see selfspec.cpu_kernels.linear_kernels; small-batch ones pad rows as this machine's measured
+    plan says), sizes interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
     with measured_decoding_kernels(model, linear_kernel=linear_kernel):
         forward, reset = _verify_forwards(model, cache_length, sizes, tree)
         times = time_interleaved(forward, sizes, repeats, reset=reset)

@@ -248,10 +248,11 @@ class SpeculativeDecoder:
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
     :class:`selfspec.decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
-    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`selfspec.cpu_kernels.linear_kernels` on a CPU, PyTorch's own
-    elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding
-    rows as this machine's measured plan says (:func:`selfspec.cpu_kernels.linear_kernels.measured_row_plan`; the drafter's weights
-    in another dtype, as its plan for them says: :func:`selfspec.cpu_kernels.linear_kernels.measured_row_plans`).
+    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`selfspec.cpu_kernels.linear_kernels` on a CPU,
+    PyTorch's own elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate`
+    runs, padding rows as this machine's measured plan says
+    (:func:`selfspec.cpu_kernels.linear_kernels.measured_row_plan`; the drafter's weights in another dtype, as its plan
+    for them says: :func:`selfspec.cpu_kernels.linear_kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     The engine applies it to every draft, or hands it to a drafter that applies it to a part of its draft
@@ -327,9 +328,9 @@ class SpeculativeDecoder:
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head, observer)
 
     def _head(self, sampling: Sampling) -> GreedyHead | None:
-        """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py) if this decode can use it: the small-batch
-        kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine (timed once
-        per model, before the decode's clock starts)."""
+        """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py) if this decode can use it: the
+        small-batch kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine
+        (timed once per model, before the decode's clock starts)."""
         if not (self.greedy_head and self.small_batch and sampling.acceptance == "greedy"
                 and self.drafter.verify_forward is None):
             return None

@@ -352,8 +352,8 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
-    (``linear_kernel``, selfspec.cpu_kernels.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
-    "draft": {E: (layers + exit) / forward}}."""
+    (``linear_kernel``, selfspec.cpu_kernels.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in
+    layers 0..E-1}, "draft": {E: (layers + exit) / forward}}."""
     with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
 

@@ -1,6 +1,6 @@
-"""Grouped-query attention without key/value copies (cpu_kernels/attention.py): the same output as transformers' sdpa, the
-copies actually skipped inside a block, the configs switched for the block only, and the engine's greedy output still
-HF generate's with drafts accepted."""
+"""Grouped-query attention without key/value copies (cpu_kernels/attention.py): the same output as transformers' sdpa,
+the copies actually skipped inside a block, the configs switched for the block only, and the engine's greedy output
+still HF generate's with drafts accepted."""
 
 import pytest
 import torch
@@ -55,8 +55,8 @@ def _verify_forward(model, queries: int = 4):
 def test_block_skips_repeat_kv_and_keeps_logits(monkeypatch, tiny_llama):
     model, _ = tiny_llama
     if model.device.type != "cpu":
-        pytest.skip("the copy-free path is a CPU one (cpu_kernels/attention.py): on CUDA, SDPA with enable_gqa and a mask "
-                    "falls back to its slowest kernel, so the block leaves every call to sdpa's own")
+        pytest.skip("the copy-free path is a CPU one (cpu_kernels/attention.py): on CUDA, SDPA with enable_gqa and a "
+                    "mask falls back to its slowest kernel, so the block leaves every call to sdpa's own")
     reference = _verify_forward(model)
     calls = []
     real = sdpa_module.repeat_kv

@@ -1,5 +1,5 @@
-"""Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py): its error bound, its argmax, and the engine with it
-against HF ``generate``, with drafts that are accepted."""
+"""Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py): its error bound, its argmax, and the engine
+with it against HF ``generate``, with drafts that are accepted."""
 
 import weakref
 

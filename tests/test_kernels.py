@@ -1,6 +1,6 @@
-"""selfspec.cpu_kernels.linear_kernels: the small-batch linear layers the engine swaps in on a CPU compute what nn.Linear computes, at
-the widths a row plan says; the swap is undone after the block (also on errors), touching nothing but plain
-nn.Linear modules; a machine's plan is the fastest measured option per row count, cached."""
+"""selfspec.cpu_kernels.linear_kernels: the small-batch linear layers the engine swaps in on a CPU compute what
+nn.Linear computes, at the widths a row plan says; the swap is undone after the block (also on errors), touching
+nothing but plain nn.Linear modules; a machine's plan is the fastest measured option per row count, cached."""
 
 from __future__ import annotations
 

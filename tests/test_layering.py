@@ -22,7 +22,7 @@ import pytest
 from selfspec.core.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "cpu_kernels", "heads", "decode", "serve", "bench", "train")  # the rooms: one installed package each
+PACKAGES = ("core", "cpu_kernels", "heads", "decode", "serve", "bench", "train")  # the rooms, each an installed package
 MAY_IMPORT = {  # room -> the rooms its modules may import (its own too); the commands are above them all
     "core": {"core"},
     "cpu_kernels": {"core"},  # the CPU kernels the engine runs with: linears, grouped-query attention, greedy LM head
@@ -261,8 +261,8 @@ def test_an_import_inside_a_function_says_why():
     """Imports are at the top of a file, where the graph can be read; one inside a function of a room or a script
     (vLLM's, only in its own venv; torch, deferred until a command has read its config or a script its arguments; an
     optional or slow package, only where it is used) says why."""
-    found = {f"{path.relative_to(ROOT)}:{n}" for p in (*PACKAGES, "scripts") for path in sorted((ROOT / p).rglob("*.py"))
-             for n in unexplained_imports(path.read_text())}
+    files = [path for folder in (*PACKAGES, "scripts") for path in sorted((ROOT / folder).rglob("*.py"))]
+    found = {f"{path.relative_to(ROOT)}:{n}" for path in files for n in unexplained_imports(path.read_text())}
     assert not found, sorted(found)
     assert unexplained_imports("def f():\n    import os\n    return os\n") == [2]  # the check on the check
     assert unexplained_imports("def f():\n    # why\n    import os\n    import re\n") == []

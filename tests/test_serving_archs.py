@@ -5,8 +5,8 @@ vLLM release starts running one this fails and the table in docs/serving.md gets
 
 The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
 heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
-recipe). Every vLLM engine a file's cells need starts in one vLLM worker process (``selfspec.serve.serving.serve_checks``), so
-vLLM's imports are paid once a file.
+recipe). Every vLLM engine a file's cells need starts in one vLLM worker process
+(``selfspec.serve.serving.serve_checks``), so vLLM's imports are paid once a file.
 
 The matrix is split over three files of about equal time, so that ``pytest -n`` runs them side by side: this one
 (:data:`ARCHS`: the MLA targets, Gemma 3 and gpt-oss: every refusal), tests/test_serving_archs_qwen.py and

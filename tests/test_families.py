@@ -162,12 +162,13 @@ def test_a_toy_family_is_found_by_decode_heads_export_serving_learning_and_train
                                                                                      capsys):
     from hydra.core.global_hydra import GlobalHydra
 
-    from selfspec.decode import registry, serving
+    from selfspec.decode import registry
     from selfspec.decode.session import load_session
     from selfspec.decode.types import DecodeSetupError
     from selfspec.heads import load as load_heads
     from selfspec.heads.export import ExportError, resolve_format
     from selfspec.heads.io import head_builder, save_heads
+    from selfspec.serve import serving
     from selfspec.train.cli import main, trainable
     from selfspec.train.online import learning_families, training_method
 

@@ -297,7 +297,7 @@ def _within_rounding(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> None
 
 
 def _recording_packed(monkeypatch) -> list[int]:
-    from selfspec.decode import linear_kernels as kernels
+    from selfspec.cpu_kernels import linear_kernels as kernels
 
     calls = []
     real = kernels._packed_product
@@ -327,7 +327,7 @@ def test_a_packed_plan_computes_the_same_at_every_row_count(monkeypatch, bias):
 
 @needs_packing
 def test_a_packed_weight_is_kept_across_entries_and_packed_again_when_it_changes(monkeypatch):
-    from selfspec.decode import linear_kernels as kernels
+    from selfspec.cpu_kernels import linear_kernels as kernels
 
     torch.manual_seed(0)
     lin = nn.Linear(32, 24)

@@ -284,7 +284,7 @@ def test_each_vllm_run_gets_a_process_of_its_own_with_the_engine_inside(tmp_path
     import json
     import subprocess
 
-    from selfspec.decode import serving
+    from selfspec.serve import serving
 
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -317,7 +317,7 @@ def test_serve_checks_runs_every_engine_in_one_process_and_a_shared_plain_run_on
     """Two checks on one target and one on another: vLLM gets one job for one worker process, with each target's plain
     run once; each check gets back its own runs under its own names, and a check whose target vLLM cannot decode gets
     the error serve_check would raise."""
-    from selfspec.decode import serving
+    from selfspec.serve import serving
     from selfspec.serve.serving import CheckPlan, serve_checks
 
     def plan(model: str, formats: list[str]) -> CheckPlan:

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from selfspec.core.errors import reported_errors
+
 MISSING = "???"  # Hydra's mark for a value with no default
 # the configs: the package selfspec.conf, the repository's conf/ in an editable install, package data in a wheel's
 CONF_DIR = Path(str(importlib.resources.files("selfspec.conf")))
@@ -29,6 +31,7 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
 def to_plain(x: Any) -> Any:
     """A DictConfig / ListConfig as resolved plain containers; anything else unchanged."""
     try:
+        # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
         from omegaconf import DictConfig, ListConfig, OmegaConf
     except ImportError:  # pragma: no cover - hydra-core is a dependency
         return x
@@ -51,6 +54,7 @@ def store_open_dict() -> None:
     it at ``draft`` (``- open_dict@draft``): each family declares its draft.* settings in its own conf file, and the
     family chosen checks them (decode/registry.py); every other key stays closed. :func:`hydra_app` and
     :func:`compose` store it before composing."""
+    # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
@@ -76,6 +80,7 @@ def compose(config_name: str, overrides: Sequence[str] = (), config_dir: Path = 
     """``config_dir/<config_name>.yaml`` composed with ``overrides``, as :func:`hydra_app` composes it from the command
     line: for code that composes an entry config itself (the benchmark, scripts, tests). Inside a running Hydra app
     (decode/run.py with learn=true composes the heads' training config) the app's Hydra is set aside and restored."""
+    # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -97,6 +102,7 @@ def hydra_app(task: Callable[[Any], None], config_name: str, job_name: str, conf
     """Run ``task(cfg)`` as a Hydra app over the command line: ``config_dir/<config_name>.yaml`` found from the package
     (whether a script, an installed command or ``python -m`` runs it), the job named ``job_name``, as Hydra names an
     entry file's own app after the file (its ``--help`` and ``hydra.job.name``)."""
+    # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
     import hydra
 
     def app(cfg: Any) -> None:
@@ -118,9 +124,8 @@ def _reported_by_hydra() -> Iterator[None]:
     ``HYDRA_FULL_ERROR=1`` the full trace. Hydra has no hook for this: ``hydra.main`` runs each stage through
     ``hydra._internal.utils.run_and_report``, which is wrapped for the call (and left alone where a Hydra lacks it;
     tests/test_cli_errors.py runs every console script through it)."""
+    # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
     from hydra._internal import utils as hydra_utils
-
-    from selfspec.core.errors import reported_errors
 
     original = getattr(hydra_utils, "run_and_report", None)
     if original is None:

@@ -155,6 +155,7 @@ class Embedded:
         if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
             drop_quantization_config(folder)  # a folder converted before that was done at conversion
             return folder
+        # deferred: torch and transformers only to convert a download; finding a model needs neither
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

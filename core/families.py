@@ -17,14 +17,14 @@ A family's name is the ``head_type`` its heads folder records and the ``drafter=
 - ``draft``: its decode settings (``draft.KEY=`` at decode) and their defaults, the only place they are written;
 - the decode flags ``needs_heads``, ``optional_heads``, ``hybrid`` and ``saved_key`` (decode/registry.py says what each
   does), and ``forward_per_level``: a proposal runs one draft forward per tree level (EAGLE trees, layer-skip chains)
-  rather than one per proposal (the benchmark's draft-cost facts, decode/bench/cost.py);
+  rather than one per proposal (the benchmark's draft-cost facts, bench/cost.py);
 - ``trains``: it trains heads under its conf file (:attr:`Family.train_conf`), by the method train/families.py
   registers; ``heads_conf``: the ``conf/heads/`` option that makes it, where it is not that config's default
   (EAGLE-3: ``heads=eagle3`` under conf/eagle.yaml);
 - ``exports``: the heads/export.py formats vLLM serves its heads in, each with the vLLM speculative method that serves
   it (null: the exported folder is served itself, as speculators' is); ``export_needs``: the saved ``head_config``
   values those exports need (EAGLE-3: ``layout: midlayer``); ``vllm_hybrid``: selfspec's hybrid proposer extends the
-  vLLM proposer of its first export (decode/vllm_hybrid.py);
+  vLLM proposer of its first export (serve/vllm_hybrid.py);
 - ``reads_layers``: which of the target's layers its heads read beside the last: ``inputs`` (EAGLE-3: the inputs of
   the layers ``model.draft_layers.<name>`` names) or ``outputs`` (DFlash: their outputs), or null (the last hidden
   state only). A family that reads layers shares a feature store with the others that do (train/features.py's
@@ -40,6 +40,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from selfspec.core.config import CONF_DIR
 from selfspec.core.errors import SelfspecError
@@ -100,8 +102,6 @@ def declared(conf_dir: Path = CONF_DIR) -> dict[str, Family]:
     training-free ones first (the baselines, which the benchmark runs first), then by file name and in each file's
     order. A row that lacks a field of :data:`REQUIRED`, states one a row does not have, or a name two files declare,
     is a :class:`FamilyConfError`."""
-    from omegaconf import OmegaConf
-
     families: dict[str, Family] = {}
     for path in sorted(Path(conf_dir).glob("*.yaml")):
         block = OmegaConf.to_container(OmegaConf.load(path), resolve=False).get(BLOCK)

@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from selfspec.core.errors import SelfspecError
 
 MARKER = ".selfspec"
@@ -262,7 +264,5 @@ def cache_dir() -> Path:
 
 def cache_lock(folder: Path):
     """A lock file beside ``folder`` of a shared cache, held while one process makes it and others wait for it."""
-    from filelock import FileLock
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(folder.parent / f".{folder.name}.lock"))

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import resource
 import sys
@@ -42,9 +44,6 @@ def native_bf16(device: torch.device | str) -> bool:
 @functools.cache
 def _glibc():
     """glibc's C library, or None (not Linux, or another C library: musl has no mallopt)."""
-    import ctypes
-    import ctypes.util
-
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from selfspec.core.archs import TINY_ARCHS, text_config
 from selfspec.core.config import CONF_DIR, MISSING, to_dict
@@ -101,6 +104,7 @@ _FIELDS = frozenset(f.name for f in fields(TargetSettings))
 @cache
 def target_defaults() -> dict[str, Any]:
     """conf/model/defaults/target.yaml: the settings a model config leaves out get."""
+    # deferred: vLLM's venv imports this module (serve/vllm_suffix.py) and has no omegaconf or hydra
     from omegaconf import OmegaConf
 
     return to_dict(OmegaConf.load(TARGET_DEFAULTS))
@@ -136,7 +140,6 @@ def attention_for(config: Any, asked: str) -> str:
     ``eager`` with a note on stderr. The engine takes either (their tree masks give the same logits)."""
     if asked != "sdpa" or config is None:
         return asked
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
@@ -250,7 +253,6 @@ def text_only(model: PreTrainedModel) -> PreTrainedModel:
     text = text_config(config)
     if text is config:
         return model
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise TargetLoadError(f"{type(model).__name__} is multimodal and transformers has no text-only CausalLM for "
@@ -294,8 +296,6 @@ def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn:
             "Download the weights (`huggingface-cli download <id> --local-dir DIR`) and point model.name_or_path at "
             "DIR, or add model.config_only=true to build it without weights for a check (scripts/check_targets.py).")
     try:
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(name_or_path, **where)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **where)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config,
@@ -318,8 +318,6 @@ def _load_hf(name_or_path: str, gguf_file: str | None, dtype: torch.dtype, attn:
 def _build_from_config(name_or_path: str, dtype: torch.dtype, attn: str):
     """The model of a hub id's or folder's config.json on the meta device (no weights read or allocated), and its
     tokenizer where the folder has one (None for a config-only folder)."""
-    from transformers import AutoConfig
-
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except OSError as err:
@@ -357,9 +355,6 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerBase:
     """A byte-level tokenizer (256 byte tokens + ChatML specials) with a ChatML chat template; built offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab = {tok: i for i, tok in enumerate(specials + sorted(alphabet))}
@@ -401,7 +396,6 @@ def build_tiny(
     # and decoding rebuilds the same target
     recipe = {k: v for k, v in locals().items() if k not in ("attn_implementation", "device", "config")}
     recipe["config"] = dict(config or {})
-    import transformers
 
     if arch not in TINY_ARCHS:
         raise SettingError(f"Unknown tiny arch {arch!r}; use one of {sorted(TINY_ARCHS)}.")

@@ -37,7 +37,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from accelerate import init_empty_weights
+from huggingface_hub import hf_hub_download
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from selfspec.core.layers import decoder_of
 from selfspec.core.embedded import EMBEDDED
@@ -199,8 +202,6 @@ class _Checkpoint:
                 single = single if single.is_file() else None
                 root = local
             else:
-                from huggingface_hub import hf_hub_download
-
                 index = single = None
                 try:
                     index = Path(hf_hub_download(name_or_path, SAFETENSORS_INDEX))
@@ -210,6 +211,7 @@ class _Checkpoint:
             if index is not None:
                 return cls(name_or_path, dict(json.loads(index.read_text())["weight_map"]), root)
             if single is not None:
+                # read at the call: tests/test_target_parts.py counts the tensors read through safetensors.safe_open
                 from safetensors import safe_open
 
                 with safe_open(str(single), framework="pt") as f:
@@ -227,12 +229,12 @@ class _Checkpoint:
             return known[file]
         if self.local is not None:
             return self.local / file
-        from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(self.name_or_path, file))
 
     def read(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors ``keys`` (on the CPU, as stored), each read alone from its file."""
+        # read at the call: tests/test_target_parts.py counts the tensors read through safetensors.safe_open
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
@@ -249,9 +251,6 @@ class _Checkpoint:
 def _from_checkpoint(settings: TargetSettings, checkpoint: _Checkpoint, layers: Sequence[int], device: torch.device,
                      dtype: torch.dtype) -> tuple[Target | None, str]:
     """(the parts of ``checkpoint``'s model, "") or (None, why they cannot be read alone)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     name = checkpoint.name_or_path
     try:
         config = AutoConfig.from_pretrained(name)

@@ -2,14 +2,15 @@
 folder it loads the target from, and a long-lived generation worker (:class:`VllmSession`).
 
 vLLM pins its own torch and transformers, so it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes
-it; ``.ci/run`` too) and selfspec talks to it through files and pipes. decode/serving.py (the serving check, the
-benchmark's vLLM rows) runs one job per process with decode/serving_worker.py; train/regenerate.py's ``engine=vllm``
+it; ``.ci/run`` too) and selfspec talks to it through files and pipes. serve/serving.py (the serving check, the
+benchmark's vLLM rows) runs one job per process with serve/serving_worker.py; train/regenerate.py's ``engine=vllm``
 keeps one :class:`VllmSession` open and sends it a batch of requests per turn (core/vllm_worker.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import select
@@ -20,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from selfspec.core.config import to_plain
 from selfspec.core.errors import SelfspecError, SettingError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,18 +91,17 @@ def worker_env(pythonpath: list[str] | None = None, extra: dict[str, Any] | None
 
 
 def selfspec_pythonpath() -> str:
-    """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.decode`` and ``selfspec.core`` (a
-    ``custom_class`` proposer such as ``selfspec.decode.vllm_suffix.SuffixProposer``, and what it imports) from this installation, whether
-    editable (the repository's folders) or a wheel (site-packages), and nothing else of selfspec's venv: a
-    ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
-    import importlib.util
-
+    """A folder to put on vLLM's ``PYTHONPATH`` so that its venv imports ``selfspec.serve`` and the rooms it reads (a
+    ``custom_class`` proposer such as ``selfspec.serve.vllm_suffix.SuffixProposer``, and what it imports) from this
+    installation, whether editable (the repository's folders) or a wheel (site-packages), and nothing else of
+    selfspec's venv: a ``selfspec/`` folder of links to the installed subpackages, under the selfspec cache."""
+    # deferred: core/target.py loads torch and transformers, which finding vLLM's venv needs neither of
     from selfspec.core.target import cache_dir
 
     root = cache_dir() / "vllm-path"
     pkg = root / "selfspec"
     pkg.mkdir(parents=True, exist_ok=True)
-    for name in ("core", "decode", "heads", "train", "conf"):
+    for name in ("core", "cpu_kernels", "decode", "heads", "serve", "train", "conf"):
         where = Path(importlib.util.find_spec(f"selfspec.{name}").submodule_search_locations[0]).resolve()
         link = pkg / name
         if link.is_symlink() and link.resolve() == where:
@@ -115,6 +116,7 @@ def selfspec_pythonpath() -> str:
 def served_target_dir(target: Any, cache: Path | None = None) -> Path:
     """A folder vLLM loads the target from: its own folder when it has a clean one, else a saved copy (tiny targets,
     a GGUF-converted folder whose config still carries a ``quantization_config``) under the selfspec cache."""
+    # deferred: core/target.py loads torch and transformers, which finding vLLM's venv needs neither of
     from selfspec.core.embedded import EMBEDDED
     from selfspec.core.target import cache_dir, cache_lock, fingerprint
 
@@ -151,6 +153,7 @@ def served_model(settings: Any) -> tuple[str, Any]:
     vLLM can read them itself: SmolLM2's converted folder, a clean local folder, a hub id (vLLM fetches it). A tiny
     target or a GGUF file is built or dequantized here and saved (:func:`served_target_dir`). Returns (a folder or hub
     id, the tokenizer)."""
+    # deferred: torch and transformers only where a target is read; finding vLLM's venv needs neither
     from transformers import AutoTokenizer
 
     from selfspec.core.embedded import EMBEDDED
@@ -325,8 +328,6 @@ class VllmSettings:
 
     @classmethod
     def from_config(cls, vllm_cfg: Any) -> "VllmSettings":
-        from selfspec.core.config import to_plain
-
         values = to_plain(vllm_cfg) or {}
         missing = [f.name for f in fields(cls) if f.name not in values]
         if missing:
@@ -395,6 +396,7 @@ def replica_env(settings: VllmSettings, visible: list[str]) -> list[dict[str, st
 
 def visible_gpus() -> list[str]:
     """The GPUs this process may use: ``$CUDA_VISIBLE_DEVICES``, else every one torch sees."""
+    # deferred: torch only to count GPUs; finding vLLM's venv does not need it
     import torch
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:

@@ -38,6 +38,7 @@ def main(job_path: str) -> None:
         job = json.load(f)
     t0 = time.perf_counter()
     try:
+        # in the try, in vLLM's venv: an engine that cannot even import is reported as the job's error
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.platforms import current_platform

@@ -35,12 +35,12 @@ import torch
 
 from selfspec.decode.cache import new_cache
 from selfspec.decode.step import synchronize, tree_forward
-from selfspec.decode.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
+from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
 from selfspec.decode.tree import Tree, load_tree
 from selfspec.decode.types import ROOT, Beside, DecodeState, Draft
 from selfspec.core.archs import context_limit
 from selfspec.core.kv import crop_cache
-from selfspec.core.target import cache_kwarg
+from selfspec.core.target import cache_dir, cache_kwarg, fingerprint
 
 CURVE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)  # dense where CPU kernels change: costs step, not slope
 CURVE_REPEATS = 9  # forwards per size, sizes interleaved; the fastest of each
@@ -308,8 +308,8 @@ def verify_cost_curve(
 ) -> list[dict]:
     """Median and fastest time of one tree-verify forward of N nodes (the first N nodes of ``tree``, default
     mc_sim_7b_63 and chains beyond its size) over a ``cache_length`` cache, with the linear layers of
-    ``linear_kernel`` (see selfspec.decode.linear_kernels; small-batch ones pad rows as this machine's measured plan says), sizes
-    interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
+    ``linear_kernel`` (see selfspec.cpu_kernels.linear_kernels; small-batch ones pad rows as this machine's measured
+    plan says), sizes interleaved over ``repeats``. Returns [{"nodes", "ms" (median), "min_ms", "ms_per_node"}]."""
     with measured_decoding_kernels(model, linear_kernel=linear_kernel):
         forward, reset = _verify_forwards(model, cache_length, sizes, tree)
         times = time_interleaved(forward, sizes, repeats, reset=reset)
@@ -379,8 +379,6 @@ def monotone(ms: Sequence[float]) -> tuple[float, ...]:
 
 
 def _cache_file(model: torch.nn.Module, linear_kernel: str) -> Path:
-    from selfspec.core.target import cache_dir, fingerprint
-
     param = next(model.parameters())
     plan = measured_row_plan(model).widths if use_small_batch(linear_kernel, param.device) else None
     key = json.dumps({"model": fingerprint(model)["digest"], "row_plan": plan,

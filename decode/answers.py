@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from omegaconf import OmegaConf
+
 from selfspec.decode.engine import DecodeResult
 from selfspec.decode.prompts import prompt_ids, read_questions
 from selfspec.decode.session import LearnerFactory, Session, hf_generate, load_session
@@ -167,8 +169,6 @@ def _answer(session: Session, c: dict, cfg: Any, out: TextIO) -> dict:
         summary = session_summary(session, record["turns"])
         out.write(format_summary(summary) + "\n")
         return summary
-
-    from omegaconf import OmegaConf
 
     questions = read_questions(prompts, c["max_questions"])
     answers_path = Path(str(c["out"]))

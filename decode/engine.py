@@ -29,10 +29,10 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from selfspec.decode.attention import GQA_SDPA
+from selfspec.cpu_kernels.attention import GQA_SDPA
 from selfspec.decode.cache import commit_kv, new_cache
-from selfspec.decode.greedy_head import GreedyHead, greedy_head
-from selfspec.decode.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
+from selfspec.cpu_kernels.greedy_head import GreedyHead, greedy_head
+from selfspec.cpu_kernels.linear_kernels import decoding_kernels, measured_row_plan, measured_row_plans, use_small_batch
 from selfspec.decode.step import StepClock, synchronize, tree_forward
 from selfspec.decode.tree import Tree, single_node_tree
 from selfspec.decode.types import (DecodeSetupError, DecodeState, DepthControl, DepthPolicy, Draft, Drafter,
@@ -42,7 +42,7 @@ from selfspec.core.archs import context_limit
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.target import cache_kwarg
 
-TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (decode/attention.py)
+TREE_MASK_ATTENTION = ("sdpa", "eager", GQA_SDPA)  # GQA_SDPA: sdpa inside a decode (cpu_kernels/attention.py)
 
 
 class Observer(Protocol):
@@ -248,17 +248,18 @@ class SpeculativeDecoder:
     ``model``: an unmodified Hugging Face CausalLM (sdpa or eager attention). ``drafter``: anything implementing
     :class:`selfspec.decode.types.Drafter`. ``eos_token_ids``: defaults to the model's generation config.
     ``decode``: token ids -> text, needed for stop strings (e.g. ``tokenizer.decode``).
-    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`selfspec.decode.linear_kernels` on a CPU, PyTorch's own
-    elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate` runs, padding
-    rows as this machine's measured plan says (:func:`selfspec.decode.linear_kernels.measured_row_plan`; the drafter's weights
-    in another dtype, as its plan for them says: :func:`selfspec.decode.linear_kernels.measured_row_plans`).
+    ``linear_kernel``: ``auto`` (the small-batch linears of :mod:`selfspec.cpu_kernels.linear_kernels` on a CPU,
+    PyTorch's own elsewhere), ``small_batch`` or ``torch``; the model is swapped to them only while :meth:`generate`
+    runs, padding rows as this machine's measured plan says
+    (:func:`selfspec.cpu_kernels.linear_kernels.measured_row_plan`; the drafter's weights in another dtype, as its plan
+    for them says: :func:`selfspec.cpu_kernels.linear_kernels.measured_row_plans`).
     ``depth_policy``: chooses each step how deep the draft may go (0: a plain step, the drafter not called), from what
     drafts of each depth earned so far (decode/adaptive.py); None lets every draft go as deep as the budget allows.
     The engine applies it to every draft, or hands it to a drafter that applies it to a part of its draft
     (``drafter.depth_control``: a hybrid, to its trained drafter's part), with the step's clock either way.
     ``greedy_head``: with the small-batch kernels and greedy acceptance, the engine's tree forward reads the LM head
     in bfloat16 with the float32 argmax kept exactly, where that is faster on this machine
-    (decode/greedy_head.py); False: the model's own head always.
+    (cpu_kernels/greedy_head.py); False: the model's own head always.
     """
 
     def __init__(
@@ -327,9 +328,9 @@ class SpeculativeDecoder:
             return self._generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head, observer)
 
     def _head(self, sampling: Sampling) -> GreedyHead | None:
-        """Greedy verification's bfloat16 LM head (decode/greedy_head.py) if this decode can use it: the small-batch
-        kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine (timed once
-        per model, before the decode's clock starts)."""
+        """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py) if this decode can use it: the
+        small-batch kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine
+        (timed once per model, before the decode's clock starts)."""
         if not (self.greedy_head and self.small_batch and sampling.acceptance == "greedy"
                 and self.drafter.verify_forward is None):
             return None

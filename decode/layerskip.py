@@ -32,6 +32,8 @@ batch, so a drafter whose drafting adaptive depth has switched off costs next to
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from typing import Sequence
 
@@ -46,6 +48,8 @@ from selfspec.decode.verify import Verdict
 from selfspec.core.archs import (attention_mask_for, context_limit, layer_position_embeddings, mask_of_layer,
                                  output_logits, sliding_window)
 from selfspec.core.kv import cache_length, crop_cache
+from selfspec.core.target import cache_kwarg
+from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the stack runs of the target's decoder
 
@@ -348,20 +352,13 @@ def measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_len
     """This machine's cost of drafting one token with each exit: layers 0..E-1 on one token over a
     ``cache_length``-token cache, then the exit (with its own cache for an adapter), as a share of one full
     one-token forward (medians of ``repeats``, sizes interleaved), with the linear layers decoding runs
-    (``linear_kernel``, selfspec.decode.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in layers 0..E-1},
-    "draft": {E: (layers + exit) / forward}}."""
-    from selfspec.decode.linear_kernels import measured_decoding_kernels
-
+    (``linear_kernel``, selfspec.cpu_kernels.linear_kernels). -> {"forward_ms", "layers": {E: share of the forward in
+    layers 0..E-1}, "draft": {E: (layers + exit) / forward}}."""
     with measured_decoding_kernels(model, *exits.values(), linear_kernel=linear_kernel):
         return _measure_layer_costs(model, exits, cache_length, repeats)
 
 
 def _measure_layer_costs(model: nn.Module, exits: dict[int, nn.Module], cache_length: int, repeats: int) -> dict:
-    import statistics
-    import time
-
-    from selfspec.core.target import cache_kwarg
-
     stack = LayerStack(model)
     device = stack.lm_head.weight.device
     vocab = int(stack.lm_head.weight.shape[0])

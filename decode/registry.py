@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from omegaconf import OmegaConf
 
 from selfspec.core.config import CONF_DIR
 from selfspec.core.families import FAMILIES, Family
@@ -43,8 +44,6 @@ HYBRID_FILE = CONF_DIR / "decode" / "hybrid.yaml"
 
 @functools.cache
 def _hybrid_defaults() -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(OmegaConf.load(HYBRID_FILE))
 
 

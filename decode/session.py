@@ -22,7 +22,8 @@ from selfspec.core.target import Target, load_target
 from selfspec.decode import registry
 from selfspec.decode.adaptive import AdaptiveDepth, measured_cost_curve
 from selfspec.decode.engine import DecodeResult, Observer, SpeculativeDecoder
-from selfspec.decode.linear_kernels import use_small_batch
+from selfspec.cpu_kernels.linear_kernels import use_small_batch
+from selfspec.decode.hybrid import build_hybrid
 from selfspec.decode.registry import DrafterEntry
 from selfspec.decode.settings import DecodeSettings
 from selfspec.decode.step import synchronize
@@ -142,8 +143,6 @@ def _engine(target: Target, drafter: Drafter, settings: dict, kernel: str) -> Sp
     policy = (depth_policy(target.model, kernel, drafter.max_draft_depth, drafter.verify_share, drafter)
               if settings.get("adaptive") else None)
     if settings.get("suffix"):
-        from selfspec.decode.hybrid import build_hybrid
-
         drafter = build_hybrid(target, drafter, settings)
     return SpeculativeDecoder(target.model, drafter, decode=target.tokenizer.decode, linear_kernel=kernel,
                               depth_policy=policy)

@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from omegaconf import OmegaConf
+
 from selfspec.core.config import CONF_DIR, MISSING, cfg_get, compose, to_dict, to_plain
 from selfspec.core.embedded import EMBEDDED
 from selfspec.core.target import TargetSettings
-from selfspec.decode.linear_kernels import KERNELS
+from selfspec.cpu_kernels.linear_kernels import KERNELS
 from selfspec.decode.types import DecodeSetupError
 from selfspec.decode.verify import Sampling
 
@@ -40,8 +42,6 @@ def required(cfg: Any, keys: Sequence[str]) -> dict:
 def _left_unset(cfg: Any, key: str) -> bool:
     """Whether ``cfg`` has ``key`` and leaves it ``???``."""
     try:
-        from omegaconf import OmegaConf
-
         return OmegaConf.is_config(cfg) and OmegaConf.is_missing(cfg, key)
     except Exception:  # no such key
         return False
@@ -59,8 +59,6 @@ def number(key: str, value: Any, kind: type) -> Any:
 
 def decode_config(overrides: dict | None = None) -> Any:
     """conf/decode/decode.yaml with ``overrides`` merged in: a whole decode config for code that sets a few keys."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.merge(OmegaConf.load(DECODE_CONFIGS / "decode.yaml"), overrides or {})
 
 
@@ -149,16 +147,12 @@ def model_config(model: Any) -> dict:
         return to_dict(model)
     named = MODEL_CONFIGS / f"{model}.yaml"
     if "/" not in model and named.is_file():
-        from omegaconf import OmegaConf
-
         return to_dict(OmegaConf.load(named))
     return {"source": "hub", "name_or_path": model}
 
 
 def model_settings() -> set[str]:
     """The keys a model config may set: those of the entries of conf/model/ (what ``model.KEY=`` may name)."""
-    from omegaconf import OmegaConf
-
     return {str(k) for path in MODEL_CONFIGS.glob("*.yaml") for k in OmegaConf.load(path).keys()}
 
 

@@ -16,7 +16,7 @@ from selfspec.decode.types import DecodeState, Draft, ForwardOutput
 from selfspec.core.target import cache_kwarg
 
 if TYPE_CHECKING:
-    from selfspec.decode.greedy_head import GreedyHead
+    from selfspec.cpu_kernels.greedy_head import GreedyHead
 
 
 def synchronize(device: torch.device) -> None:
@@ -28,7 +28,7 @@ def synchronize(device: torch.device) -> None:
 def tree_forward(model: torch.nn.Module, state: DecodeState, draft: Draft,
                  head: "GreedyHead | None" = None) -> ForwardOutput:
     """One target forward over the draft's N tokens on top of the cache (which grows by N rows). ``head``: greedy
-    verification's LM head (decode/greedy_head.py): the model computes no logits (``logits_to_keep`` selects none),
+    verification's LM head (cpu_kernels/greedy_head.py): the model computes no logits (``logits_to_keep`` selects none),
     and the returned ones come from ``head`` on its last hidden state, exact in their argmax only."""
     dtype = next(model.parameters()).dtype
     mask = tree_attention_mask(draft.tree, state.length, dtype if dtype.is_floating_point else torch.float32,

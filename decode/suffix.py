@@ -39,7 +39,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+from selfspec.core.folders import cache_dir
 from selfspec.decode.adaptive import Calibration, CostCurve, best_size, measured_cost_curve
 from selfspec.decode.tree import Tree
 from selfspec.decode.types import DecodeSetupError, DecodeState, Draft, DrafterBase, ForwardOutput
@@ -292,7 +294,7 @@ class SuffixDrafter(DrafterBase):
     ``max_nodes`` drafted nodes) or a fixed number of drafted nodes.
     ``cost_curve``: the verify cost curve to choose sizes with (default: measured for ``model`` and cached).
     ``chain``: draft one branch (the best child at each level) instead of a tree, for engines that verify chains
-    (vLLM: decode/vllm_suffix.py).
+    (vLLM: serve/vllm_suffix.py).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, corpus: SuffixArray | None = None, *, budget: int | str,
@@ -421,7 +423,7 @@ class SuffixDrafter(DrafterBase):
         """The plan's branch was accepted to depth ``accepted``: the calibration learns, per depth, that of the nodes
         chosen there the one on that branch was accepted (if the branch reached it) and the others were not.
         ``observed``: only the depths up to it were seen (a plan that was not verified, scored against the target's
-        tokens where they end: decode/vllm_hybrid.py); default all."""
+        tokens where they end: serve/vllm_hybrid.py); default all."""
         if not plan.chosen:
             return
         by_depth: dict[int, list[float]] = {}
@@ -468,8 +470,6 @@ def corpus_documents(path: Path) -> list[str]:
 def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArray:
     """A corpus file as a suffix array, built once and cached (keyed by the file's path, size, time and the
     tokenizer's vocabulary size and name)."""
-    from selfspec.core.target import cache_dir
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise DecodeSetupError(f"draft.corpus={path}: no such file. Give a json/jsonl of conversations or a text file.")
@@ -479,7 +479,6 @@ def load_corpus(path: str | Path, tokenizer, verbose: bool = True) -> SuffixArra
     cached = cache_dir() / "suffix" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz"
     if cached.is_file():
         return SuffixArray.load(cached)
-    from tqdm.auto import tqdm
 
     texts = corpus_documents(path)
     documents = [tokenizer(t, add_special_tokens=False)["input_ids"]

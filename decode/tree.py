@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import yaml
 
 from selfspec.core.config import CONF_DIR
 from selfspec.core.errors import SelfspecError
@@ -184,8 +185,6 @@ def available_trees() -> list[str]:
 
 def read_tree_file(path: str | Path) -> Tree:
     """A static tree from YAML: ``paths: [[0], [0, 0], [1], ...]`` (rank paths, root implicit)."""
-    import yaml
-
     path = Path(path)
     with open(path) as f:
         data = yaml.safe_load(f)

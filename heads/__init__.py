@@ -11,6 +11,7 @@ from typing import Any
 
 def load(path: Any, target: Any = None, **kwargs: Any):
     """Load heads from a folder; with ``target``, check it is theirs (and apply a Medusa-2 adapter). See selfspec.heads.io."""
+    # deferred: importing selfspec.heads stays cheap (heads/io.py loads torch and the target)
     from selfspec.heads.io import load_heads
 
     return load_heads(path, target, **kwargs)
@@ -19,6 +20,7 @@ def load(path: Any, target: Any = None, **kwargs: Any):
 def save(path: Any, module: Any, head_type: str, config: dict, target_model: Any, extra_meta: dict | None = None,
          **kwargs: Any):
     """Write a heads folder atomically. See selfspec.heads.io.save_heads."""
+    # deferred: importing selfspec.heads stays cheap (heads/io.py loads torch and the target)
     from selfspec.heads.io import save_heads
 
     return save_heads(path, module, head_type, config, target_model, extra_meta, **kwargs)

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from selfspec.core.archs import llama_layer_fields, output_logits, text_config
@@ -136,7 +136,7 @@ SERVING_FORM = ("fc_bias", "input_norm", "layout")  # the fields that decide whi
 
 def serving_form(head_config: dict) -> dict[str, Any]:
     """A saved ``head_config``'s :data:`SERVING_FORM` fields, each :class:`EagleConfig`'s default where it records none
-    (heads of another family, or saved before the field): what heads/export.py and decode/serving.py read to tell which
+    (heads of another family, or saved before the field): what heads/export.py and serve/serving.py read to tell which
     serving engine's format the heads have."""
     defaults = {f.name: f.default for f in fields(EagleConfig)}
     return {k: head_config.get(k, defaults[k]) for k in SERVING_FORM}
@@ -454,7 +454,6 @@ class EagleHeads(nn.Module):
         bsz, length = input_ids.shape
         if key_padding is None:
             key_padding = torch.ones_like(input_ids, dtype=torch.bool)
-        from transformers import DynamicCache
 
         cache = DynamicCache()
         positions = position_ids

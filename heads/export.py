@@ -78,14 +78,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
 from selfspec.core.families import FAMILIES
-from selfspec.heads.eagle import serving_form
+from selfspec.heads.eagle import engine_layer_ids, serving_form
 from selfspec.heads.export_dflash import dflash_to_vllm
-from selfspec.core.archs import whole_context_window
+from selfspec.core.archs import text_config, whole_context_window
+from selfspec.heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
 
 FORMATS = ("auto", "vllm", "eagle", "eagle3", "speculators", "dflash", "selfspec")
 
@@ -132,7 +134,7 @@ def serving_config(head_config: dict) -> dict:
 
 def served_exports(head_type: str, head_config: dict) -> list[str]:
     """The serving-engine formats heads of ``head_type`` saved with ``head_config`` export to: their family's
-    ``exports`` where the heads hold what those need, else none (decode/serving.py's formats and the check above)."""
+    ``exports`` where the heads hold what those need, else none (serve/serving.py's formats and the check above)."""
     family = FAMILIES.get(head_type)
     return list(family.exports) if family is not None and family.exportable(serving_config(head_config)) else []
 
@@ -218,8 +220,6 @@ def medusa_to_vllm(heads: nn.Module, target_lm_head: nn.Module, head_config: dic
 def _llama_layer_config(drafter: nn.Module, draft_vocab_size: int, dtype: torch.dtype) -> dict:
     """The draft layer's Llama config, one layer, from the fields saved with the heads (``draft_layer``), with the rope
     fields both transformers 4 and 5 readers understand; vocabulary and token ids are the target's."""
-    from selfspec.core.archs import text_config
-
     tc = text_config(drafter.target.config)
     layer = drafter.config.draft_layer
     if layer.get("attention_bias") or layer.get("mlp_bias"):
@@ -316,8 +316,6 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
     first, as the input of layer j (ours), and SGLang ``eagle_config.eagle_aux_hidden_state_layer_ids`` as the output
     of layer j (ours minus one; vLLM reads that key too, but only without the top-level one). Both are written when
     the layers are not the ones the engines assume without them (selfspec.heads.eagle.engine_layer_ids)."""
-    from selfspec.heads.eagle import engine_layer_ids
-
     tc = drafter.target.config
     config = {"architectures": ["LlamaForCausalLMEagle3"],
               **_llama_layer_config(drafter, drafter.lm_head.out_features, drafter.dtype)}
@@ -333,8 +331,6 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
 def eagle_to_vllm(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
     """An EAGLE-1 drafter with an fc without bias and a layer without input norm -> (config, state) of vLLM's
     ``EagleLlamaForCausalLM``."""
-    from selfspec.core.archs import text_config
-
     if drafter.config.variant != "eagle" or drafter.config.fc_bias or drafter.config.input_norm:
         raise ExportError("Only EAGLE-1 drafters with fc_bias=false and input_norm=false have vLLM's EAGLE-1 form.")
     config = {"architectures": ["EagleLlamaForCausalLM"],
@@ -405,8 +401,6 @@ def export_heads(
     checkpoint of the target with a warning (core/target.py:check_fingerprint). ``out_dir`` is replaced only when it
     is missing, empty or an export selfspec wrote; anything else is refused, or with ``overwrite`` moved to
     ``<name>.bak-<YYYYmmdd-HHMMSS>`` first (selfspec.core.folders)."""
-    from selfspec.heads.io import _unwrap_target, heads_dir, load_heads, read_heads_config
-
     heads_path = heads_dir(heads_path)
     meta = read_heads_config(heads_path)
     fmt = resolve_format(fmt, meta["head_type"], meta.get("head_config", {}))
@@ -456,8 +450,6 @@ def _write_converted(out_dir, fmt: str, meta: dict, config: dict, state: dict, f
                           "target_fingerprint": meta.get("target_fingerprint")}
 
     def write(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(meta, fmt, repo, token_map="token_map" in state))
@@ -525,6 +517,7 @@ def _write(out_dir: str | os.PathLike, fill, overwrite: bool = False) -> Path:
 def push_to_hub(folder: str | os.PathLike, repo_id: str, private: bool = False, token: str | None = None,
                 commit_message: str | None = None) -> str:
     """Upload an exported folder to the Hugging Face Hub (creating the model repo if needed); returns its URL."""
+    # deferred: the Hub client only for push_to_hub
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from selfspec.core import folders
@@ -117,8 +119,6 @@ def save_heads(
     ``state_dict`` / ``adapter_state_dict``: weights to write instead of the modules' own (e.g. gathered from
     ZeRO-3 shards); the adapter's is the peft model's full state dict, from which peft keeps the adapter.
     """
-    from safetensors.torch import save_file
-
     head_builder(head_type)  # refuse to write a type nobody can load
     path = Path(path)
     model, name = _unwrap_target(target_model)
@@ -222,9 +222,6 @@ def load_heads(
     that target **in place** (merged into its weights when ``merge_adapter``, else left as a peft model) and the
     result is ``LoadedHeads.target``; decode with that model, not the plain target.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = heads_dir(path)
     config = read_heads_config(path)
     model, _ = _unwrap_target(target)
@@ -272,6 +269,7 @@ def load_heads(
 
 def apply_adapter(model: nn.Module, adapter_dir: str | os.PathLike, merge: bool = True) -> nn.Module:
     """Apply a saved peft adapter to ``model`` (in place); merged into the weights and frozen when ``merge``."""
+    # deferred: peft (slow to import) only for a Medusa-2 adapter
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))

@@ -18,12 +18,12 @@ max_new_tokens, acceptance, linear_kernel, ...).
     # a dry run on the tiny random model with untrained heads
     python scripts/bench.py model=tiny heads=[random] prompts=../shared/data/mt_bench/question.jsonl limit=2 \\
         max_new_tokens=16 curve_sizes=[1,4,16]
-    # the installed command takes the same overrides (decode/cli.py)
+    # the installed command takes the same overrides (bench/cli.py)
     selfspec-bench model=tiny heads=[random] prompts=../shared/data/mt_bench/question.jsonl limit=2
 """
 
-from selfspec.decode.cli import bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
-from selfspec.decode.cli import bench_main
+from selfspec.bench.cli import bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
+from selfspec.bench.cli import bench_main
 
 if __name__ == "__main__":
     bench_main()

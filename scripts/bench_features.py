@@ -33,6 +33,7 @@ DEFAULTS = ["heads=eagle3", "features=store", "data.max_records=256"]
 
 def one_pass(cfg, target, splits, folder: Path) -> dict:
     """Build the store of ``cfg`` for ``splits`` into ``folder``; its seconds and tokens."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from accelerate import Accelerator
 
     from selfspec.train.eagle_method import EagleMethod
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     overrides = DEFAULTS + args.overrides
     cfg = compose("eagle", overrides)
     target = load_target(cfg.model)
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.train.data import build_dataset
 
     splits = {"train": build_dataset(cfg.data, target.tokenizer, verbose=False)["train"], "eval": None}

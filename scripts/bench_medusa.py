@@ -27,18 +27,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from hydra import compose as hydra_compose, initialize_config_dir
+from omegaconf import open_dict
+
 from selfspec.core.config import CONF_DIR
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="medusa", overrides=overrides)
 
 
 def measure_accuracy(cfg, heads_path: str, split: str, max_examples: int | None, batch_size: int) -> dict:
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec import heads
     from selfspec.core.target import load_target
     from selfspec.train.data import build_dataset
@@ -73,8 +74,8 @@ def measure_accuracy(cfg, heads_path: str, split: str, max_examples: int | None,
 
 
 def measure_training(overrides: list[str], steps: int, skip: int) -> dict:
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     import torch
-    from omegaconf import open_dict
 
     from selfspec.train.loop import train
     from selfspec.train.medusa_method import medusa_method

@@ -82,6 +82,7 @@ def main() -> None:
         if cfg.n is not None and len(prompts) >= int(cfg.n):
             break
 
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.core.target import load_target
     from selfspec.core.vllm_env import served_model
 

@@ -16,14 +16,17 @@ import argparse
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from selfspec.core.errors import SettingError, reported_errors
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "assets" / "configs"  # each hub entry's config.json, as the Hub has it
 
 
 def hub_entries() -> list[str]:
     """The entries of conf/model/ that name a hub checkpoint."""
-    from omegaconf import OmegaConf
-
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.decode.settings import MODEL_CONFIGS
 
     return sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml") if OmegaConf.load(p).get("source") == "hub")
@@ -31,8 +34,8 @@ def hub_entries() -> list[str]:
 
 def check(entry: str, from_hub: bool = False) -> str:
     """One line describing ``entry``'s target built from its config; raises when a drafter's layers do not fit it."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.core.archs import SLIDING, layer_kinds, sliding_window
-    from selfspec.core.errors import SettingError
     from selfspec.core.target import load_target
     from selfspec.decode.settings import MODEL_CONFIGS, model_config
     from selfspec.heads.dflash import DFlashConfig
@@ -61,8 +64,6 @@ def check(entry: str, from_hub: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from selfspec.core.errors import reported_errors
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("entries", nargs="*", help="names in conf/model/ (default: every hub entry)")
     parser.add_argument("--hub", action="store_true", help="read config.json from the Hub, not tests/assets/configs/")

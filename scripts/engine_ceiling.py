@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from selfspec.core.errors import SettingError, reported_errors
+
 
 # Shapes of real targets, for a random stand-in (``model=tiny`` builds it): the cost of a forward depends on them only.
 SHAPES = {
@@ -55,8 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace):
     """The target the overrides name (a random stand-in with ``--shape``'s shapes under model=tiny)."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.decode.settings import target_config_from_overrides
-    from selfspec.core.errors import SettingError
     from selfspec.core.target import load_target
 
     settings = target_config_from_overrides(args.overrides)
@@ -69,6 +71,7 @@ def load(args: argparse.Namespace):
 
 def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     """HF ``generate``'s greedy answer of exactly ``new_tokens`` tokens (EOS ignored)."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     import torch
 
     x = torch.tensor([ids], device=next(model.parameters()).device)
@@ -83,6 +86,7 @@ def hf_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
 
 def timed(device, fn):
     """(seconds, fn()) with the device's queued work waited for on both sides."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.decode.step import synchronize
 
     synchronize(device)
@@ -95,6 +99,7 @@ def timed(device, fn):
 def run_methods(model, prompts: list[list[int]], depths: list[int], new_tokens: int) -> tuple[dict, list]:
     """Per method (hf, plain, oracle-D), one row per prompt (seconds, tokens, target forwards), and every engine
     answer that differs from HF's."""
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.decode.drafters import OracleDrafter, VanillaDrafter
     from selfspec.decode.engine import SpeculativeDecoder
 
@@ -147,10 +152,10 @@ def print_report(report: dict, curve: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
 
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     import torch
 
     from selfspec.decode.adaptive import CURVE_SIZES, verify_cost_curve
-    from selfspec.core.errors import reported_errors
 
     with reported_errors():
         target = load(args)

@@ -15,7 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+
 from selfspec.core.config import CONF_DIR
+from selfspec.core.errors import reported_errors
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -27,10 +30,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
 
-    from hydra import compose, initialize_config_dir
-
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     from selfspec.decode.layerskip import exit_agreement
-    from selfspec.core.errors import reported_errors
     from selfspec.core.target import load_target
     from selfspec.train.data import build_dataset
 

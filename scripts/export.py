@@ -7,14 +7,14 @@
     python scripts/export.py heads=outputs/eagle3-smollm2/heads format=speculators dtype=bfloat16
     # upload the exported folder to a Hub model repo (needs `huggingface-cli login` or HF_TOKEN)
     python scripts/export.py heads=outputs/medusa-smollm2/heads push_to_hub=org/name private=true
-    # the installed command takes the same overrides (decode/cli.py)
+    # the installed command takes the same overrides (serve/cli.py)
     selfspec-export heads=outputs/medusa-smollm2/heads
 
 Formats and what each holds: heads/export.py. The target the heads record is loaded to check that the heads were
 trained for it (and to read the LM head / embedding the formats include); ``model=`` names another copy of it.
 """
 
-from selfspec.decode.cli import export_main
+from selfspec.serve.cli import export_main
 
 if __name__ == "__main__":
     export_main()

@@ -1,4 +1,4 @@
-"""Measure this machine's row plan for a target's linear layers (decode/linear_kernels.py); print what it timed.
+"""Measure this machine's row plan for a target's linear layers (cpu_kernels/linear_kernels.py); print what it timed.
 
     python scripts/kernel_plan.py                          # SmolLM2: the options per row count, the plan chosen
     python scripts/kernel_plan.py -- model=tiny --repeats 3
@@ -17,22 +17,22 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
+from selfspec.core.errors import reported_errors
+from selfspec.core.target import load_target
+from selfspec.cpu_kernels.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths,
+                                                 linear_weights, packing_offered, sample_weights, time_widths,
+                                                 write_row_plan)
+from selfspec.decode.settings import target_config_from_overrides
+
 
 def main(argv: list[str] | None = None) -> dict:
-    from selfspec.decode.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths, linear_weights,
-                                       packing_offered, sample_weights, time_widths, write_row_plan)
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=PLAN_REPEATS)
     parser.add_argument("--out", default="outputs/kernel_plan.json")
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
-
-    import torch
-
-    from selfspec.decode.settings import target_config_from_overrides
-    from selfspec.core.errors import reported_errors
-    from selfspec.core.target import load_target
 
     with reported_errors():
         target = load_target(target_config_from_overrides(args.overrides))
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{target.name}: one pass over {len(sample)} of its {len(weights)} linear weights, ms (median of "
           f"{args.repeats}); width 0 is PyTorch's own x @ W.T, {PACKED} oneDNN's product on packed weights"
-          + ("" if packing else " (not offered here: see selfspec.decode.linear_kernels.packing_offered)"))
+          + ("" if packing else " (not offered here: see selfspec.cpu_kernels.linear_kernels.packing_offered)"))
     print("| rows | PyTorch | packed | padded to: ms | chosen |")
     print("|---|---|---|---|---|")
     names = {0: "PyTorch", PACKED: "packed"}

@@ -26,7 +26,7 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 # vLLM's suffix proposer needs Arctic Inference. PyPI has only its source; without ARCTIC_INFERENCE_PRECOMPILED_OPS it
 # builds just its C++ suffix tree, which needs no GPU (2-3 minutes). Its build environment gets the venv's torch.
-# selfspec runs vLLM with VLLM_PLUGINS="" so the vLLM plugin it registers never patches vLLM (decode/serving.py).
+# selfspec runs vLLM with VLLM_PLUGINS="" so the vLLM plugin it registers never patches vLLM (serve/serving.py).
 arctic="$(grep -i '^arctic-inference==' .ci/vllm-constraints.txt)"
 torch_pin="$(mktemp)"
 grep -i '^torch==' .ci/vllm-constraints.txt > "$torch_pin"

@@ -58,6 +58,7 @@ def top_ops(ops: list[dict], tokens: int, n: int = 12) -> list[tuple[str, float,
 
 
 def profile_selfspec(model, prompts: list[list[int]], new_tokens: int) -> dict:
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     import torch
     from selfspec.decode.drafters import VanillaDrafter
     from selfspec.decode.engine import SpeculativeDecoder
@@ -78,7 +79,8 @@ def profile_selfspec(model, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 def profile_vllm(target, prompts: list[list[int]], new_tokens: int, venv: str | None) -> dict:
-    from selfspec.decode.serving import run_vllm, served_target_dir
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
+    from selfspec.serve.serving import run_vllm, served_target_dir
 
     model = target.model
     job = {"model": str(served_target_dir(target)), "dtype": str(model.dtype).removeprefix("torch."),
@@ -109,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*", help="config overrides (after --); default model=smollm2")
     args = parser.parse_args(argv)
 
+    # deferred: torch and the target only once the arguments are read, so --help answers at once
     import torch
     from selfspec.core.target import load_target
     from selfspec.decode.settings import target_config_from_overrides

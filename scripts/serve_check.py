@@ -11,11 +11,11 @@ It prints, per format and prompt: that the export loaded; that vLLM's tokens equ
 ``generate`` (a mismatch is printed and the exit status is 1); vLLM's acceptance counters per draft position beside
 selfspec's for the same heads proposing the same chain (adaptive depth and the suffix drafter off); tokens/s in both
 engines and the speedup the heads give inside vLLM. ``out`` gets the exports, vLLM's log, report.json and report.md.
-How it works: decode/serving.py. Exit status 1 also when a format does not load or acceptance differs by more than
+How it works: serve/serving.py. Exit status 1 also when a format does not load or acceptance differs by more than
 ``tolerance``.
 """
 
-from selfspec.decode.cli import serve_check_main
+from selfspec.serve.cli import serve_check_main
 
 if __name__ == "__main__":
     serve_check_main()

@@ -35,6 +35,7 @@ def make_target(out: Path, layers: int, hidden: int, vocab: int, shard_bytes: in
     """A random Llama of the given shape (heads of 128, 4 query heads per key-value head, MLP 3.5x the hidden size as
     Llama-3-8B's), saved with the byte-level tokenizer as a safetensors checkpoint in shards of about
     ``shard_bytes``: random normal matrices (scaled as build_tiny scales them), norms at one."""
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -86,6 +87,7 @@ def conversations(path: Path, n: int) -> None:
 def overrides_for(out: Path, layers: int, family: str, examples: int) -> list[str]:
     """The training overrides of ``family`` on the ``layers``-layer target: from its store, one step, no speed check.
     EAGLE-3 fuses the inputs of its default layers, DFlash the outputs of the layers before them: one store."""
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     from selfspec.heads.eagle import default_layer_ids
 
     eagle3 = default_layer_ids(layers)
@@ -107,6 +109,7 @@ def overrides_for(out: Path, layers: int, family: str, examples: int) -> list[st
 
 def prepare(out: Path, layer_counts: list[int], hidden: int, vocab: int, family: str, examples: int) -> None:
     """Each target (when missing) and its store (a run of ``family`` that builds it, when missing), in this process."""
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     from selfspec.core.config import compose
     from selfspec.core.families import FAMILIES
     from selfspec.train.families import METHODS
@@ -124,6 +127,7 @@ def prepare(out: Path, layer_counts: list[int], hidden: int, vocab: int, family:
 
 def train_child(family: str, overrides: list[str]) -> None:
     """The training entry (selfspec-train FAMILY OVERRIDES...) in this process, printing its peak resident set last."""
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     import atexit
 
     import torch
@@ -131,6 +135,7 @@ def train_child(family: str, overrides: list[str]) -> None:
     from selfspec.core.runtime import peak_memory_bytes
 
     atexit.register(lambda: print(f"{PEAK} {peak_memory_bytes(torch.device('cpu'))}", flush=True))
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     from selfspec.train.cli import main
 
     sys.argv = [sys.argv[0], *overrides]
@@ -157,6 +162,7 @@ def _finish(started: tuple[subprocess.Popen, float, Any], log: Path) -> tuple[in
 
 def _sizes(folder: Path) -> tuple[int, int]:
     """(bytes of a checkpoint's tensors, of its decoder layers), read from the safetensors headers."""
+    # deferred: each process of this script imports what its part needs (the measured one's peak counts every import)
     from safetensors import safe_open
 
     total = layers = 0

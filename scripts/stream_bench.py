@@ -15,8 +15,8 @@ Takes the overrides of conf/decode/stream.yaml (which includes conf/decode/decod
         max_new_tokens=16
 """
 
-from selfspec.train.cli import stream_bench as main  # main(argv) -> the report, for code that runs the benchmark (tests)
-from selfspec.train.cli import stream_bench_main
+from selfspec.bench.cli import stream_bench as main  # main(argv) -> the report, for code that runs it (tests)
+from selfspec.bench.cli import stream_bench_main
 
 if __name__ == "__main__":
     stream_bench_main()

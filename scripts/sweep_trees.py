@@ -31,12 +31,14 @@ import json
 from pathlib import Path
 
 from selfspec.decode import registry
-from selfspec.decode.bench import format_sweep, sweep_decoders
+from selfspec.bench import format_sweep, sweep_decoders
 from selfspec.decode.prompts import read_questions
 from selfspec.decode.session import load_session
 from selfspec.decode.types import DecodeSetupError
 from selfspec.core.config import CONF_DIR, compose, to_dict
 from selfspec.core.errors import reported_errors
+from selfspec.heads.io import heads_dir, load_heads
+from selfspec.heads.layerskip import other_exit_dir
 
 
 def parse_eagle(spec: str) -> dict:
@@ -62,8 +64,6 @@ def exit_heads(session, heads_path, exit_layer: int):
         return None
     if session.heads.exit_layer == exit_layer:
         return session.heads
-    from selfspec.heads.io import heads_dir, load_heads
-    from selfspec.heads.layerskip import other_exit_dir
 
     folder = other_exit_dir(heads_dir(heads_path), exit_layer)
     if not folder.is_dir():

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from selfspec.core.config import compose
 from selfspec.core.families import FAMILIES
 from selfspec.train.features import layer_readers
 
@@ -97,7 +98,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*",
                         help="keys regeneration and training take (model=..., data.max_length=...)")
     args = parser.parse_args(argv)
-    from selfspec.core.config import compose
 
     unknown = [f for f in args.families.split(",") if f not in FAMILIES or not FAMILIES[f].trains]
     if unknown:
@@ -176,9 +176,11 @@ def write_markdown(result: dict, groups: list[str], path: Path) -> None:
 
 
 def plot(result: dict, groups: list[str], path: Path) -> None:
+    # deferred: matplotlib (slow to import) only when the plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib (slow to import) only when the plot is drawn
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)

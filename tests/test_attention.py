@@ -1,13 +1,13 @@
-"""Grouped-query attention without key/value copies (decode/attention.py): the same output as transformers' sdpa, the
-copies actually skipped inside a block, the configs switched for the block only, and the engine's greedy output still
-HF generate's with drafts accepted."""
+"""Grouped-query attention without key/value copies (cpu_kernels/attention.py): the same output as transformers' sdpa,
+the copies actually skipped inside a block, the configs switched for the block only, and the engine's greedy output
+still HF generate's with drafts accepted."""
 
 import pytest
 import torch
 import transformers.integrations.sdpa_attention as sdpa_module
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from selfspec.decode.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attention
+from selfspec.cpu_kernels.attention import GQA_SDPA, grouped_query_attention, sdpa_gqa_attention
 from selfspec.decode.cache import new_cache
 from selfspec.decode.drafters import OracleDrafter
 from selfspec.decode.engine import SpeculativeDecoder
@@ -55,8 +55,8 @@ def _verify_forward(model, queries: int = 4):
 def test_block_skips_repeat_kv_and_keeps_logits(monkeypatch, tiny_llama):
     model, _ = tiny_llama
     if model.device.type != "cpu":
-        pytest.skip("the copy-free path is a CPU one (decode/attention.py): on CUDA, SDPA with enable_gqa and a mask "
-                    "falls back to its slowest kernel, so the block leaves every call to sdpa's own")
+        pytest.skip("the copy-free path is a CPU one (cpu_kernels/attention.py): on CUDA, SDPA with enable_gqa and a "
+                    "mask falls back to its slowest kernel, so the block leaves every call to sdpa's own")
     reference = _verify_forward(model)
     calls = []
     real = sdpa_module.repeat_kv

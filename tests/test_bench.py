@@ -1,4 +1,4 @@
-"""scripts/bench.py and its library (decode/bench/, run_bench) on the tiny target: every output is written (json,
+"""scripts/bench.py and its library (bench/, run_bench) on the tiny target: every output is written (json,
 markdown, three readable PNGs), the figures agree with the recorded runs, every lossless method matches HF generate,
 and a decoder that emits a wrong token is reported and fails the run."""
 
@@ -13,7 +13,7 @@ import pytest
 from selfspec.decode import registry
 
 from conftest import CONF
-from selfspec.decode.bench import load_prompts, method_names
+from selfspec.bench import load_prompts, method_names
 from selfspec.decode.engine import SpeculativeDecoder
 from selfspec.decode.types import DecodeSetupError
 
@@ -144,7 +144,7 @@ class ScriptedClock:
 
 
 def test_draft_step_cost_is_a_proposal_per_draft_step_against_one_forward(tiny_llama):
-    from selfspec.decode.bench import Method, draft_step_cost
+    from selfspec.bench import Method, draft_step_cost
     from selfspec.decode.drafters import MedusaDrafter, VanillaDrafter
     from selfspec.decode.layerskip import LayerSkipDrafter
     from types import SimpleNamespace
@@ -233,7 +233,7 @@ def test_prompts_from_several_sources_capped_per_category(questions):
 
 
 def test_several_prompt_sources_get_their_own_figures_beside_the_categories():
-    from selfspec.decode.bench import Method, source_groups, source_name, summarize_runs
+    from selfspec.bench import Method, source_groups, source_name, summarize_runs
 
     assert source_name("../data/mt_bench/question.jsonl") == "mt_bench"
     assert source_name("a/held_out.jsonl") == "held_out"
@@ -343,8 +343,8 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
     """vllm_rounds=2: vLLM's rows run on the first run of prompts, then the others on those prompts, then vLLM's on the
     rest, then the others on the rest; vLLM's results of both rounds are checked and reported with the others. vLLM
     itself is stood in for by HF generate (its own tests, tests/test_serving.py, run it for real)."""
-    import selfspec.decode.bench.methods as methods_module
-    from selfspec.decode.bench.methods import Method
+    import selfspec.bench.methods as methods_module
+    from selfspec.bench.methods import Method
     from selfspec.decode.session import hf_generate
 
     events = []
@@ -387,7 +387,7 @@ def test_vllm_rounds_alternate_vllm_and_the_other_rows_over_runs_of_prompts(tmp_
 def test_a_vllm_row_that_does_not_load_is_named_with_its_error_in_the_outputs(tmp_path, monkeypatch, capsys):
     """A vLLM row vLLM refuses (Gemma 3's DFlash export: its model has no EAGLE-3 interface) leaves the other rows,
     and bench.json, bench.md and stderr name it with vLLM's error. vLLM is stood in for."""
-    import selfspec.decode.bench.methods as methods_module
+    import selfspec.bench.methods as methods_module
 
     refusal = "RuntimeError: Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested"
 

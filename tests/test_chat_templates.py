@@ -149,7 +149,7 @@ print(json.dumps(out))
 
 
 def test_harmony_template_renders_as_openai_harmony_does(harmony):
-    from selfspec.decode.serving import vllm_available, vllm_python
+    from selfspec.serve.serving import vllm_available, vllm_python
 
     if vllm_available():
         pytest.skip(f"no vLLM venv (openai_harmony lives there): {vllm_available()}")

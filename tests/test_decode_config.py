@@ -96,7 +96,7 @@ def test_a_hybrid_s_node_budget_is_the_conf_setting():
 
 
 def test_the_serve_check_s_settings_are_serve_check_yaml_s():
-    from selfspec.decode.serving import CheckSettings
+    from selfspec.serve.serving import CheckSettings
 
     yaml = OmegaConf.load(CONF / "decode" / "serve_check.yaml")
     assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -141,7 +141,7 @@ def test_a_session_reads_decode_yaml_and_names_a_missing_key():
 
 
 def test_the_benchmark_names_a_missing_key_before_loading_anything():
-    from selfspec.decode.bench import run_bench
+    from selfspec.bench import run_bench
 
     bench = OmegaConf.to_container(compose("bench", ["model=tiny"]), resolve=False)
     for key in ("methods", "prompt_lookup_num_tokens", "out"):

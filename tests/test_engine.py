@@ -203,7 +203,7 @@ def test_greedy_equals_hf_under_each_small_batch_product(monkeypatch, target, ke
     """A machine's plan may choose oneDNN's product on packed weights or the padded (W @ x.T).T for any row count:
     each, forced for every count, verifies what HF generate decodes."""
     import selfspec.decode.engine
-    from selfspec.decode.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack
+    from selfspec.cpu_kernels.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack
 
     if kernel == "packed" and not can_pack(torch.zeros(1)):
         pytest.skip("this PyTorch cannot pack weights for oneDNN here")

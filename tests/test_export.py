@@ -319,7 +319,7 @@ def test_export_script_writes_beside_the_heads(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from selfspec.decode.cli import run_export
+    from selfspec.serve.cli import run_export
 
     from selfspec.core.target import Target
 

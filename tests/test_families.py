@@ -146,9 +146,9 @@ def test_the_table_is_what_the_conf_files_declare():
 
 def test_every_row_has_the_code_its_flags_promise():
     """A family that exports to vLLM has the chain its decode code drafts for the serving check; one that reads
-    layers has its default rule; one that joins vLLM's hybrid names a method whose proposer decode/vllm_hybrid.py
+    layers has its default rule; one that joins vLLM's hybrid names a method whose proposer serve/vllm_hybrid.py
     extends (vLLM's own names, which that module keeps because it runs in vLLM's venv)."""
-    from selfspec.decode.vllm_hybrid import METHODS as HYBRID_METHODS
+    from selfspec.serve.vllm_hybrid import METHODS as HYBRID_METHODS
     from selfspec.heads.families import DEFAULT_LAYERS
 
     for name, family in FAMILIES.items():
@@ -162,12 +162,13 @@ def test_a_toy_family_is_found_by_decode_heads_export_serving_learning_and_train
                                                                                      capsys):
     from hydra.core.global_hydra import GlobalHydra
 
-    from selfspec.decode import registry, serving
+    from selfspec.decode import registry
     from selfspec.decode.session import load_session
     from selfspec.decode.types import DecodeSetupError
     from selfspec.heads import load as load_heads
     from selfspec.heads.export import ExportError, resolve_format
     from selfspec.heads.io import head_builder, save_heads
+    from selfspec.serve import serving
     from selfspec.train.cli import main, trainable
     from selfspec.train.online import learning_families, training_method
 

@@ -310,7 +310,7 @@ def test_save_heads_refuses_a_users_folder(tmp_path, heads_folder):
 
 
 def test_export_refuses_a_users_folder_or_backs_it_up(tmp_path, heads_folder):
-    from selfspec.decode.cli import run_export
+    from selfspec.serve.cli import run_export
 
     out = user_folder(tmp_path / "out2")
     with pytest.raises(FolderNotOursError) as err:
@@ -339,8 +339,8 @@ def test_the_export_script_says_one_line_and_exits_2(tmp_path, heads_folder, mon
 
 
 def test_the_serve_check_refuses_a_users_folder(tmp_path, monkeypatch):
-    import selfspec.decode.serving as serving
-    from selfspec.decode.cli import run_check
+    import selfspec.serve.serving as serving
+    from selfspec.serve.cli import run_check
 
     monkeypatch.setattr(serving, "vllm_python", lambda venv=None: Path(sys.executable))  # as if vLLM's venv were there
     out = user_folder(tmp_path / "check")

@@ -1,5 +1,5 @@
-"""Greedy verification's bfloat16 LM head (decode/greedy_head.py): its error bound, its argmax, and the engine with it
-against HF ``generate``, with drafts that are accepted."""
+"""Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py): its error bound, its argmax, and the engine
+with it against HF ``generate``, with drafts that are accepted."""
 
 import weakref
 
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import selfspec.decode.greedy_head as greedy_module
+import selfspec.cpu_kernels.greedy_head as greedy_module
 from selfspec.decode.drafters import OracleDrafter
 from selfspec.decode.engine import SpeculativeDecoder
-from selfspec.decode.greedy_head import GreedyHead, error_factor, greedy_head, matches_model
+from selfspec.cpu_kernels.greedy_head import GreedyHead, error_factor, greedy_head, matches_model
 from selfspec.decode.verify import Sampling
 from selfspec.core.target import build_tiny
 
@@ -93,7 +93,7 @@ def test_a_non_finite_hidden_state_takes_the_float32_head():
     assert torch.equal(out.argmax(dim=1), F.linear(hidden, weight).argmax(dim=1))
 
 
-CPU_ONLY = "the bfloat16 greedy head is made for a CPU's float32 LM head only (decode/greedy_head.py: greedy_head)"
+CPU_ONLY = "the bfloat16 greedy head is made for a CPU's float32 LM head only (cpu_kernels/greedy_head.py: greedy_head)"
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""selfspec.decode.linear_kernels: the small-batch linear layers the engine swaps in on a CPU compute what nn.Linear computes, at
-the widths a row plan says; the swap is undone after the block (also on errors), touching nothing but plain
-nn.Linear modules; a machine's plan is the fastest measured option per row count, cached."""
+"""selfspec.cpu_kernels.linear_kernels: the small-batch linear layers the engine swaps in on a CPU compute what
+nn.Linear computes, at the widths a row plan says; the swap is undone after the block (also on errors), touching
+nothing but plain nn.Linear modules; a machine's plan is the fastest measured option per row count, cached."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from selfspec.decode.linear_kernels import (MAX_ROWS, PACKED, PROBE_ROWS, RowPlan, SmallBatchLinear, can_pack,
+from selfspec.cpu_kernels.linear_kernels import (MAX_ROWS, PACKED, PROBE_ROWS, RowPlan, SmallBatchLinear, can_pack,
                                    candidate_widths, choose_widths, measured_row_plan, sample_weights,
                                    small_batch_linears, use_small_batch)
 
@@ -75,7 +75,7 @@ def test_kernel_choice():
 
 
 def test_rows_are_padded_to_the_fast_widths():
-    from selfspec.decode.linear_kernels import padded_rows
+    from selfspec.cpu_kernels.linear_kernels import padded_rows
 
     assert [padded_rows(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 63)] == [4, 4, 4, 8, 8, 16, 16, 24, 64]
 
@@ -156,7 +156,7 @@ def test_sample_weights_keeps_a_stride_and_the_largest():
 
 
 def test_measured_plan_is_cached_and_remeasured_when_unreadable(monkeypatch, tmp_path):
-    import selfspec.decode.linear_kernels as kernels
+    import selfspec.cpu_kernels.linear_kernels as kernels
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
@@ -190,7 +190,7 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     from conftest import load_script
 
     kernel_plan = load_script("kernel_plan")
-    import selfspec.decode.linear_kernels as kernels
+    import selfspec.cpu_kernels.linear_kernels as kernels
     from selfspec.decode.settings import model_config
     from selfspec.core.target import load_target
 
@@ -267,7 +267,7 @@ def test_a_member_called_on_another_input_computes_its_own_product():
 
 
 def test_projections_that_cannot_be_one_product_are_left_alone():
-    from selfspec.decode.linear_kernels import group_storage
+    from selfspec.cpu_kernels.linear_kernels import group_storage
 
     a, b = nn.Linear(6, 4), nn.Linear(5, 4)  # different inputs
     assert group_storage([a, b]) is None
@@ -297,7 +297,7 @@ def _within_rounding(out: torch.Tensor, x: torch.Tensor, lin: nn.Linear) -> None
 
 
 def _recording_packed(monkeypatch) -> list[int]:
-    from selfspec.decode import linear_kernels as kernels
+    from selfspec.cpu_kernels import linear_kernels as kernels
 
     calls = []
     real = kernels._packed_product
@@ -327,7 +327,7 @@ def test_a_packed_plan_computes_the_same_at_every_row_count(monkeypatch, bias):
 
 @needs_packing
 def test_a_packed_weight_is_kept_across_entries_and_packed_again_when_it_changes(monkeypatch):
-    from selfspec.decode import linear_kernels as kernels
+    from selfspec.cpu_kernels import linear_kernels as kernels
 
     torch.manual_seed(0)
     lin = nn.Linear(32, 24)
@@ -384,7 +384,7 @@ def test_a_plan_with_packed_rows_carries_them_above_the_probes():
 
 
 def test_packing_is_offered_only_where_the_copies_fit():
-    from selfspec.decode.linear_kernels import packing_fits
+    from selfspec.cpu_kernels.linear_kernels import packing_fits
 
     weights = [torch.zeros(100, 10), torch.zeros(50, 10)]  # 6,000 bytes
     assert packing_fits(weights, memory_bytes=24_000)  # a quarter of the memory
@@ -431,7 +431,7 @@ def test_a_weight_of_another_dtype_takes_that_dtypes_plan(monkeypatch):
     """The float32 plan pads one and two rows and packs three; the bfloat16 weight takes the plan given for
     bfloat16 (packed at every row count) instead, within bfloat16's rounding, and the float32 weight keeps its own.
     With the plans the other way round, the bfloat16 weight is not even packed."""
-    from selfspec.decode.linear_kernels import can_pack
+    from selfspec.cpu_kernels.linear_kernels import can_pack
 
     torch.manual_seed(0)
     half = nn.Linear(96, 40).to(torch.bfloat16)
@@ -468,7 +468,7 @@ def test_a_weight_of_another_dtype_takes_that_dtypes_plan(monkeypatch):
 def test_each_other_dtype_of_a_drafter_is_measured_on_its_own_weights(monkeypatch, tmp_path):
     """measured_row_plans: the drafter's bfloat16 weights get a plan measured on them alone (its float32 weight is
     the target's dtype: none of its own), and decoding_kernels hands each linear its dtype's plan."""
-    import selfspec.decode.linear_kernels as kernels
+    import selfspec.cpu_kernels.linear_kernels as kernels
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))

@@ -184,7 +184,7 @@ def test_a_killed_session_resumes_where_its_last_save_left_off(tmp_path):
 def test_the_learner_state_and_a_recorded_stream_load_with_weights_only(tmp_path):
     """What the learner saves (optimizer, buffers, RNG states, counters) and what the replay records (identity and
     examples) are tensors and plain containers: both load back with ``torch.load(weights_only=True)``, whole."""
-    import selfspec.train.learn_replay as replay
+    import selfspec.bench.learn_replay as replay
     from selfspec.train.online import STATE_FILE
 
     session = learning_session(tmp_path, "eagle3", "learner.save_every=1")
@@ -312,7 +312,7 @@ def test_a_private_request_leaves_nothing_and_the_adapted_heads_export(tmp_path)
 
 
 def test_a_recorded_stream_replays_the_learner_without_decoding_again(tmp_path, monkeypatch):
-    import selfspec.train.learn_replay as replay
+    import selfspec.bench.learn_replay as replay
     main = load_script("learn_replay").main
 
     prompts = tiny_stream(tmp_path, 8)

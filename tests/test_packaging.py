@@ -12,10 +12,16 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 
 
+# every folder at the top of the repository with an __init__.py: the rooms and conf/
+TOP_FOLDERS = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+
+
 def test_every_package_folder_is_shipped_under_selfspec():
+    assert {"core", "cpu_kernels", "heads", "decode", "serve", "bench", "train", "conf"} <= set(TOP_FOLDERS)
     folders = {"selfspec." + ".".join(p.parent.relative_to(ROOT).parts)
-               for top in ("core", "heads", "decode", "train", "conf") for p in (ROOT / top).rglob("__init__.py")}
-    assert {"selfspec.core", "selfspec.decode.bench", "selfspec.train.data", "selfspec.conf"} <= folders
+               for top in TOP_FOLDERS for p in (ROOT / top).rglob("__init__.py")}
+    assert {"selfspec.core", "selfspec.cpu_kernels", "selfspec.serve", "selfspec.bench", "selfspec.train.data",
+            "selfspec.conf"} <= folders
     assert set(SETUPTOOLS["packages"]) == folders
     assert all(name.startswith("selfspec.") for name in SETUPTOOLS["packages"])  # no generic top-level name
     for name, folder in SETUPTOOLS["package-dir"].items():

@@ -290,7 +290,7 @@ def test_vllm_settings_compose_into_the_llm_keywords_and_one_engine_per_data_par
 def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, prompts_file, monkeypatch):
     """run() as scripts/regenerate.py engine=vllm calls it, with vLLM's session replaced by one that records what it
     was started with and answers every request with three fixed tokens."""
-    import selfspec.core.vllm_env
+    import selfspec.train.regenerate
 
     started = []
 
@@ -309,7 +309,7 @@ def test_run_with_engine_vllm_starts_vllm_with_the_composed_settings(tmp_path, p
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
-    monkeypatch.setattr(selfspec.core.vllm_env, "VllmSession", RecordingSession)
+    monkeypatch.setattr(selfspec.train.regenerate, "VllmSession", RecordingSession)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     out = tmp_path / "out.jsonl"
     cfg = compose("regenerate", ["model=tiny", "model.dtype=float32", "data=file", f"data.path={prompts_file}",

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from selfspec.decode.serving import (
+from selfspec.serve.serving import (
     CheckSettings,
     ServingError,
     acceptance_per_position,
@@ -132,7 +132,7 @@ def test_acceptance_counted_over_the_steps_vllm_runs():
 def test_the_benchmarks_vllm_rows_draft_what_each_family_can():
     """scripts/bench.py's ``vllm_heads`` rows: Medusa at most its heads, DFlash its own block (another length drafts
     other tokens in vLLM's non-causal block), EAGLE-3 the proposers' k."""
-    from selfspec.decode.serving import served_depth
+    from selfspec.serve.serving import served_depth
 
     assert served_depth({"head_type": "medusa", "head_config": {"num_heads": 2}}, 3) == 2
     assert served_depth({"head_type": "medusa", "num_heads": 4}, 3) == 3
@@ -142,7 +142,7 @@ def test_the_benchmarks_vllm_rows_draft_what_each_family_can():
 
 
 def test_the_serve_checks_k_auto_is_what_each_family_drafts_and_a_bad_k_is_named():
-    from selfspec.decode.serving import AUTO_DEPTH, requested_depth
+    from selfspec.serve.serving import AUTO_DEPTH, requested_depth
 
     assert requested_depth({"head_type": "dflash", "head_config": {"block_size": 8}}, "auto") == 7
     assert requested_depth({"head_type": "medusa", "head_config": {"num_heads": 2}}, "auto") == 2
@@ -156,7 +156,7 @@ def test_the_serve_checks_k_auto_is_what_each_family_drafts_and_a_bad_k_is_named
 @pytest.fixture(scope="module")
 def reports(trained_heads, tmp_path_factory) -> dict:
     """Each family's serve check, their vLLM engines in one worker process (serve_checks; serve_check runs one)."""
-    from selfspec.decode.serving import plan_check, serve_checks
+    from selfspec.serve.serving import plan_check, serve_checks
 
     root = tmp_path_factory.mktemp("serve-checks")
     plans = []
@@ -214,7 +214,7 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
     import json
 
     from conftest import compose
-    from selfspec.decode.bench import run_bench
+    from selfspec.bench import run_bench
 
     questions = tmp_path / "q.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in
@@ -236,11 +236,11 @@ def test_bench_has_vllm_rows_in_its_tables_and_checks_their_tokens(trained_heads
 
 @pytest.mark.vllm
 def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path):
-    """decode/vllm_suffix.py through vLLM's custom_class: lossless, and a prompt asked again drafts from the
+    """serve/vllm_suffix.py through vLLM's custom_class: lossless, and a prompt asked again drafts from the
     remembered answer, so far more of its drafts are accepted the second time. vLLM's own suffix proposer (Arctic
     Inference, built by scripts/make_vllm_venv.sh) runs beside it, lossless too."""
     from selfspec.core.vllm_env import selfspec_pythonpath
-    from selfspec.decode.serving import run_vllm, served_target_dir
+    from selfspec.serve.serving import run_vllm, served_target_dir
 
     vllm_or_skip()
     target = tiny_target()
@@ -249,7 +249,7 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
     job = {"model": str(served_target_dir(target)), "dtype": "float32", "max_model_len": 128, "max_new_tokens": 48,
            "prompts": ids, "stop_token_ids": [2], "pythonpath": [selfspec_pythonpath()],
            "runs": [{"name": "suffix", "speculative_config": {"method": "custom_class", "num_speculative_tokens": 6,
-                                                              "model": "selfspec.decode.vllm_suffix.SuffixProposer"}},
+                                                              "model": "selfspec.serve.vllm_suffix.SuffixProposer"}},
                     {"name": "vllm_suffix", "speculative_config": {"method": "suffix", "num_speculative_tokens": 6}}]}
     result = run_vllm(job, log_path=tmp_path / "vllm.log")
     suffix, theirs = result["runs"]
@@ -268,7 +268,7 @@ def test_selfspec_suffix_drafter_runs_inside_vllm_and_remembers_answers(tmp_path
 def test_serve_check_script_names_a_missing_setting_and_venv(tmp_path, monkeypatch):
     from conftest import compose
     from selfspec.core.errors import SettingError
-    from selfspec.decode.cli import run_check
+    from selfspec.serve.cli import run_check
 
     with pytest.raises(SettingError, match="prompts is not set"):
         run_check(compose("serve_check", ["heads=somewhere"]))
@@ -284,7 +284,7 @@ def test_each_vllm_run_gets_a_process_of_its_own_with_the_engine_inside(tmp_path
     import json
     import subprocess
 
-    from selfspec.decode import serving
+    from selfspec.serve import serving
 
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -317,8 +317,8 @@ def test_serve_checks_runs_every_engine_in_one_process_and_a_shared_plain_run_on
     """Two checks on one target and one on another: vLLM gets one job for one worker process, with each target's plain
     run once; each check gets back its own runs under its own names, and a check whose target vLLM cannot decode gets
     the error serve_check would raise."""
-    from selfspec.decode import serving
-    from selfspec.decode.serving import CheckPlan, serve_checks
+    from selfspec.serve import serving
+    from selfspec.serve.serving import CheckPlan, serve_checks
 
     def plan(model: str, formats: list[str]) -> CheckPlan:
         job = {"model": model, "dtype": "float32", "max_model_len": 40, "max_new_tokens": 8, "prompts": [[5, 6]],

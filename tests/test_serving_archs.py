@@ -5,8 +5,8 @@ vLLM release starts running one this fails and the table in docs/serving.md gets
 
 The targets are built at head size 32 (hidden 128, 4 heads), the smallest vLLM's CPU attention has a kernel for; the
 heads are trained briefly by the real loops on each target's own greedy continuations (tests/test_serving.py's
-recipe). Every vLLM engine a file's cells need starts in one vLLM worker process (``selfspec.decode.serving.serve_checks``), so
-vLLM's imports are paid once a file.
+recipe). Every vLLM engine a file's cells need starts in one vLLM worker process
+(``selfspec.serve.serving.serve_checks``), so vLLM's imports are paid once a file.
 
 The matrix is split over three files of about equal time, so that ``pytest -n`` runs them side by side: this one
 (:data:`ARCHS`: the MLA targets, Gemma 3 and gpt-oss: every refusal), tests/test_serving_archs_qwen.py and
@@ -21,7 +21,7 @@ import pytest
 
 from selfspec.core.archs import TINY_ARCHS
 from selfspec.core.target import Target, build_tiny
-from selfspec.decode.serving import ServingError
+from selfspec.serve.serving import ServingError
 from test_serving import K, check_settings, own_continuations, prompts, vllm_or_skip
 
 HIDDEN = 128  # 4 heads of 32: the smallest head size vLLM's CPU attention runs
@@ -133,7 +133,7 @@ def served(request, tmp_path_factory) -> dict:
     """Per architecture and family: the serve check's report, or the error that stopped it (training, an export
     refused, vLLM unable to decode the target), which that family's cells raise. Every check runs in one vLLM worker
     process."""
-    from selfspec.decode.serving import plan_check, serve_checks
+    from selfspec.serve.serving import plan_check, serve_checks
 
     vllm_or_skip()
     root = tmp_path_factory.mktemp("serving-archs")

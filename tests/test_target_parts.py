@@ -138,7 +138,7 @@ def test_a_store_fed_run_holds_the_parts_and_trains_the_heads_the_whole_target_t
                                                                                        family, overrides, layers):
     from test_medusa_train import tiny_datasets
 
-    import selfspec.core.target_parts as target_parts
+    import selfspec.train.loop as loop
     from selfspec.train.families import METHODS
     from selfspec.train.loop import train
 
@@ -149,8 +149,8 @@ def test_a_store_fed_run_holds_the_parts_and_trains_the_heads_the_whole_target_t
     whole = train(cfg, METHODS[family](cfg), target=load_target(cfg.model), datasets=data)  # builds the store
     assert whole.whole_target
     held = []
-    real = target_parts.load_target_parts
-    monkeypatch.setattr(target_parts, "load_target_parts", lambda *a, **k: held.append(real(*a, **k)) or held[-1])
+    real = loop.load_target_parts
+    monkeypatch.setattr(loop, "load_target_parts", lambda *a, **k: held.append(real(*a, **k)) or held[-1])
     store = tmp_path / ("new-store" if building else "store")
     cfg, chosen = store_cfg(family, tmp_path / "parts", store, *overrides)
     capsys.readouterr()

@@ -1,4 +1,4 @@
-"""decode/vllm_hybrid.py's choice and learning, apart from vLLM (tests/test_serving.py runs it inside vLLM): per
+"""serve/vllm_hybrid.py's choice and learning, apart from vLLM (tests/test_serving.py runs it inside vLLM): per
 request, the chain with more expected tokens per verify cost; the trained drafter's acceptance calibrated from what
 was accepted, so a confident drafter that is always wrong stops being sent, and the suffix drafter's chain is sent
 where the text repeats."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from selfspec.decode.adaptive import CostCurve
-from selfspec.decode.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched, trained_tokens
+from selfspec.serve.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched, trained_tokens
 
 FLAT = CostCurve.from_relative({1: 1.0, 9: 1.0})  # verifying is free up to 9 tokens
 LINEAR = CostCurve.from_relative({1: 1.0, 9: 9.0})  # each verified token costs what one step does
@@ -106,10 +106,10 @@ def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(
     heads without a hybrid (Medusa) get no such row."""
     from types import SimpleNamespace
 
-    import selfspec.heads.export as export
-    from selfspec.decode.bench.vllm import vllm_runs
-    from selfspec.decode.serving import default_formats, formats_for, needs_selfspec
-    from selfspec.decode.vllm_hybrid import COUNTS_RPC, HOOK
+    import selfspec.bench.vllm as bench_vllm
+    from selfspec.bench.vllm import vllm_runs
+    from selfspec.serve.serving import default_formats, formats_for, needs_selfspec
+    from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK
 
     exported = []
 
@@ -117,7 +117,7 @@ def test_the_bench_and_serve_check_run_the_hybrid_around_the_familys_own_export(
         exported.append(fmt)
         return out, fmt
 
-    monkeypatch.setattr(export, "export_heads", fake_export)
+    monkeypatch.setattr(bench_vllm, "export_heads", fake_export)
     heads = {"dflash:d": (SimpleNamespace(heads_config={"head_type": "dflash", "head_config": {"block_size": 3}},
                                           target=None), "d"),
              "medusa:m": (SimpleNamespace(heads_config={"head_type": "medusa", "head_config": {"num_heads": 3}},

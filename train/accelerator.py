@@ -5,10 +5,15 @@ distributed configs need to run on CPU: the DeepSpeed workaround (:func:`skip_de
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import (DistributedType, FullyShardedDataParallelPlugin, GradientAccumulationPlugin,
+                              InitProcessGroupKwargs)
 
 from selfspec.core.errors import SettingError
 from selfspec.train.config import TrainerConfig
@@ -18,10 +23,6 @@ def make_accelerator(tc: TrainerConfig, run_dir: Path):
     """An ``accelerate.Accelerator`` for ``tc``: accumulation over ``tc.gradient_accumulation_steps`` micro-batches,
     ``tc.mixed_precision``, the schedule stepped once per optimizer step; fresh settings even when an earlier run in
     this process made one."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
-
     check_launch(tc)
     # Several processes without a GPU: accelerate sees torchrun on CPU as distributed (gloo) only with cpu=True, and
     # DeepSpeed on CPU (cpu=False) counts its processes only when the gloo backend is named. FSDP on CPU: see
@@ -41,8 +42,6 @@ def make_accelerator(tc: TrainerConfig, run_dir: Path):
     _undo_fsdp_over_gloo()
     fsdp_plugin = None
     if fsdp_on_cpu:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
         fsdp_plugin = FullyShardedDataParallelPlugin()  # from the config, as accelerate reads it on GPUs
     accelerator = Accelerator(
         cpu=(multi_cpu or fsdp_on_cpu) and not deepspeed,
@@ -72,6 +71,7 @@ def _no_zero3_init(accelerator) -> None:
     empty weights. Unpointed here, as the flag says."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None and not plugin.zero3_init_flag:
+        # deferred: transformers' DeepSpeed integration, only for a DeepSpeed run
         from transformers.integrations import unset_hf_deepspeed_config
 
         unset_hf_deepspeed_config()
@@ -89,8 +89,6 @@ def _world_size() -> int:
 def check_launch(tc: TrainerConfig) -> None:
     """Refuse, before any process group starts, a distributed config this machine cannot run as it says: DeepSpeed
     not installed, more processes on this machine than it has GPUs, FSDP1 or fp16 without a GPU."""
-    import importlib.util
-
     if _env_flag("ACCELERATE_USE_DEEPSPEED") and importlib.util.find_spec("deepspeed") is None:
         raise SettingError(
             "The accelerate config asks for DeepSpeed (distributed_type: DEEPSPEED), which is not installed here: "
@@ -124,8 +122,6 @@ def check_launch(tc: TrainerConfig) -> None:
 def check_processes(accelerator) -> None:
     """Refuse a run whose accelerator is not what the launch asked for: torch.distributed's processes not all in it
     (each would train its own unsynchronised copy into the same run folder), or DeepSpeed/FSDP dropped."""
-    from accelerate.utils import DistributedType
-
     world, kind = _world_size(), accelerator.distributed_type
     if world > 1 and (accelerator.num_processes != world or kind == DistributedType.NO):
         raise SettingError(
@@ -149,9 +145,6 @@ def fsdp_over_gloo(accelerator, plugin) -> None:
     ``save_state`` and ``get_state_dict`` gather it. Both of accelerate's state singletons are set (an
     ``AcceleratorState()`` made later copies the process state's type); :func:`_undo_fsdp_over_gloo` restores the
     process state for the next run."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
@@ -161,9 +154,6 @@ def fsdp_over_gloo(accelerator, plugin) -> None:
 
 def _undo_fsdp_over_gloo() -> None:
     """The process state back to MULTI_CPU after :func:`fsdp_over_gloo` (accelerate itself never sets FSDP there)."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
     if PartialState._shared_state.get("distributed_type") == DistributedType.FSDP:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
 
@@ -188,6 +178,7 @@ def skip_deepspeed_shm_op() -> None:
     make one holds the others forever. Training all-reduces through gloo either way. DeepSpeed keeps its op table
     in a module-level dict once probed, so marking the op as not compatible there is enough.
     """
+    # deferred: DeepSpeed (slow to import) only for a DeepSpeed run
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file
 
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError
@@ -132,8 +134,6 @@ def engine_kwargs(accelerator, what: str) -> dict[str, Any]:
     """What ``save_state``/``load_state`` pass on to DeepSpeed's engine: leave the frozen parameters (Medusa-2's
     target) out of the checkpoint, and load it without them (they keep the values the run loaded). Nothing for the
     other engines."""
-    from accelerate.utils import DistributedType
-
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return {}
     return {"exclude_frozen_parameters": True} if what == "save" else {"load_module_strict": False}
@@ -162,8 +162,6 @@ def register_trainable_state_hooks(accelerator) -> None:
             weights[i] = {k: v for k, v in state.items() if k in names}
 
     def load_hook(models, input_dir):
-        from safetensors.torch import load_file
-
         for i, model in enumerate(models):
             file = _weights_file(Path(input_dir), i)
             if not file.is_file():

@@ -17,13 +17,13 @@ train/families.py registers for it) and the end-of-run speed check. Each family'
 from __future__ import annotations
 
 import functools
-import shlex
 import sys
-from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from selfspec.core.config import CONF_DIR, compose, hydra_app
+from selfspec.core.config import hydra_app
 from selfspec.core.errors import SettingError, reported_errors
 from selfspec.core.families import FAMILIES, Family
 
@@ -45,6 +45,7 @@ def run(cfg: DictConfig, family: Family) -> None:
     with reported_errors():
         job_run_dir(cfg)
         result = train(cfg, METHODS[family.name](cfg))
+        # deferred: torch only once a run starts, as above
         from selfspec.train.speed_check import after_training
 
         after_training(cfg, result.heads_dir, whole_target=result.whole_target)
@@ -54,9 +55,6 @@ def job_run_dir(cfg: DictConfig) -> None:
     """In a Hydra multirun (``-m``), job N of the sweep trains in ``<run_dir>/N`` (Hydra's folder of the job,
     ``hydra.sweep`` in the entry config) instead of the ``run_dir`` every job of the sweep shares; a single run is
     left as it is. What names ``${run_dir}`` (``feature_store.dir``'s default, ...) follows."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
     cfg.run_dir = f"{cfg.run_dir}/{HydraConfig.get().job.num}"
@@ -87,6 +85,7 @@ def regenerate_main() -> None:
     """``selfspec-regenerate``: scripts/regenerate.py (conf/regenerate.yaml, train/regenerate.py)."""
 
     def regenerate(cfg: DictConfig) -> None:
+        # deferred: torch only once the command runs: not for --help or a typo
         from selfspec.train.regenerate import run as regenerate_run
 
         with reported_errors():
@@ -100,54 +99,13 @@ def features_main() -> None:
     store once, for every later ``features=store feature_store.dir=...`` run."""
 
     def features(cfg: DictConfig) -> None:
+        # deferred: torch only once the command runs: not for --help or a typo
         from selfspec.train.features import run as features_run
 
         with reported_errors():
             features_run(cfg)
 
     hydra_app(features, "features", job_name="build_features")
-
-
-# --- scripts/stream_bench.py ------------------------------------------------------------------------------------------
-
-
-def stream_bench(argv: list[str] | None = None) -> dict:
-    """The learning stream benchmark (conf/decode/stream.yaml with the overrides ``argv``); SystemExit(1) after
-    writing the outputs if a method's output differs from HF generate's."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("stream", argv, config_dir=CONF_DIR / "decode")  # first: a mistyped key is told at once
-    from selfspec.train.stream_bench import run_stream
-
-    report = run_stream(cfg, command=shlex.join(["python", "scripts/stream_bench.py", *argv]))
-    print((Path(str(cfg.out)) / "stream.md").read_text())
-    if report["mismatches"]:
-        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (stream.json)", file=sys.stderr)
-        raise SystemExit(1)
-    return report
-
-
-def stream_bench_main() -> None:
-    with reported_errors():
-        stream_bench()
-
-
-# --- scripts/learn_replay.py ------------------------------------------------------------------------------------------
-
-
-def learn_replay(argv: list[str] | None = None) -> dict:
-    """Learner settings replayed on a recorded stream (conf/decode/learn_replay.yaml with the overrides ``argv``)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("learn_replay", argv, config_dir=CONF_DIR / "decode")  # first: a mistyped key is told at once
-    from selfspec.train.learn_replay import run_replay
-
-    report = run_replay(cfg, command=shlex.join(["python", "scripts/learn_replay.py", *argv]))
-    print((Path(str(cfg.out)) / "replay.md").read_text())
-    return report
-
-
-def learn_replay_main() -> None:
-    with reported_errors():
-        learn_replay()
 
 
 if __name__ == "__main__":

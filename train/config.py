@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from selfspec.core.config import to_dict
 from selfspec.core.errors import SettingError
@@ -128,8 +129,6 @@ def training_dtype(target_dtype: str, device: torch.device | str, model_dtype: s
 
 def write_resolved_config(cfg: Any, run_dir: Path) -> Path:
     """``<run_dir>/config.yaml``: the config with every interpolation resolved, written atomically."""
-    from omegaconf import OmegaConf
-
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
     text = OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg) else OmegaConf.to_yaml(to_dict(cfg))

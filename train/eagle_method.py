@@ -46,6 +46,7 @@ from selfspec.core.runtime import rows_through
 from selfspec.train.data import count_draft_vocab, draft_vocab_problems
 from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields, target_hidden_states
 from selfspec.core.errors import SettingError
+from selfspec.heads.medusa import expected_accept_length
 from selfspec.train.config import settings_from_cfg
 from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
 
@@ -236,7 +237,6 @@ class EagleMethod(TrainMethod):
         totals = accelerator.reduce(totals, reduction="sum")
         acc = (totals[0] / totals[1].clamp(min=1)).tolist()
         losses = (totals[2] / totals[1].clamp(min=1)).tolist()
-        from selfspec.heads.medusa import expected_accept_length
 
         metrics_out = {f"eval/acc_step{j}": acc[j] for j in range(steps)}
         metrics_out.update({f"eval/loss_step{j}": losses[j] for j in range(steps)})

@@ -56,11 +56,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import broadcast_object_list
+from filelock import FileLock, Timeout
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
 
 from selfspec.core import folders
-from selfspec.core.config import cfg_get, to_dict
+from selfspec.core.config import CONF_DIR, cfg_get, compose, to_dict
 from selfspec.core.errors import SelfspecError, SettingError
+from selfspec.core.layers import decoder_of
+from selfspec.core.target import fingerprint
+from selfspec.core.target_parts import drop_rest, load_rest
+from selfspec.core.vllm_env import (PLUGINS_DIR, VllmSession, VllmSettings, hidden_states_engine, llm_kwargs,
+                                    replica_env, served_model, visible_gpus, vllm_available)
 from selfspec.train.data import IGNORE_INDEX, target_inputs
 
 FORMAT = 1
@@ -138,8 +151,6 @@ class FeatureSource:
         No engine starts (and the target's other layers are not loaded) unless a shard is to be computed. Every
         process must call this.
         """
-        from selfspec.core.target import fingerprint
-
         splits = {"train": datasets["train"]}
         if datasets.get("eval") is not None and len(datasets["eval"]) > 0:
             splits["eval"] = datasets["eval"]
@@ -190,8 +201,6 @@ class EngineExtract:
     def _start(self):
         source = self.source
         if source.engine == "vllm":
-            from selfspec.core.vllm_env import vllm_available
-
             reason = vllm_available(source.settings.get("vllm", {}).get("venv"))
             if reason:
                 raise FeatureStoreError(f"feature_store.engine=vllm: {reason}")
@@ -240,8 +249,6 @@ class VllmHiddenStates:
 
     def __init__(self, extract: HiddenStatesExtract, model_cfg: Mapping[str, Any] | None, settings: Mapping[str, Any],
                  max_length: int | None, log_path: Path):
-        from selfspec.core.layers import decoder_of
-
         self.layers, self.dtype = extract.layers, extract.dtype
         self.model_cfg, self.settings, self.log_path = dict(model_cfg or {}), dict(settings), log_path
         self.max_model_len = None if max_length is None else int(max_length) + 1  # and the one token generated
@@ -253,9 +260,6 @@ class VllmHiddenStates:
         self.calls = 0
 
     def _start(self, max_model_len: int) -> None:
-        from selfspec.core.vllm_env import (PLUGINS_DIR, VllmSession, VllmSettings, hidden_states_engine, llm_kwargs,
-                                   replica_env, served_model, visible_gpus)
-
         settings = VllmSettings.from_config({"batch_size": 1, **self.settings})
         path, _ = served_model(self.model_cfg)
         kwargs = llm_kwargs(settings, path, str(self.model_dtype).removeprefix("torch."), max_model_len, 0)
@@ -267,8 +271,6 @@ class VllmHiddenStates:
               f"capturing layers {self.layers} and the last (log: {self.log_path})", file=sys.stderr)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        from safetensors.torch import load_file
-
         lengths = batch["attention_mask"].sum(-1).tolist()
         rows = [batch["input_ids"][r, :n].tolist() for r, n in enumerate(lengths)]
         if self.session is None:
@@ -310,8 +312,6 @@ class WholeTargetExtract:
 
     def __call__(self, batch: dict[str, torch.Tensor]):
         if not self.loaded:
-            from selfspec.core.target_parts import load_rest
-
             print("[selfspec] feature store: building it runs the whole target; loading its decoder layers until it "
                   "is built.", file=sys.stderr)
             load_rest(self.target)
@@ -320,8 +320,6 @@ class WholeTargetExtract:
 
     def close(self) -> None:
         if self.loaded:
-            from selfspec.core.target_parts import drop_rest
-
             drop_rest(self.target)
             self.loaded = False
 
@@ -486,8 +484,6 @@ def build_command(path: str | os.PathLike, layers: Sequence[int], settings: Mapp
     """The ``selfspec-features`` command that builds the store a training run reads at ``path``: its model and data
     options (Hydra's choices, or the conf/model and conf/data entries they match), every model.* and data.* setting
     that differs from those entries', the engine's, ``layers``, the dtype and the folder."""
-    from selfspec.core.config import compose
-
     choices = _choices(model or {}, data or {})
     args = [f"{group}={option}" for group, option in choices.items()]
     try:
@@ -512,8 +508,6 @@ def _choices(model: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, str
     """{"model": option, "data": option}: Hydra's choices where Hydra composed this run, else the entries of
     conf/model/ and conf/data/ whose source (and name_or_path) the settings match."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         if HydraConfig.initialized():
             chosen = HydraConfig.get().runtime.choices
             found = {g: str(chosen[g]) for g in ("model", "data") if chosen.get(g)}
@@ -521,9 +515,6 @@ def _choices(model: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, str
                 return found
     except Exception:  # noqa: BLE001 - fall back to matching the entries
         pass
-    from omegaconf import OmegaConf
-
-    from selfspec.core.config import CONF_DIR
 
     out = {}
     for group, mine, keys in (("model", model, ("source", "name_or_path")), ("data", data, ("source",))):
@@ -685,8 +676,6 @@ def _built_by_main(path: Path, ident: Mapping[str, Any], accelerator: Any, openi
 
 def _rank_store():
     """The process group's key-value store (torch.distributed's default), or None where there is none."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return None
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
@@ -720,7 +709,6 @@ def store_lock(path: str | os.PathLike, hold: bool = True):
     if not hold:
         yield
         return
-    from filelock import FileLock, Timeout
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -766,9 +754,6 @@ def _build(path, splits, extract, ident, collate_fn, batch_size, examples_per_sh
            overwrite: bool = False) -> None:
     """Write every shard still missing from the build's temporary folder (this process's share of them: every
     world_size-th), then publish the folder (the main process)."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     is_main = rank == 0
@@ -855,7 +840,6 @@ def _from_main(value: Any, accelerator: Any) -> Any:
     """The main process's ``value`` on every process (the temporary folder's name)."""
     if accelerator is None or accelerator.num_processes == 1:
         return value
-    from accelerate.utils import broadcast_object_list
 
     box = [value]
     broadcast_object_list(box, from_process=0)
@@ -892,8 +876,6 @@ def _publish(path: Path, tmp: Path, splits: Mapping[str, Any], plan: list[tuple]
 
 def _shard_fields(file: Path) -> dict[str, dict[str, Any]]:
     """{field: {dtype, shape of one token's}} of a shard, in the order the extract returned them."""
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt") as f:
         names = json.loads((f.metadata() or {}).get("fields") or "null") or \
             [k for k in f.keys() if k not in BASE_TENSORS]
@@ -906,8 +888,6 @@ def _shard_fields(file: Path) -> dict[str, dict[str, Any]]:
 
 
 def _shard_tokens(file: Path) -> int:
-    from safetensors import safe_open
-
     with safe_open(str(file), framework="pt") as f:
         return int(f.get_slice("input_ids").get_shape()[0])
 
@@ -952,8 +932,6 @@ class FeatureDataset(Dataset):
         if self._pid != os.getpid():  # a DataLoader worker: open its own handles
             self._open, self._offsets, self._pid = {}, {}, os.getpid()
         if s not in self._open:
-            from safetensors import safe_open
-
             file = self.path / self.shards[s]["file"]
             if not file.is_file():
                 raise FeatureStoreError(f"Feature store shard {file} is missing: delete {self.path} to rebuild it.")

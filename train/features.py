@@ -28,12 +28,21 @@ import functools
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+
+import torch
+from accelerate import PartialState
 
 from selfspec.core.config import MISSING, cfg_get, to_dict
 from selfspec.core.errors import SettingError
 from selfspec.core.families import FAMILIES
+from selfspec.core.target import TargetSettings, load_target
+from selfspec.core.target_parts import load_target_parts
+from selfspec.core.vllm_env import vllm_available
+from selfspec.train.data import build_dataset, collate
+from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields
 
 
 def layer_readers() -> list[str]:
@@ -45,9 +54,6 @@ def layer_readers() -> list[str]:
 def run(cfg: Any) -> dict[str, Any]:
     """Build (or find complete) the store ``cfg`` describes (conf/features.yaml); returns {"dir", "layers",
     "train", "eval", "wall_s"} (the splits as :class:`~selfspec.train.feature_store.FeatureDataset`)."""
-    from selfspec.train.data import collate
-    from selfspec.train.feature_store import FeatureSource, hidden_states_extract, hidden_states_fields
-
     started = time.perf_counter()
     settings = to_dict(cfg_get(cfg, "feature_store"))
     if settings.get("dir") in (None, "", MISSING):
@@ -61,8 +67,6 @@ def run(cfg: Any) -> dict[str, Any]:
         raise SettingError(f"feature_store.engine={source.engine!r}: use hf (the target's forward here) or vllm.")
     accelerator = _accelerator(source)
     if source.engine == "vllm":  # before anything loads (a training run checks it only when it must build)
-        from selfspec.core.vllm_env import vllm_available
-
         reason = vllm_available((settings.get("vllm") or {}).get("venv"))
         if reason:
             raise SettingError(f"feature_store.engine=vllm: {reason}")
@@ -95,8 +99,6 @@ def _accelerator(source: Any):
         raise SettingError("feature_store.device_map spreads one target over the GPUs of one process: start "
                            "selfspec-features as one process (not under accelerate launch or torchrun), or drop "
                            "device_map for a replica of the target per process.")
-    import torch
-    from accelerate import PartialState
 
     # the processes (rank, device, barriers), nothing of training's settings; without a GPU, accelerate sees the
     # launch as distributed (gloo) only with cpu=True (train/accelerator.py)
@@ -106,12 +108,8 @@ def _accelerator(source: Any):
 def _load_target(cfg: Any, source: Any, accelerator: Any):
     """The target the store is built from: for vLLM only its parts this process reads (embeddings, final norm and LM
     head, on the CPU); for HF the whole of it, on this process's device or spread by ``feature_store.device_map``."""
-    from selfspec.core.target import TargetSettings, load_target
-
     settings = TargetSettings.from_config(cfg_get(cfg, "model"))
     if source.engine == "vllm":
-        from selfspec.core.target_parts import load_target_parts
-
         return load_target_parts(settings.replace(device="cpu"), [])
     device_map = source.settings.get("device_map")
     if accelerator is not None:
@@ -122,10 +120,6 @@ def _load_target(cfg: Any, source: Any, accelerator: Any):
 
 
 def _load_datasets(cfg: Any, tokenizer: Any, accelerator: Any):
-    from contextlib import nullcontext
-
-    from selfspec.train.data import build_dataset
-
     first = accelerator.main_process_first() if accelerator is not None else nullcontext()
     with first:  # the main process tokenizes and caches; the others load the cache
         return build_dataset(cfg.data, tokenizer, verbose=accelerator is None or accelerator.is_main_process)

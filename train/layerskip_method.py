@@ -44,9 +44,12 @@ from torch.nn import functional as F
 
 from selfspec.core.archs import output_logits
 from selfspec.core.errors import SettingError
-from selfspec.core.target import TargetSettings
+from selfspec.core.layers import causal_mask
+from selfspec.core.target import TargetSettings, resolve_dtype
 from selfspec.heads.layerskip import FORMS, ExitConfig, ExitSet, LayerSkipExit, other_exit_dir
 from selfspec.core.runtime import rows_through
+from selfspec.decode.layerskip import best_chain, measure_layer_costs
+from selfspec.decode.session import depth_policy
 from selfspec.train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
 from selfspec.train.feature_store import FeatureSource, hidden_states_extract, stored_hidden_states
 from selfspec.train.config import settings_from_cfg
@@ -139,8 +142,6 @@ class ExitTrainModule(nn.Module):
             if exit_module.adapter is None:  # per position: only the trained rows
                 features = exit_module.features(hidden[where])
             else:  # the block attends over the sequence: causal, padding hidden
-                from selfspec.core.layers import causal_mask
-
                 mask = causal_mask(hidden.shape[1], 0, hidden.dtype, hidden.device, key_padding=attention_mask)
                 features = exit_module.features(hidden, position_ids_from_mask(attention_mask), mask)[where]
             logits[e] = rows_through(exit_module.logits, features)
@@ -151,8 +152,6 @@ class ExitTrainModule(nn.Module):
 def decode_copy(model: nn.Module, dtype: str) -> nn.Module:
     """The target as decoding runs it (``model.dtype``): itself, or a copy in that dtype when training ran it in
     another (trainer.target_dtype), so that costs measured on it are those decoding pays."""
-    from selfspec.core.target import resolve_dtype
-
     param = next(model.parameters())
     wanted = resolve_dtype(dtype, param.device)
     return model if param.dtype == wanted else copy.deepcopy(model).to(wanted)
@@ -294,9 +293,6 @@ class LayerSkipMethod(TrainMethod):
     def choose(self, target, core: ExitSet) -> list[dict]:
         """Per trained exit: agreement, and the threshold and chain length with the best expected tokens/s against
         plain decoding under this machine's measured costs; best first."""
-        from selfspec.decode.layerskip import best_chain, measure_layer_costs
-        from selfspec.decode.session import depth_policy
-
         if not self._stats:
             raise SettingError("layer-skip exits are chosen from an evaluation: give the run an eval split "
                                "(data.eval_fraction > 0).")

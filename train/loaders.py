@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 from selfspec.core.config import cfg_get, to_dict
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.train.config import TrainerConfig
+from selfspec.train.data import build_dataset, collate, collate_packed
 from selfspec.train.method import TrainMethod
 
 
@@ -48,8 +49,6 @@ class EpochSampler(Sampler[int]):
 def prepare_splits(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: Any, datasets: Any, accelerator):
     """(train split, eval split or None, collate_fn): ``cfg.data`` tokenized unless ``datasets`` is given, then what
     the method makes of it (``prepare_data``, e.g. a feature store), the eval split capped at eval_max_examples."""
-    from selfspec.train.data import collate
-
     if datasets is None:
         datasets = _load_datasets(cfg, target.tokenizer, accelerator)
     train_ds, eval_ds = _split(datasets, "train"), _split(datasets, "eval")
@@ -69,8 +68,6 @@ def packing_collate(cfg: Any, tc: TrainerConfig, method: TrainMethod, target: An
     trainer.pack_length tokens (default data.max_length), whether the examples are tokenized data or feature-store
     items. Only for methods whose losses and masks read the packed layout (``supports_packing``). Evaluation keeps
     padded batches: its per-example sums (gather_for_metrics) count examples, and the metrics are the same."""
-    from selfspec.train.data import collate_packed
-
     if not method.supports_packing:
         raise SettingError(f"trainer.packing=true is not supported by {method.name} training: set "
                            "trainer.packing=false (medusa, medusa2, eagle and eagle3 support it).")
@@ -110,8 +107,6 @@ def micro_batches(accelerator, loader, start: int) -> Iterator[dict]:
 
 
 def _load_datasets(cfg: Any, tokenizer, accelerator):
-    from selfspec.train.data import build_dataset
-
     with accelerator.main_process_first():  # the main process tokenizes and caches; the others load the cache
         return build_dataset(cfg.data, tokenizer, verbose=accelerator.is_main_process)
 

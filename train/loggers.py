@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.utils import get_object
+from selfspec.core.config import to_dict
+from selfspec.core.errors import SettingError
+from selfspec.train.checkpoint import CheckpointError, resolve_resume
 
 
 class NoLogger:
@@ -72,6 +78,7 @@ class WandbLogger(NoLogger):
         self.run = None
 
     def _start(self):
+        # deferred: wandb (slow to import) only for logger=wandb
         import wandb
 
         try:
@@ -107,8 +114,6 @@ def wandb_run_id(run_dir: str | os.PathLike | None, resume: bool) -> str | None:
         run_id = path.read_text().strip()
         print(f"[selfspec] wandb: the resumed run goes on in W&B run {run_id} ({path})", file=sys.stderr)
         return run_id
-    import secrets
-    import string
 
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # as wandb makes them
 
@@ -125,11 +130,6 @@ def keep_wandb_run_id(run_dir: Path, run_id: str) -> None:
 def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
     """The ``logger`` group's class with the run folder and the run's config (hydra's ``instantiate`` reserves the
     keyword ``config``, so the class is looked up and called directly)."""
-    from hydra.utils import get_object
-
-    from selfspec.core.config import to_dict
-    from selfspec.core.errors import SettingError
-
     kwargs = to_dict(logger_cfg)
     target = kwargs.pop("_target_", None)
     if not target:
@@ -140,8 +140,6 @@ def make_logger(logger_cfg: Any, run_dir: Path, config: dict):
 def _resumes(config: dict, run_dir: Path) -> bool:
     """Whether the run resumes from a checkpoint (``trainer.resume`` names one that is there): its logger then goes on
     with the run it logged to before. A ``trainer.resume`` that names nothing is left to the loop to refuse."""
-    from selfspec.train.checkpoint import CheckpointError, resolve_resume
-
     resume = (config.get("trainer") or {}).get("resume")
     try:
         return resolve_resume(resume, Path(run_dir) / "checkpoints") is not None

@@ -46,13 +46,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 from selfspec.core import folders
 from selfspec.core.config import cfg_get, to_dict
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.runtime import hold_freed_memory, peak_memory_bytes, release_held_memory
+from selfspec.core.target import TargetSettings, load_target
+from selfspec.core.target_parts import load_target_parts
 from selfspec.train import budget as time_budget
 from selfspec.train.accelerator import check_accumulation, make_accelerator
 from selfspec.train.budget import TimeBudget
@@ -168,8 +173,6 @@ def _setup(cfg: Any, method: TrainMethod, target: Any, datasets: Any, started: f
     """The trainer settings, accelerator and run folder; the target and data; the module, optimizer, schedule and
     loaders, prepared by accelerate; the logger. Random numbers are drawn in this order from ``trainer.seed``.
     ``started``: the run's start on :func:`selfspec.train.budget.now`'s clock, where ``trainer.max_minutes`` counts from."""
-    from accelerate.utils import set_seed
-
     tc = TrainerConfig.from_cfg(cfg.trainer)
     budget = None if tc.max_minutes is None else TimeBudget(
         seconds=60.0 * tc.max_minutes, started=time_budget.now() if started is None else started)
@@ -221,8 +224,6 @@ def _optimization(tc: TrainerConfig, method: TrainMethod, target: Any):
 
 def _lr_schedule(tc: TrainerConfig, optimizer: torch.optim.Optimizer):
     """The warmup + decay schedule of ``tc`` (its kind, warmup and max_steps) over ``optimizer``."""
-    from transformers import get_scheduler
-
     return get_scheduler(SCHEDULERS[tc.lr_scheduler], optimizer, num_warmup_steps=tc.warmup_steps,
                          num_training_steps=tc.max_steps)
 
@@ -243,14 +244,11 @@ def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_targe
     :meth:`TrainMethod.store_target_layers`): only its embeddings, final norm, LM head and those decoder layers are
     materialised, the rest stays on the meta device (selfspec.core.target_parts); a store still to be built loads the
     rest while it is built (selfspec.train.feature_store)."""
-    from selfspec.core.target import TargetSettings, load_target
-
     asked = TargetSettings.from_config(cfg.model)
     settings = asked.replace(device=str(accelerator.device),  # each rank on its own device, not "auto" (= cuda:0)
                              dtype=training_dtype(target_dtype, accelerator.device, asked.dtype, trains_target))
     if store_layers is None or trains_target:
         return load_target(settings)
-    from selfspec.core.target_parts import load_target_parts
 
     target = load_target_parts(settings, store_layers)
     if accelerator.is_main_process:
@@ -334,8 +332,6 @@ def _restore(run: _Run, resume_from: Path) -> _Progress:
 def _train_steps(run: _Run, progress: _Progress) -> None:
     """Optimizer steps up to trainer.max_steps: a log line every log_every steps (and at the last), an evaluation
     every eval_every steps (before the last; the final one follows), a checkpoint every save_every and at the last."""
-    from tqdm.auto import tqdm
-
     tc, accum = run.tc, run.tc.gradient_accumulation_steps
     stream = micro_batches(run.accelerator, run.train_loader, start=progress.step * accum)
     window = LogWindow.empty(run.accelerator.device)
@@ -384,8 +380,6 @@ def _keep_to_budget(run: _Run, step: int, bar) -> bool:
         eval_batches = len(run.eval_loader) if run.eval_loader is not None else 0
         fits = budget.size(step, tc.max_steps, eval_batches, tc.eval_every)
         if run.world > 1:
-            from accelerate.utils import broadcast
-
             fits = int(broadcast(torch.tensor([fits], device=accelerator.device), from_process=0).item())
         if run.is_main:
             p = budget.probe

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader
 
 from selfspec.core.archs import attention_linear_names, output_logits
 from selfspec.core.errors import SettingError
@@ -47,7 +48,8 @@ from selfspec.heads.medusa import (
     weighted_head_loss,
 )
 from selfspec.train.config import settings_from_cfg
-from selfspec.train.data import IGNORE_INDEX, count_draft_vocab, draft_vocab_problems, position_ids_from_mask, target_inputs
+from selfspec.train.data import (IGNORE_INDEX, collate, count_draft_vocab, draft_vocab_problems, position_ids_from_mask,
+                                 target_inputs)
 from selfspec.train.feature_store import FeatureSource, hidden_states_extract
 from selfspec.train.medusa_eval import eval_summary, medusa_eval_metrics
 from selfspec.train.method import TrainMethod, save_run_heads, state_under, unwrap
@@ -375,6 +377,7 @@ class Medusa2Method(MedusaMethod):
                                "and cannot come from a feature store: use features=online.")
 
     def build_module(self, target) -> nn.Module:
+        # deferred: peft (slow to import) only for Medusa-2's LoRA
         from peft import LoraConfig, get_peft_model
 
         heads = self.build_heads(target)
@@ -484,10 +487,6 @@ def evaluate_heads(heads: nn.Module, target_model: nn.Module, dataset, pad_token
                    decay: float = 0.8) -> dict[str, float]:
     """Accuracy metrics of Medusa heads (e.g. ``heads.load(path, target).module``) on a tokenized dataset split,
     in one process; hidden states come from ``target_model`` (with a Medusa-2 adapter merged, if any)."""
-    from torch.utils.data import DataLoader
-
-    from selfspec.train.data import collate
-
     device = next(target_model.parameters()).device
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
                         collate_fn=lambda examples: collate(examples, pad_token_id))

@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from selfspec.core.families import FAMILIES
+from selfspec.heads.io import save_heads
 
 
 class TrainMethod(ABC):
@@ -117,8 +119,6 @@ class TrainMethod(ABC):
 
 def unwrap(module: nn.Module) -> nn.Module:
     """The module itself, out of the wrappers ``accelerator.prepare`` put around it (DDP, DeepSpeed, compile)."""
-    from accelerate.utils import extract_model_from_parallel
-
     return extract_model_from_parallel(module)
 
 
@@ -149,8 +149,6 @@ def save_run_heads(path: Path, module: nn.Module, head_type: str, target: Any, m
 
     ``state_dict`` / ``adapter`` / ``adapter_state_dict`` go to save_heads as they are (gathered weights, Medusa-2's
     LoRA)."""
-    from selfspec.heads.io import save_heads
-
     saved = dict(meta)
     if eval_metrics is not None:
         saved["eval"] = eval_metrics

@@ -37,6 +37,10 @@ import torch
 from selfspec.core import folders
 from selfspec.core.errors import SelfspecError, SettingError
 from selfspec.core.families import FAMILIES
+from selfspec.core.runtime import native_bf16
+from selfspec.heads.io import load_heads
+from selfspec.train.data.chat import IGNORE_INDEX
+from selfspec.train.feature_store import collate_features
 
 
 def learning_families() -> list[str]:
@@ -153,8 +157,6 @@ class Recorder:
         return self._example(self.prompt_length + len(new_tokens) - 1)
 
     def _example(self, n: int) -> dict[str, torch.Tensor] | None:
-        from selfspec.train.data.chat import IGNORE_INDEX
-
         n = min(n, self.length, self.max_length)
         if n <= self.prompt_length:
             return None
@@ -428,15 +430,12 @@ class OnlineLearner:
         mp = self.settings.mixed_precision
         if mp == "no":
             return nullcontext()
-        from selfspec.core.runtime import native_bf16
 
         if mp == "bf16" or native_bf16(self.device):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def _batch(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        from selfspec.train.feature_store import collate_features
-
         pad = self.target.tokenizer.pad_token_id
         batch = collate_features(examples, 0 if pad is None else int(pad))
         return {k: v.to(self.device) for k, v in batch.items()}
@@ -511,8 +510,6 @@ class OnlineLearner:
     def _resume(self) -> None:
         """The state :meth:`save` left in ``learner.dir``: the heads (into the training copy and the session's
         heads), optimizer, buffers and counters."""
-        from selfspec.heads.io import load_heads
-
         try:
             loaded = load_heads(self.dir / HEADS_DIR, target=self.target)
             state = torch.load(self.dir / STATE_FILE, weights_only=True)  # tensors and plain containers

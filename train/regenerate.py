@@ -52,11 +52,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig
 
 from selfspec.core import folders
 from selfspec.core.archs import context_limit
+from selfspec.core.config import to_dict, to_plain
 from selfspec.core.errors import SettingError
-from selfspec.core.vllm_env import VllmSettings
+from selfspec.core.target import TargetSettings, load_target, resolve_device, resolve_dtype
+from selfspec.core.vllm_env import (VllmSession, VllmSettings, llm_kwargs, replica_env, served_model, visible_gpus,
+                                    vllm_python)
 from selfspec.train.data import (
     EMPTY_TURN,
     INVALID_TURN,
@@ -321,11 +327,6 @@ def open_vllm_engine(path: str, tokenizer, target: Any, settings: VllmSettings, 
     """Start vLLM on ``path`` (selfspec.core.vllm_env.served_model's folder or hub id for the ``target``'s settings, a
     :class:`~selfspec.core.target.TargetSettings` or a ``model`` config read into one) in its dtype, for conversations
     of at most ``answering.max_length`` tokens."""
-    from transformers import GenerationConfig
-
-    from selfspec.core.target import TargetSettings, resolve_device, resolve_dtype
-    from selfspec.core.vllm_env import VllmSession, llm_kwargs, replica_env, visible_gpus
-
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json: the tokenizer's end of sequence alone
@@ -351,8 +352,6 @@ def regenerate(engine: AnswerEngine, tokenizer, prompts: Iterable[Prompt], out_p
     Prompts are answered shortest first (by their first prompt's tokens), so that a batch pads little; the records
     keep their ids, and a rerun resumes whatever is left.
     """
-    from tqdm.auto import tqdm
-
     answering = answering or Answering()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -457,8 +456,6 @@ def iter_prompts(records: Iterable[Any], skipped: dict[str, int], max_turns: int
 
 def answering_of(cfg: Any, max_length: int | None) -> Answering:
     """The answer settings of a composed conf/regenerate.yaml."""
-    from selfspec.core.config import to_dict, to_plain
-
     fmt = str(cfg.data.get("format", "chat"))
     if fmt not in ("chat", "text"):
         raise SettingError(f"data.format={fmt!r}: chat (the target answers under its chat template) or text (a base "
@@ -498,8 +495,6 @@ def _check_output(out_path: Path, beside: list[Path]) -> None:
 def run(cfg) -> RegenerateReport:
     """Read prompts (``cfg.prompts`` or ``cfg.data``), start ``cfg.engine`` on the target of ``cfg.model``,
     regenerate into ``cfg.out``."""
-    from omegaconf import OmegaConf
-
     if not cfg.out or cfg.out == "???":
         raise DataError("Give the output file: out=PATH.jsonl")
     if cfg.engine not in ENGINES:
@@ -507,8 +502,6 @@ def run(cfg) -> RegenerateReport:
                            "own venv).")
     answering = answering_of(cfg, None)  # the settings are checked before a model loads
     if cfg.engine == "vllm":
-        from selfspec.core.vllm_env import vllm_python
-
         settings = VllmSettings.from_config(cfg.vllm)
         vllm_python(settings.venv)  # say at once when vLLM's venv is missing
     out_path = Path(cfg.out)
@@ -519,17 +512,11 @@ def run(cfg) -> RegenerateReport:
     torch.manual_seed(answering.seed)
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if cfg.engine == "vllm":
-        from transformers import AutoConfig
-
-        from selfspec.core.vllm_env import served_model
-
         path, tokenizer = served_model(cfg.model)
         max_positions = context_limit(AutoConfig.from_pretrained(path))
         answering.max_length = usable_length(cfg.data.get("max_length"), max_positions, answering.max_new_tokens)
         engine = open_vllm_engine(path, tokenizer, cfg.model, settings, answering, log_path=log_path)
     else:
-        from selfspec.core.target import load_target
-
         target = load_target(cfg.model)
         tokenizer = target.tokenizer
         max_positions = context_limit(target.model.config)

@@ -8,8 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from accelerate import PartialState
+
 from selfspec.core.config import cfg_get, to_dict
 from selfspec.core.errors import SettingError
+from selfspec.decode.prompts import prompt_ids
+from selfspec.decode.session import load_session
+from selfspec.decode.settings import decode_config
 
 SPEED_CHECK_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -24,8 +29,6 @@ def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -
     After a run that held only parts of the target (``whole_target`` false: trained from a feature store, perhaps for
     a target the trainer's device cannot hold) the decoding is left out, with a line saying so: it would load the
     whole target; the decode command is printed as always."""
-    from accelerate import PartialState
-
     check = to_dict(cfg_get(cfg, "speed_check"))
     missing = sorted({"prompts", "max_new_tokens"} - set(check))
     if missing:
@@ -47,10 +50,6 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: T
     same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}.
     ``out``: where it prints (None: ``sys.stderr`` as it is at the call, not at import, which a test's capture may
     have closed since)."""
-    from selfspec.decode.prompts import prompt_ids
-    from selfspec.decode.session import load_session
-    from selfspec.decode.settings import decode_config
-
     out = out or sys.stderr
     command = f'selfspec-decode heads={heads_dir} prompt="Write a haiku about the sea."'
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)

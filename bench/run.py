@@ -10,13 +10,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from selfspec.decode.bench.cost import cost_curves, draft_step_cost
-from selfspec.decode.bench.early_exit import choose_early_exit, early_exit_candidates
-from selfspec.decode.bench.figures import source_groups, summarize_runs
-from selfspec.decode.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
-from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
-from selfspec.decode.bench.report import machine_info, write_outputs
-from selfspec.decode.bench.vllm import VLLM_METHODS
+from selfspec.bench.cost import cost_curves, draft_step_cost
+from selfspec.bench.early_exit import choose_early_exit, early_exit_candidates
+from selfspec.bench.figures import source_groups, summarize_runs
+from selfspec.bench.methods import Method, build_methods, heads_folders, load_sessions, method_names, vllm_methods
+from selfspec.bench.prompts import first_turn_ids, load_prompts
+from selfspec.bench.report import machine_info, write_outputs
+from selfspec.bench.vllm import VLLM_METHODS
 from selfspec.decode.prompts import prompt_ids
 from selfspec.decode.session import Session
 from selfspec.decode.settings import required
@@ -132,7 +132,7 @@ def run_bench(cfg: Any, command: str = "", progress: bool = True) -> dict:
     records, mismatches = [], []
     vllm_rows = [m for m in methods if m.results is not None]
     for i, group in enumerate(rounds):
-        if i and vllm_rows:  # vLLM's rows on this round's prompts, then the others (decode/bench/vllm.py)
+        if i and vllm_rows:  # vLLM's rows on this round's prompts, then the others (bench/vllm.py)
             vllm_methods(cfg, base, sessions, folders, names, group, log_name=f"vllm-round{i + 1}.log",
                          earlier=vllm_rows)
         found = run_prompts(methods, group, report["settings"]["second_turns"], lossless, progress,

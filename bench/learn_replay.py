@@ -1,6 +1,6 @@
 """Learner settings measured offline on a recorded stream (scripts/learn_replay.py's body).
 
-The stream benchmark (train/stream_bench.py) decodes every request with every method: an hour of target forwards
+The stream benchmark (bench/stream_bench.py) decodes every request with every method: an hour of target forwards
 for a hundred requests on a CPU. What the learner's settings change (learning rate, steps, the guard) needs none of
 them again: the learner sees only the recorded examples. So the stream is decoded once, its examples (what
 ``learn=true`` records: the target's answer and the hidden states the drafter reads) saved to ``record=``, and each
@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from selfspec.core.folders import claim
-from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
-from selfspec.decode.bench.report import machine_info
+from selfspec.bench.prompts import first_turn_ids, load_prompts
+from selfspec.bench.report import machine_info
 from selfspec.decode.session import load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
@@ -85,8 +86,6 @@ def load_record(path: Path, identity: dict) -> list[dict[str, torch.Tensor]]:
 
 
 def run_replay(cfg: Any, command: str = "") -> dict:
-    from omegaconf import OmegaConf
-
     c = required(cfg, REPLAY_KEYS)
     if c["heads"] in (None, "random"):
         raise DecodeSetupError("heads=FOLDER: the trained heads the replay starts from (e.g. the hour recipe's).")

@@ -4,7 +4,7 @@ is sent the chain expected to yield the most tokens per verify cost. Started wit
 
     LLM(target, speculative_config={"method": "dflash", "model": "<heads exported with format=dflash>",
                                     "num_speculative_tokens": k},
-        worker_extension_cls="selfspec.decode.vllm_hybrid.HybridHook")
+        worker_extension_cls="selfspec.serve.vllm_hybrid.HybridHook")
 
 (``"method": "eagle3"`` with an EAGLE-3 export), with this repository on vLLM's ``PYTHONPATH``; docs/serving.md.
 
@@ -22,7 +22,7 @@ subclasses (:func:`install`). The subclasses behave exactly as vLLM's own unless
 2. the trained chain's tokens are worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per
    position and per bin of the drafter's probability, learned from what vLLM accepted), cut to the prefix with the most
    expected tokens per verify cost;
-3. the suffix drafter plans its chain as decode/vllm_suffix.py does (adaptive length, calibrated online);
+3. the suffix drafter plans its chain as serve/vllm_suffix.py does (adaptive length, calibrated online);
 4. the chain with more expected tokens (one for the bonus token, plus the chain's) per verify cost is returned, as a
    list per request (vLLM's CPU runner schedules drafts of any length up to ``num_speculative_tokens``).
 
@@ -34,7 +34,7 @@ Every chain is verified by vLLM's own rejection sampler: the output is the targe
 drafting (``draft_sample_method="greedy"``) a draft carries no probabilities, so a swapped row is a point-mass draft
 and stays lossless under sampling too.
 
-The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for decode/vllm_suffix.py.
+The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for serve/vllm_suffix.py.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from typing import Any, Sequence
 import torch
 from selfspec.decode.adaptive import CostCurve
 from selfspec.decode.suffix import SuffixPlan
-from selfspec.decode.vllm_suffix import SuffixProposer, curve_from_env
+from selfspec.serve.vllm_suffix import SuffixProposer, curve_from_env
 
-HOOK = "selfspec.decode.vllm_hybrid.HybridHook"
+HOOK = "selfspec.serve.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
 
 
@@ -309,6 +309,7 @@ def install() -> bool:
     """Replace vLLM's V1 model runner's EAGLE and DFlash proposers by their hybrid subclasses (once); False where
     vLLM is not importable (selfspec's own venv)."""
     try:
+        # deferred: vLLM is only in its own venv, where this runs
         import vllm.v1.worker.gpu_model_runner as runner
     except ImportError:
         return False

@@ -1,10 +1,10 @@
 """Decode prompts in vLLM and report tokens, timings and vLLM's own speculative-decoding counters.
 
 This file runs inside vLLM's virtualenv (``serving.vllm_venv``), not selfspec's: vLLM pins its own torch and
-transformers. It imports nothing of selfspec, only vLLM and the standard library; ``decode/serving.py`` writes its job
+transformers. It imports nothing of selfspec, only vLLM and the standard library; ``serve/serving.py`` writes its job
 and reads its answer:
 
-    <vllm-venv>/bin/python decode/serving_worker.py job.json result.json
+    <vllm-venv>/bin/python serve/serving_worker.py job.json result.json
 
 The job (JSON): ``model`` (a target folder), ``dtype``, ``max_model_len``, ``max_new_tokens``, ``prompts`` (lists of
 token ids: both engines decode the very same ids, so no tokenizer or chat template can differ), ``stop_token_ids``,
@@ -14,7 +14,7 @@ token ids: both engines decode the very same ids, so no tokenizer or chat templa
 ``engine`` arguments are added to the job's), and ``rpc``: a method of its ``worker_extension_cls`` whose answer (the
 first worker's) is reported as ``rpc_result`` after the prompts; ``ignore_eos``: every answer ``max_new_tokens`` long;
 ``profile``: torch.profiler over the prompts, each op's self CPU time reported as ``profile`` (the engine must run in
-this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, the default of decode/serving.py). Every run gets its own ``LLM``; a
+this process: VLLM_ENABLE_V1_MULTIPROCESSING=0, the default of serve/serving.py). Every run gets its own ``LLM``; a
 run whose model does not load is reported with the error and the others still run.
 
 The result (JSON), per run: ``loaded``, ``error``, ``init_s`` and per prompt ``tokens``, ``seconds`` and the
@@ -62,6 +62,7 @@ def difference(after: dict, before: dict) -> dict:
 
 
 def run_one(job: dict, run: dict) -> dict:
+    # deferred: vLLM is only in its own venv, where this runs
     from vllm import LLM, SamplingParams
 
     spec = {**job, **run, "engine": {**job.get("engine", {}), **run.get("engine", {})}}  # the run's own settings win
@@ -118,6 +119,7 @@ def cleanup() -> None:
     """Tear down what an engine left in this process (its distributed groups), so that the next run's engine starts
     as in a fresh process: without it a MoE model's engine after another model's finds the groups made without its
     expert-parallel one (``AssertionError: expert parallel group is not initialized``)."""
+    # deferred: vLLM is only in its own venv, where this runs
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     gc.collect()
@@ -128,6 +130,7 @@ def main(job_path: str, result_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     results = {"vllm_version": None, "runs": []}
+    # deferred: vLLM is only in its own venv, where this runs
     import vllm
 
     results["vllm_version"] = vllm.__version__

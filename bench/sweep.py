@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from selfspec.decode.bench.prompts import first_turn_ids
+from selfspec.bench.prompts import first_turn_ids
 from selfspec.decode.engine import SpeculativeDecoder
 from selfspec.decode.session import Session
 from selfspec.decode.types import DecodeSetupError

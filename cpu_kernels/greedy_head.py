@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.decode.linear_kernels import _packed_product, can_pack, pack_weight
+from selfspec.cpu_kernels.linear_kernels import _packed_product, can_pack, pack_weight
 
 BF16_UNIT = 2.0 ** -8  # bfloat16's unit roundoff, round to nearest (8 significant bits)
 FP32_UNIT = 2.0 ** -24

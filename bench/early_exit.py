@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from selfspec.decode.bench.methods import Method
+from selfspec.bench.methods import Method
 from selfspec.decode.types import DecodeSetupError
 
 

@@ -1,53 +1,27 @@
-"""The decode-side commands beside decode/run.py: the benchmark, the export of heads and the check in real vLLM, as
-installed commands and as scripts/bench.py, scripts/export.py and scripts/serve_check.py (whose docstrings list the
-commands; the installed ones take the same arguments).
+"""The serving commands: the export of heads in the formats serving engines load, and the check of them in real
+vLLM, as installed commands and as scripts/export.py and scripts/serve_check.py (whose docstrings list the commands;
+the installed ones take the same arguments).
 
-    selfspec-bench heads=[outputs/medusa-smollm2/heads] prompts=../shared/data/mt_bench/question.jsonl limit=10
     selfspec-export heads=outputs/medusa-smollm2/heads
     selfspec-serve-check heads=outputs/medusa-smollm2/heads prompts=../shared/data/mt_bench/question.jsonl
 
-Each command's config is in conf/decode/ (bench.yaml, export.yaml, serve_check.yaml); its library is
-decode/bench/, heads/export.py and decode/serving.py.
+Each command's config is in conf/decode/ (export.yaml, serve_check.yaml); its library is heads/export.py and
+serve/serving.py.
 """
 
 from __future__ import annotations
 
-import shlex
+import json
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from selfspec.core import folders
-from selfspec.core.config import CONF_DIR, compose, hydra_app
-from selfspec.core.errors import reported_errors
+from selfspec.core.config import CONF_DIR, hydra_app, to_plain
+from selfspec.core.errors import SettingError, reported_errors
 
 DECODE_CONF = CONF_DIR / "decode"
-
-
-# --- selfspec-bench: scripts/bench.py --------------------------------------------------------------------------------
-
-
-def bench(argv: list[str] | None = None) -> dict:
-    """Run the benchmark (conf/decode/bench.yaml with the overrides ``argv``); SystemExit(1) after writing the outputs
-    if a method is not lossless."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = compose("bench", argv, config_dir=DECODE_CONF)  # first: a mistyped key is told at once
-    from selfspec.decode.bench import format_report, run_bench
-
-    report = run_bench(cfg, command=shlex.join(["python", "scripts/bench.py", *argv]))
-    print(format_report(report))
-    print("outputs: " + ", ".join(report["outputs"]))
-    if report["mismatches"]:
-        print(f"error: {len(report['mismatches'])} outputs differ from HF generate's (see above and bench.json)",
-              file=sys.stderr)
-        raise SystemExit(1)
-    return report
-
-
-def bench_main() -> None:
-    with reported_errors():
-        bench()
 
 
 # --- selfspec-export: scripts/export.py ------------------------------------------------------------------------------
@@ -55,6 +29,7 @@ def bench_main() -> None:
 
 def run_export(cfg) -> dict:
     """Export as ``cfg`` (conf/decode/export.yaml) says; returns {"out", "format", "url"}."""
+    # deferred: torch and the target's loaders only once the command runs, after Hydra has read its config
     import torch
 
     from selfspec.core.target import load_target
@@ -97,14 +72,9 @@ def export_main() -> None:
 def run_check(cfg) -> dict:
     """Check the heads in real vLLM as ``cfg`` (conf/decode/serve_check.yaml) says; writes report.json and report.md
     into ``out`` and returns the report."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    from selfspec.core.config import to_plain
-    from selfspec.core.errors import SettingError
-    from selfspec.decode.bench import load_prompts
-    from selfspec.decode.serving import CheckSettings, format_report, serve_check, vllm_python
+    # deferred: torch and the engine only once the command runs, after Hydra has read its config
+    from selfspec.bench import load_prompts
+    from selfspec.serve.serving import CheckSettings, format_report, serve_check, vllm_python
 
     examples = {"heads": "outputs/medusa-smollm2/heads", "prompts": "../shared/data/mt_bench/question.jsonl"}
     for key, example in examples.items():

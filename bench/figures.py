@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from selfspec.decode.bench.methods import Method
+from selfspec.bench.methods import Method
 
 _SUMS = ("new_tokens", "total_s", "prefill_s", "draft_s", "verify_s", "steps", "drafted", "accepted")
 

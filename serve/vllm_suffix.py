@@ -1,6 +1,6 @@
 """selfspec's suffix drafter as a vLLM proposer, through vLLM's ``custom_class`` method:
 
-    LLM(model, speculative_config={"method": "custom_class", "model": "selfspec.decode.vllm_suffix.SuffixProposer",
+    LLM(model, speculative_config={"method": "custom_class", "model": "selfspec.serve.vllm_suffix.SuffixProposer",
                                    "num_speculative_tokens": 8})
 
 with this repository on vLLM's ``PYTHONPATH`` (vLLM's venv runs it; decode/suffix.py needs only torch, numpy and
@@ -16,7 +16,7 @@ token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row,
   selfspec's engine (the k that maximises expected tokens per verify cost, acceptance probabilities calibrated online
   from what vLLM accepted).
 - **The verify cost** of a chain in vLLM is not measured inside vLLM: ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON
-  object {nodes: cost relative to one}); decode/bench/vllm.py passes selfspec's measured curve for the same model
+  object {nodes: cost relative to one}); bench/vllm.py passes selfspec's measured curve for the same model
   (vLLM's kernels differ, so that curve is an approximation). Without it, verifying up to 4 tokens is taken to cost
   what one does, then 10% more per token.
 - **No request ids.** The proposer is not told when a request ends, so a row whose history no longer extends the one
@@ -72,7 +72,7 @@ class SuffixProposer:
     @classmethod
     def standalone(cls, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000,
                    max_match: int = 24) -> "SuffixProposer":
-        """The proposer without a vLLM config (the hybrid's suffix part, decode/vllm_hybrid.py)."""
+        """The proposer without a vLLM config (the hybrid's suffix part, serve/vllm_hybrid.py)."""
         out = cls.__new__(cls)
         out._setup(k, max_model_len, curve, remember, max_match)
         return out

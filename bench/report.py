@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 
 def machine_info(device: torch.device) -> dict:
-    import platform
-
-    import transformers
-
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": str(device), "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count()}
@@ -86,6 +84,7 @@ def _mismatch_text(report: dict) -> str:
 
 def write_plots(report: dict, out: Path) -> list[Path]:
     """speedup_by_category.png, tree_size.png, verify_cost.png (matplotlib's Agg canvas, no display needed)."""
+    # deferred: matplotlib (slow to import) only when the plots are written
     from matplotlib.figure import Figure
 
     cats, figs = report["categories"] + report.get("sources", []) + ["overall"], report["figures"]

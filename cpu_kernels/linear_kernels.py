@@ -58,8 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfspec.decode.attention import grouped_query_attention
+from selfspec.cpu_kernels.attention import grouped_query_attention
 from selfspec.core.errors import SettingError
+from selfspec.core.folders import cache_dir
 
 MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one where MAX_ROWS rows take it
 KERNELS = ("auto", "torch", "small_batch")
@@ -219,6 +220,7 @@ def packing_fits(weights: Sequence[torch.Tensor], memory_bytes: int | None = Non
     """Whether packed copies of ``weights`` take at most ``PACK_MEMORY_SHARE`` of ``memory_bytes`` (default: this
     machine's physical memory): the copy is kept beside the weights while the model lives."""
     if memory_bytes is None:
+        # deferred: psutil is accelerate's dependency, not selfspec's; read only to size packing
         import psutil
 
         memory_bytes = psutil.virtual_memory().total
@@ -281,8 +283,6 @@ def sample_weights(weights: Sequence[torch.Tensor], max_bytes: int = 192 << 20) 
 
 
 def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
-    from selfspec.core.target import cache_dir
-
     key = json.dumps({"shapes": [list(w.shape) for w in weights], "dtype": str(weights[0].dtype),
                       "device": str(weights[0].device), "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -457,7 +457,7 @@ def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan
     """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
     own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their
-    attention as decode/attention.py runs it. Yields how many linears were swapped."""
+    attention as cpu_kernels/attention.py runs it. Yields how many linears were swapped."""
     with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
                              grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
         yield swapped

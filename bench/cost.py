@@ -11,12 +11,12 @@ import torch
 
 from selfspec.core.families import FAMILIES, Family
 from selfspec.decode.adaptive import CURVE_SIZES, verify_cost_curve
-from selfspec.decode.bench.methods import Method
+from selfspec.bench.methods import Method
 from selfspec.decode.cache import commit_kv
 from selfspec.decode.drafters import VanillaDrafter
 from selfspec.decode.engine import prefill
 from selfspec.decode.hybrid import HybridDrafter
-from selfspec.decode.linear_kernels import decoding_kernels
+from selfspec.cpu_kernels.linear_kernels import decoding_kernels
 from selfspec.decode.session import Session
 from selfspec.decode.settings import required
 from selfspec.decode.step import tree_forward

@@ -118,7 +118,9 @@ def store_cfg(family: str, run_dir: Path, store: Path, *overrides: str):
     chosen = FAMILIES[family]
     base = ["experiment=debug", f"run_dir={run_dir}", "trainer.max_steps=2", "trainer.batch_size=4",
             "trainer.warmup_steps=0", "trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1",
-            "features=store", f"feature_store.dir={store}", "feature_store.dtype=float32"]
+            "features=store", f"feature_store.dir={store}", "feature_store.dtype=float32",
+            "trainer.target_dtype=float32"]  # auto is bfloat16 where a CPU multiplies it natively; the parts are
+    # compared with the whole target as load_target gives it (the model config's float32) on every machine
     return compose(chosen.train_conf, chosen.train_overrides() + base + list(overrides)), chosen
 
 

@@ -86,14 +86,16 @@ def test_gpt_oss_heads_trained_on_a_folder_decode_from_the_heads_alone(tmp_path)
     split = datasets.Dataset.from_dict({"input_ids": rows, "labels": [[-100] * 6 + r[6:] for r in rows]})
     cfg = compose("dflash", ["experiment=debug", "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=0",
                              "speed_check.prompts=null", "model=tiny", "model.source=hub",
-                             f"model.name_or_path={folder}", "model.tiny=null", f"run_dir={tmp_path / 'run'}"])
+                             f"model.name_or_path={folder}", "model.tiny=null", f"run_dir={tmp_path / 'run'}",
+                             "trainer.target_dtype=bfloat16"])  # as auto chooses where a CPU has native bfloat16
     result = train(cfg, METHODS["dflash"](cfg), datasets=datasets.DatasetDict({"train": split}))
     heads = Path(result.heads_dir)
     recorded = read_heads_config(heads)["model"]
     assert recorded["attn_implementation"] == "eager" and recorded["name_or_path"] == str(folder)
+    assert recorded["dtype"] == cfg.model.dtype != "bfloat16"  # the model's dtype, not the one training ran it in
 
     session = load_session(compose("decode", [f"heads={heads}", "max_new_tokens=12"]))
-    assert session.target.model.config._attn_implementation == "eager"
+    assert session.target.model.config._attn_implementation == "eager" and session.target.model.dtype == torch.float32
     ids = rows[0][:6]
     assert session.decoder.generate(ids, max_new_tokens=12).tokens == greedy(session.target.model, ids, 12)
 

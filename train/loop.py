@@ -248,12 +248,20 @@ def _load_target(cfg: Any, accelerator, target_dtype: str = "auto", trains_targe
     settings = asked.replace(device=str(accelerator.device),  # each rank on its own device, not "auto" (= cuda:0)
                              dtype=training_dtype(target_dtype, accelerator.device, asked.dtype, trains_target))
     if store_layers is None or trains_target:
-        return load_target(settings)
+        return recorded_as_asked(load_target(settings), asked)
 
-    target = load_target_parts(settings, store_layers)
+    target = recorded_as_asked(load_target_parts(settings, store_layers), asked)
     if accelerator.is_main_process:
         print(f"[selfspec] features=store: the trainer holds the target's {target.parts.describe(target.model)}; "
               "the rest stays on the meta device.", file=sys.stderr)
+    return target
+
+
+def recorded_as_asked(target, asked: TargetSettings):
+    """``target`` with the dtype its heads record (how decoding loads it) set back to the model config's: training
+    may run the frozen target in another dtype (``trainer.target_dtype``), decoding runs it in ``model.dtype``."""
+    if target.settings and "dtype" in target.settings:
+        target.settings = {**target.settings, "dtype": asked.dtype}
     return target
 
 

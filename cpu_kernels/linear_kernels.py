@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from selfspec.cpu_kernels.attention import grouped_query_attention
+from selfspec.cpu_kernels.lean_layers import lean_layers
 from selfspec.core.errors import SettingError
 from selfspec.core.folders import cache_dir
 
@@ -352,24 +353,41 @@ class SmallBatchLinear(nn.Linear):
         handed = self.__dict__.pop("_handed", None)
         if handed is not None and handed[0] is x:  # a later member of a group, called on the group's input
             return handed[1]
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        width = self._row_plan.width(rows)
-        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        packed = self._packed
-        if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
-                or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
+        y = self._planned_product(x)
+        if y is None:
             return F.linear(x, self.weight, self.bias)
         group = self._group
-        weight, bias = (self.weight, self.bias) if group is None else (group.weight, group.bias)
-        y = _product(weight, x.reshape(rows, x.shape[-1]), width, packed)
-        if bias is not None:
-            y = y + bias
         if group is None:
             return y.reshape(*x.shape[:-1], self.out_features)
         parts = y.split(group.sizes, dim=1)
         for member, part in zip(group.members[1:], parts[1:]):
             member.__dict__["_handed"] = (x, part.reshape(*x.shape[:-1], part.shape[1]))
         return parts[0].reshape(*x.shape[:-1], self.out_features)
+
+    def group_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., in] -> [..., sum of the group's out_features]: every member's output side by side, in the group's
+        order, as the first member's call computes them (the same product), for a caller that reads the group as one
+        (cpu_kernels/lean_layers.py). None where this linear leads no group or its plan leaves the product to
+        PyTorch (then each member's own call)."""
+        if self._group is None:
+            return None
+        y = self._planned_product(x)
+        return None if y is None else y.reshape(*x.shape[:-1], y.shape[1])
+
+    def _planned_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [..., in] as rows [rows, in] @ the weight (its group's, if it leads one) + bias, by this linear's plan;
+        None where the plan, the device, a gradient or the dtype leaves the product to F.linear."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        width = self._row_plan.width(rows)
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        packed = self._packed
+        if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
+                or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
+            return None
+        group = self._group
+        weight, bias = (self.weight, self.bias) if group is None else (group.weight, group.bias)
+        y = _product(weight, x.reshape(rows, x.shape[-1]), width, packed)
+        return y if bias is None else y + bias
 
 
 # --- grouped projections -------------------------------------------------------------------------------------------
@@ -453,13 +471,15 @@ def use_small_batch(kernel: str, device: torch.device | str) -> bool:
 
 @contextmanager
 def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan | None,
-                     plans: Mapping[torch.dtype, RowPlan] | None = None) -> Iterator[int]:
+                     plans: Mapping[torch.dtype, RowPlan] | None = None, lean: bool = True) -> Iterator[int]:
     """The kernels a decode runs ``model`` and ``modules`` with, for a ``with`` block: their linears as
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
-    own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), and their
-    attention as cpu_kernels/attention.py runs it. Yields how many linears were swapped."""
+    own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), their
+    attention as cpu_kernels/attention.py runs it, and ``model``'s Llama-form layers as cpu_kernels/lean_layers.py
+    runs them (``lean``; the drafters' modules keep their own). Yields how many linears were swapped."""
     with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
-                             grouped=(model,)) as swapped, grouped_query_attention(model, *modules):
+                             grouped=(model,)) as swapped, grouped_query_attention(model, *modules), \
+            lean_layers(model, enabled=lean):
         yield swapped
 
 

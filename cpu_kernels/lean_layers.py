@@ -1,14 +1,11 @@
 """Llama-style decoder layers with fewer ops per token: the same maths as transformers' forwards, in fewer calls.
 
-A plain decoding step of SmolLM2-135M (30 Llama layers, 9 query heads on 3 key/value heads, float32) on a 2-core AMD
-EPYC (Zen 5) ran 1.19x slower in the engine than vLLM-CPU's eager step, with the linear products equally fast and the
-engine's own loop no part of the gap (docs/journal/2026-12-02-plain-step-avx512.md). The rest was transformers' eager
-layer code: 5,348 op calls a token against vLLM's 3,780 (``as_strided`` 961 against 384, ``view`` 548/334, ``reshape``
-429/123, ``transpose`` 300, ``mul`` 275/152 from the rotary's four a layer, ``cat`` 62 from ``rotate_half``) and 396
-``nn.Module`` calls a step; HF's ``LlamaRMSNorm`` took 31 us a call where ``F.rms_norm`` took 17.6 us with the same
-bits in float32, and ``apply_rotary_pos_emb`` 29 us a layer. With the forwards below, the engine's plain step of
-SmolLM2 makes 4,899 op calls a token instead of 5,426 and 126 module calls instead of 396 (counted under
-torch.profiler and ``sys.setprofile``, the same machine, 2026-12-02).
+A plain decoding step of SmolLM2-135M (30 Llama layers, float32) on a 2-core AMD EPYC (Zen 5) ran slower in the
+engine than vLLM-CPU's eager step with the linear products equally fast and the engine's own loop no part of the gap
+(docs/journal/2026-12-02-plain-step-avx512.md): the rest was transformers' eager layer code, which makes many more
+op calls a token than vLLM's (views, transposes and reshapes around each projection, four multiplies and a ``cat``
+for each rotary) and an ``nn.Module`` call for every norm, projection and activation. The forwards below make the
+same products in fewer calls (the counts before and after: docs/benchmarks.md, "The plain step against vLLM-CPU's").
 
 :func:`lean_layers` gives, for a ``with`` block, the modules of a model whose forward is one of the Llama forms a
 lean forward of their own (``sub.__class__`` set to a subclass of the module's class made once, the class set back

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import CONF, compose, load_script
 from selfspec.core.families import FAMILIES
@@ -337,7 +338,7 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(SpeculativeDecoder, "generate", recording)
-        result = speed_check(folder, prompts=2, max_new_tokens=6, out=out)
+        result = speed_check(folder, prompts=2, max_new_tokens=6, chat=True, out=out)
     text = out.getvalue()
     assert f"selfspec-decode heads={folder}" in text and "quick speed check (2 prompts, 6 new tokens" in text
     assert recorded["heads"][0] == recorded["plain"][0] == 12  # both decoders answered both prompts in full
@@ -346,4 +347,23 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
     assert result["ratio"] == pytest.approx(expected["heads"] / expected["plain"])
     assert f"{result['ratio']:.2f}x" in text
     quiet = io.StringIO()
-    assert speed_check(folder, prompts=0, max_new_tokens=6, out=quiet) == {} and f"selfspec-decode heads={folder}" in quiet.getvalue()
+    assert speed_check(folder, prompts=0, max_new_tokens=6, chat=True, out=quiet) == {} and f"selfspec-decode heads={folder}" in quiet.getvalue()
+
+
+def test_heads_trained_on_plain_text_are_speed_checked_on_text_openings(monkeypatch):
+    # A base model's heads (data.format=text) are checked on openings it continues, without the chat template: under
+    # it a base model mostly repeats the instruction, which a copying drafter predicts (a speedup nobody gets).
+    import selfspec.train.speed_check as sc
+
+    session = load_session(compose("decode", ["model=tiny", "max_new_tokens=8"]))
+    tokenizer = session.target.tokenizer
+    chat, text = sc.speed_check_ids(tokenizer, 2, True), sc.speed_check_ids(tokenizer, 2, False)
+    assert text == [tokenizer(t)["input_ids"] for t in sc.SPEED_CHECK_OPENINGS[:2]]
+    assert chat == [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                       return_dict=False)) for t in sc.SPEED_CHECK_PROMPTS[:2]]
+    asked = []
+    monkeypatch.setattr(sc, "speed_check", lambda heads, prompts, tokens, chat: asked.append(chat))
+    for fmt in ("text", "chat"):
+        sc.after_training(OmegaConf.create({"speed_check": {"prompts": 1, "max_new_tokens": 4},
+                                            "data": {"format": fmt}}), "heads")
+    assert asked == [False, True]

@@ -22,6 +22,16 @@ SPEED_CHECK_PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome, with a few tests.",
     "What are the main differences between a list and a tuple in Python?",
 )
+# For heads trained on plain text (``data.format=text``, a base model's continuations): openings a document or a
+# program goes on from. A base model given an instruction mostly repeats it, which a copying drafter then predicts:
+# a speedup no user of the model gets.
+SPEED_CHECK_OPENINGS = (
+    "The lighthouse keeper had lived alone on the island for eleven years when, one grey morning,",
+    "A refrigerator keeps food cold by moving heat out of its insulated box. Inside the walls, a refrigerant",
+    'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same forwards and backwards, '
+    'ignoring case and spaces."""\n',
+    "Lists and tuples are both ordered sequences in Python, but they differ in one important way:",
+)
 
 
 def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -> None:
@@ -41,13 +51,17 @@ def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -
                   "target's embeddings, final norm and LM head, and decoding loads the whole target. Decode or "
                   "benchmark the heads where it fits (the command below; scripts/bench.py).", file=sys.stderr)
             prompts = 0
-        speed_check(heads_dir, prompts, int(check["max_new_tokens"]))
+        chat = cfg_get(cfg_get(cfg, "data"), "format", "chat") != "text"  # heads trained on plain text: completion prompts
+        speed_check(heads_dir, prompts, int(check["max_new_tokens"]), chat)
 
 
-def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: TextIO | None = None) -> dict:
+def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, chat: bool,
+                out: TextIO | None = None) -> dict:
     """What a training run prints at its end: the command that decodes with its heads, and a quick speed check on a
     few short prompts (not from any benchmark): tokens/s of the heads' default decoder against plain decoding in the
-    same engine, greedy, interleaved prompt by prompt after a warm-up. Returns {"heads", "plain", "ratio"}.
+    same engine, greedy, interleaved prompt by prompt after a warm-up. ``chat``: instructions under the chat
+    template (:data:`SPEED_CHECK_PROMPTS`), else text openings (:data:`SPEED_CHECK_OPENINGS`). Returns {"heads",
+    "plain", "ratio"}.
     ``out``: where it prints (None: ``sys.stderr`` as it is at the call, not at import, which a test's capture may
     have closed since)."""
     out = out or sys.stderr
@@ -58,7 +72,7 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: T
     session = load_session(decode_config({"heads": str(heads_dir), "max_new_tokens": int(max_new_tokens)}))
     plain = session.decoder_for("vanilla")
     tokenizer = session.target.tokenizer
-    ids = [prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in SPEED_CHECK_PROMPTS[:prompts]]
+    ids = speed_check_ids(tokenizer, prompts, chat)
     for decoder in (session.decoder, plain):
         decoder.generate(ids[0], max_new_tokens=8)  # warm-up
     totals = {"heads": [0, 0.0], "plain": [0, 0.0]}
@@ -69,8 +83,15 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, out: T
             totals[name][1] += res.stats.total_s
     rate = {k: n / s if s > 0 else 0.0 for k, (n, s) in totals.items()}
     result = {**rate, "ratio": rate["heads"] / rate["plain"] if rate["plain"] else 0.0}
-    print(f"[selfspec] quick speed check ({len(ids)} prompts, {max_new_tokens} new tokens, greedy, "
+    print(f"[selfspec] quick speed check ({len(ids)} {'prompts' if chat else 'text openings'}, {max_new_tokens} new tokens, greedy, "
           f"{session.family} with its defaults {session.draft_settings}): {rate['heads']:.1f} tokens/s against "
           f"{rate['plain']:.1f} for plain decoding: {result['ratio']:.2f}x. The benchmark: scripts/bench.py.",
           file=out)
     return result
+
+
+def speed_check_ids(tokenizer, prompts: int, chat: bool) -> list[list[int]]:
+    """The token ids of the speed check's first ``prompts`` prompts: instructions under the chat template, or text
+    openings as plain text (``chat`` false)."""
+    texts = SPEED_CHECK_PROMPTS if chat else SPEED_CHECK_OPENINGS
+    return [prompt_ids(tokenizer, [{"role": "user", "content": t}], chat) for t in texts[:prompts]]

@@ -51,7 +51,8 @@ def after_training(cfg: Any, heads_dir: str | Path, whole_target: bool = True) -
                   "target's embeddings, final norm and LM head, and decoding loads the whole target. Decode or "
                   "benchmark the heads where it fits (the command below; scripts/bench.py).", file=sys.stderr)
             prompts = 0
-        chat = cfg_get(cfg_get(cfg, "data"), "format", "chat") != "text"  # heads trained on plain text: completion prompts
+        # heads trained on plain text (a base model's continuations) are checked on text openings
+        chat = cfg_get(cfg_get(cfg, "data"), "format", "chat") != "text"
         speed_check(heads_dir, prompts, int(check["max_new_tokens"]), chat)
 
 
@@ -83,7 +84,8 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, chat: 
             totals[name][1] += res.stats.total_s
     rate = {k: n / s if s > 0 else 0.0 for k, (n, s) in totals.items()}
     result = {**rate, "ratio": rate["heads"] / rate["plain"] if rate["plain"] else 0.0}
-    print(f"[selfspec] quick speed check ({len(ids)} {'prompts' if chat else 'text openings'}, {max_new_tokens} new tokens, greedy, "
+    kind = "prompts" if chat else "text openings"
+    print(f"[selfspec] quick speed check ({len(ids)} {kind}, {max_new_tokens} new tokens, greedy, "
           f"{session.family} with its defaults {session.draft_settings}): {rate['heads']:.1f} tokens/s against "
           f"{rate['plain']:.1f} for plain decoding: {result['ratio']:.2f}x. The benchmark: scripts/bench.py.",
           file=out)

@@ -314,6 +314,9 @@ def test_an_expected_mistake_of_python_decode_run_py_is_one_line(tmp_path):
 def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path, capsys):
     import io
 
+    import shlex
+
+    import selfspec.train.speed_check as sc
     from selfspec.train.speed_check import speed_check
     from selfspec.heads.io import save_heads
 
@@ -348,6 +351,11 @@ def test_a_training_run_ends_with_the_decode_command_and_a_speed_check(tmp_path,
     assert f"{result['ratio']:.2f}x" in text
     quiet = io.StringIO()
     assert speed_check(folder, prompts=0, max_new_tokens=6, chat=True, out=quiet) == {} and f"selfspec-decode heads={folder}" in quiet.getvalue()
+    text_heads = io.StringIO()  # heads trained on plain text: the command decodes a text opening without the template
+    speed_check(folder, prompts=0, max_new_tokens=6, chat=False, out=text_heads)
+    command = text_heads.getvalue().splitlines()[1].strip()
+    assert command.startswith(f"selfspec-decode heads={folder} chat=false 'prompt=")
+    assert shlex.split(command)[3] == f'prompt="{sc.SPEED_CHECK_OPENINGS[0]}"'
 
 
 def test_heads_trained_on_plain_text_are_speed_checked_on_text_openings(monkeypatch):

@@ -66,7 +66,9 @@ def speed_check(heads_dir: str | Path, prompts: int, max_new_tokens: int, chat: 
     ``out``: where it prints (None: ``sys.stderr`` as it is at the call, not at import, which a test's capture may
     have closed since)."""
     out = out or sys.stderr
-    command = f'selfspec-decode heads={heads_dir} prompt="Write a haiku about the sea."'
+    # a text opening in Hydra's quotes inside the shell's: its commas are text, not a list
+    prompt = 'prompt="Write a haiku about the sea."' if chat else f"chat=false 'prompt=\"{SPEED_CHECK_OPENINGS[0]}\"'"
+    command = f"selfspec-decode heads={heads_dir} {prompt}"
     print(f"[selfspec] decode with these heads:\n  {command}", file=out)
     if prompts <= 0:
         return {}

@@ -41,6 +41,25 @@ def test_same_output_as_sdpa_bit_for_bit(queries):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("past", [1, 37, 600])
+def test_one_query_under_a_zero_mask_is_generates_own_step_bit_for_bit(past):
+    # A plain step passes a zero mask; transformers' generate passes none, which sdpa runs with enable_gqa: ours
+    # equals that, not merely the copies' result (which differs in the last bits).
+    gen = torch.Generator().manual_seed(past)
+    q = torch.randn(1, 9, 1, 64, generator=gen)
+    k = torch.randn(1, 3, past + 1, 64, generator=gen)
+    v = torch.randn(1, 3, past + 1, 64, generator=gen)
+    ours, _ = sdpa_gqa_attention(_Layer(), q, k, v, torch.zeros(1, 1, 1, past + 1), scaling=0.125)
+    generates, _ = sdpa_attention_forward(_Layer(), q, k, v, None, scaling=0.125)
+    assert ours.shape == (1, 1, 9, 64) and torch.equal(ours, generates)
+    masked = torch.zeros(1, 1, 1, past + 1)
+    masked[..., : past // 2 + 1] = torch.finfo(torch.float32).min  # a sliding window's cut: those keys not read
+    cut, _ = sdpa_gqa_attention(_Layer(), q, k, v, masked, scaling=0.125)
+    kept = slice(past // 2 + 1, None)
+    window, _ = sdpa_attention_forward(_Layer(), q, k[:, :, kept], v[:, :, kept], None, scaling=0.125)
+    torch.testing.assert_close(cut, window, rtol=1e-5, atol=1e-6)  # the same softmax over fewer keys: rounding only
+
+
 def _verify_forward(model, queries: int = 4):
     """Logits of a masked forward of ``queries`` tokens over a 6-token cache (the shape of a tree verify)."""
     cache = {cache_kwarg(model): new_cache()}

@@ -1,4 +1,4 @@
-"""Grouped-query attention over several masked queries without copies of the keys and values, on a CPU.
+"""Grouped-query attention under a mask without copies of the keys and values, on a CPU.
 
 The engine's forwards attend under a 4D mask: a tree verify's N > 1 queries, and a plain step's one query (a zero
 mask, or a sliding window's cut). For a grouped-query target (SmolLM2: 9 query heads on 3 key/value heads)
@@ -9,8 +9,8 @@ mask and reads each key/value head in place. For N > 1 queries that is the same 
 copies, the output the same bit for bit; for one query under a zero mask it is bit for bit what transformers computes
 in ``generate``'s own step, which passes no mask and so takes ``enable_gqa`` itself (tests/test_attention.py). On a
 2-core AMD EPYC (Zen 5) that made one layer's attention and a verify forward of SmolLM2 faster (docs/benchmarks.md,
-the engine's cost curve; docs/journal/2026-12-01-figures-from-code.md), and the plain step (docs/journal/
-2026-12-02-compiled-layers.md).
+the engine's cost curve; docs/journal/2026-12-01-figures-from-code.md); the plain step, with its one query, ran
+as fast as with the copies (docs/journal/2026-12-02-compiled-layers.md: at a few hundred positions they are small).
 
 :func:`grouped_query_attention` points the modules' ``sdpa`` configs at :data:`GQA_SDPA` for a ``with`` block and back
 after. The function is registered with transformers' ``AttentionInterface`` (and sdpa's mask with

@@ -350,12 +350,18 @@ class EagleHeads(nn.Module):
         out = lookup[safe]
         return torch.where((target_ids >= 0) & self.t2d[safe], out, torch.full_like(out, -100))
 
+    def draft_token_ids(self) -> torch.Tensor:
+        """[Vd] the target ids of the draft vocabulary, in draft id order (eagle3)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
     def teacher_logits(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Target logits [..., V] -> (the same restricted to the draft vocabulary [..., Vd], in_vocab [...]) where
-        in_vocab says the target's top token is a draft token (EAGLE-3 trains only on those positions)."""
-        if self.variant == "eagle":
+        in_vocab says the target's top token is a draft token (EAGLE-3 trains only on those positions). Logits
+        already over the draft vocabulary alone ([..., Vd], heads.loss.teacher_vocab=draft) pass as they are, every
+        row in vocabulary: the target's top token outside it cannot be told from them."""
+        if self.variant == "eagle" or target_logits.shape[-1] == self.d2t.numel():
             return target_logits, torch.ones(target_logits.shape[:-1], dtype=torch.bool, device=target_logits.device)
-        ids = torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        ids = self.draft_token_ids()
         in_vocab = self.t2d[target_logits.argmax(-1)]
         return target_logits[..., ids.to(target_logits.device)], in_vocab
 

@@ -32,6 +32,7 @@ from selfspec.heads.eagle_loss import (
     token_ce_loss,
     token_kl_loss,
 )
+from selfspec.core.errors import SettingError
 from selfspec.core.target import build_tiny
 from selfspec.heads.vocab import build_draft_vocab, count_tokens
 
@@ -459,6 +460,63 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
                                  torch.zeros(2), unroll_steps=2, attention_mask=attention_mask)
     assert float(loss.detach()) == 0.0 and metrics["count_0"] == 0.0
     assert all(g is not None and float(g.abs().sum()) == 0.0 for g in grads(loss))
+
+
+def test_a_draft_vocabulary_teacher_trains_on_the_draft_rows_of_the_lm_head(tiny_llama):
+    """heads.loss.teacher_vocab=draft: the teacher is the LM head's draft-vocabulary rows alone. The loss equals the
+    dense loss over the target's logits restricted to the draft tokens (the same softmax over them), and it trains
+    where the full teacher skips a row whose target top token is outside the draft vocabulary."""
+    model, _ = tiny_llama
+    ids = sequence(3, 14, seed=4, device=model.device)
+    labels = ids.clone()
+    labels[1:, :4] = -100
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    counts = (count_tokens(ids.cpu(), model.config.vocab_size)
+              + count_tokens(out.logits.argmax(-1).cpu(), model.config.vocab_size))
+    counts[int(out.logits[2, 7].argmax())] = 0  # one top token outside the draft vocabulary (its label inside)
+    assert int(ids[2, 8]) != int(out.logits[2, 7].argmax())
+    size = int((counts > 0).sum())
+    torch.manual_seed(0)
+    drafter = make(model, "eagle3", draft_vocab_size=size)
+    drafter.set_draft_vocab(build_draft_vocab(counts, size)[0], init_lm_head_from=model.lm_head)
+    weights = EagleLossWeights(regression=0.0, token=1.0, teacher_vocab="draft")
+    rows = drafter.draft_token_ids()
+    restricted = out.logits[..., rows]
+    dense, dense_counts = dense_reference_loss(drafter, out.hidden_states, restricted, ids, labels, weights, 2, None)
+    _, full_counts = dense_reference_loss(drafter, out.hidden_states, out.logits, ids, labels, weights, 2, None)
+    assert int(dense_counts[0]) == int(full_counts[0]) + 1  # row [2, 7] trains with the draft teacher only
+    head = model.lm_head.weight[rows]
+    loss, _ = drafter_loss(drafter, out.hidden_states, lambda b, p: F.linear(out.hidden_states[-1][b, p], head), ids,
+                           labels, weights, dense_counts, unroll_steps=2)
+    assert float(loss.detach()) == pytest.approx(float(dense.detach()), rel=1e-5) and float(loss.detach()) > 0
+    with pytest.raises(SettingError, match="teacher_vocab must be 'full' or 'draft'"):
+        EagleLossWeights(teacher_vocab="top")
+
+
+def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp_path):
+    """EagleMethod's teacher with heads.loss.teacher_vocab=draft: the target's LM head (soft-capped as the target's)
+    over the draft vocabulary's rows, equal to the full head's logits at those columns."""
+    from test_medusa_train import tiny_datasets, tiny_target
+
+    from selfspec.train.data import collate
+    from selfspec.train.eagle_method import EagleMethod
+
+    target, datasets = tiny_target(), tiny_datasets()
+    logits = {}
+    for vocab in ("full", "draft"):
+        method = EagleMethod(eagle_cfg(tmp_path / vocab, "heads=eagle3", "heads.draft_vocab_size=64",
+                                       f"heads.loss.teacher_vocab={vocab}"))
+        method.prepare_data(datasets, target, None, None)
+        core = method.build_module(target).drafter
+        batch = collate([datasets["train"][i] for i in range(2)], target.tokenizer.pad_token_id)
+        batch = {k: v.to(target.model.device) for k, v in batch.items()}
+        _, teacher = method._target_outputs(batch, target, core.config.layer_ids, core)
+        b, p = (batch["labels"] != -100).nonzero(as_tuple=True)
+        logits[vocab] = teacher(b, p)
+    rows = core.draft_token_ids()
+    assert logits["draft"].shape == (len(b), 64) and logits["full"].shape[-1] == target.model.config.vocab_size
+    torch.testing.assert_close(logits["draft"], logits["full"][:, rows], rtol=1e-5, atol=1e-5)
 
 
 def test_uniform_noise_bounds():

@@ -11,7 +11,8 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
   ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
 - ``unroll_steps``: test-time steps unrolled in training (the draft reads its own output features);
   ``feature_noise``: uniform noise on the step-0 input features (training only);
-- ``loss``: ``regression``, ``token`` weights, ``token_loss`` (kl to the target | ce on the data), ``step_decay``;
+- ``loss``: ``regression``, ``token`` weights, ``token_loss`` (kl to the target | ce on the data), ``step_decay``,
+  ``teacher_vocab`` (eagle3's kl teacher: the whole LM head, or its draft vocabulary's rows alone);
 - ``tree``: the dynamic-tree settings decoding uses by default (saved with the heads).
 
 Hidden states come from the target as training runs (``features: online``: one forward with
@@ -24,7 +25,9 @@ so the store needs no top-k logits and trains the same drafter as online feature
 Each loss term of an unrolled step is a sum over the positions it trains at divided by their global count over the
 optimizer step (``count_items``: answer tokens inside the draft vocabulary), so a step's gradient does not depend on
 how the batch is split over processes and micro-batches. EAGLE-3's KL loss skips the positions whose target top token
-is outside the draft vocabulary (no draft could propose it); they stay counted, contributing no loss.
+is outside the draft vocabulary (no draft could propose it); they stay counted, contributing no loss. With
+``loss.teacher_vocab=draft`` the teacher is the draft vocabulary's rows of the LM head alone (the same softmax over
+the draft tokens, without the whole head's cost: most of a step on a 262k vocabulary), and those positions train too.
 
 Saved through selfspec.heads.io as head type ``eagle`` / ``eagle3``; eagle3's ``d2t`` / ``t2d`` are buffers of the module and
 are saved with its weights.
@@ -32,11 +35,13 @@ are saved with its weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from selfspec.core.archs import output_logits
@@ -185,7 +190,7 @@ class EagleMethod(TrainMethod):
 
     # --- loss ---------------------------------------------------------------------------------------------------
 
-    def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None):
+    def _target_outputs(self, batch: dict, target, layer_ids: list[int] | None, core: nn.Module):
         """(hidden states indexable by layer id and -1, the target's logits or None): the hidden states of an online
         forward of the decoder stack, or of the feature store; the logits a function (b, p) -> [N, V] (float32)
         applying the LM head (soft-capped as the target's logits are) to the rows the loss trains on only (not a
@@ -194,10 +199,15 @@ class EagleMethod(TrainMethod):
         need_logits = self.weights.token > 0 and self.weights.token_loss == "kl"
         hidden_states = target_hidden_states(model, batch, layer_ids)  # the LM head runs below on trained rows alone
         lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
+        head = lm_head
+        if self.weights.teacher_vocab == "draft" and core.variant == "eagle3":  # the draft vocabulary's rows alone
+            ids = core.draft_token_ids().to(lm_head.weight.device)
+            bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
+            head = functools.partial(F.linear, weight=lm_head.weight[ids], bias=bias)
 
         def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
             with torch.no_grad():
-                return rows_through(lambda r: output_logits(model.config, lm_head(r)),
+                return rows_through(lambda r: output_logits(model.config, head(r)),
                                     hidden[b, p].to(lm_head.weight.dtype)).float()
 
         return hidden_states, logits if need_logits else None
@@ -210,7 +220,7 @@ class EagleMethod(TrainMethod):
     def compute_loss(self, batch: dict, target, drafter: nn.Module, num_items: torch.Tensor):
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
-        hidden_states, logits = self._target_outputs(batch, target, layer_ids)
+        hidden_states, logits = self._target_outputs(batch, target, layer_ids, core)
         loss, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
                                 num_items, batch.get("segment_ids"), batch.get("position_ids"))
         return loss, {k: v for k, v in metrics.items() if not k.startswith(("count_", "loss"))}
@@ -225,7 +235,7 @@ class EagleMethod(TrainMethod):
         core = unwrap(drafter).drafter
         layer_ids = core.config.layer_ids if core.variant == "eagle3" else None
         for batch in loader:
-            hidden_states, logits = self._target_outputs(batch, target, layer_ids)
+            hidden_states, logits = self._target_outputs(batch, target, layer_ids, core)
             _, metrics = drafter(hidden_states, logits, batch["input_ids"], batch["labels"], batch["attention_mask"],
                                  self.count_items(batch), batch.get("segment_ids"), batch.get("position_ids"))
             for j in range(steps):

@@ -56,8 +56,8 @@ class EagleLossWeights:
     token_loss: str = "kl"  # "kl" to the target's distribution, or "ce" on the data's tokens
     # eagle3's teacher with token_loss=kl: "full" runs the target's whole LM head on each trained row and also skips
     # rows whose target top token is outside the draft vocabulary; "draft" runs only the draft vocabulary's rows of
-    # the LM head (the same softmax over the draft tokens, V / Vd times cheaper: 60x on Gemma 3's 262k) and trains
-    # on every row whose data token is a draft token
+    # the LM head (the same softmax over the draft tokens, V / Vd times cheaper) and trains on every row whose data
+    # token is a draft token
     teacher_vocab: str = "full"
 
     def __post_init__(self):

@@ -517,6 +517,12 @@ def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp
     rows = core.draft_token_ids()
     assert logits["draft"].shape == (len(b), 64) and logits["full"].shape[-1] == target.model.config.vocab_size
     torch.testing.assert_close(logits["draft"], logits["full"][:, rows], rtol=1e-5, atol=1e-5)
+    # the rows are gathered once per run, and again when the draft map changes in place
+    lm_head = target.model.get_output_embeddings()
+    assert method._draft_rows_head(lm_head, core) is method._draft_rows_head(lm_head, core)
+    core.d2t.copy_(torch.arange(64) * 2 + 1 - torch.arange(64))  # draft ids -> target ids 1, 3, 5, ...
+    _, moved = method._target_outputs(batch, target, core.config.layer_ids, core)
+    torch.testing.assert_close(moved(b, p), logits["full"][:, 1:128:2], rtol=1e-5, atol=1e-5)
 
 
 def test_uniform_noise_bounds():

@@ -147,6 +147,7 @@ class EagleMethod(TrainMethod):
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
         self._draft_vocab_of = None  # the built drafter's target -> draft id map, for count_items
+        self._draft_head = None  # (LM head weight, draft ids) -> F.linear over those rows: gathered once per run
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -201,9 +202,7 @@ class EagleMethod(TrainMethod):
         lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
         head = lm_head
         if self.weights.teacher_vocab == "draft" and core.variant == "eagle3":  # the draft vocabulary's rows alone
-            ids = core.draft_token_ids().to(lm_head.weight.device)
-            bias = lm_head.bias[ids] if getattr(lm_head, "bias", None) is not None else None
-            head = functools.partial(F.linear, weight=lm_head.weight[ids], bias=bias)
+            head = self._draft_rows_head(lm_head, core)
 
         def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on
             with torch.no_grad():
@@ -211,6 +210,17 @@ class EagleMethod(TrainMethod):
                                     hidden[b, p].to(lm_head.weight.dtype)).float()
 
         return hidden_states, logits if need_logits else None
+
+    def _draft_rows_head(self, lm_head: nn.Module, core: EagleHeads):
+        """F.linear over the LM head's rows of the drafter's draft vocabulary; the rows are copied once and reused
+        while the (frozen) head's weight and the drafter's d2t map are the same tensors, unchanged in place."""
+        weight, d2t = lm_head.weight, core.d2t
+        key = (weight.data_ptr(), weight.device, weight._version, d2t.data_ptr(), d2t._version)
+        if self._draft_head is None or self._draft_head[0] != key:
+            rows = core.draft_token_ids().to(weight.device)
+            bias = lm_head.bias[rows] if getattr(lm_head, "bias", None) is not None else None
+            self._draft_head = (key, functools.partial(F.linear, weight=weight[rows], bias=bias))
+        return self._draft_head[1]
 
     def count_items(self, batch: dict) -> torch.Tensor:
         """Positions each unrolled step trains at, [unroll_steps] (selfspec.heads.eagle_loss.step_counts)."""

@@ -147,7 +147,7 @@ class EagleMethod(TrainMethod):
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
         self._draft_vocab_of = None  # the built drafter's target -> draft id map, for count_items
-        self._draft_head = None  # (LM head weight, draft ids) -> F.linear over those rows: gathered once per run
+        self._draft_head = None  # (key, F.linear over the LM head's draft rows): gathered once per run (_draft_rows_head)
 
     # --- setup --------------------------------------------------------------------------------------------------
 

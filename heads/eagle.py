@@ -80,7 +80,8 @@ class EagleConfig:
     hidden_size: int = 0  # the target's; filled by from_target
     vocab_size: int = 0  # the target's
     layer_ids: list[int] | None = None  # eagle3: the target layers whose input hidden states are fused
-    draft_vocab_size: int | None = None  # eagle3: size of the draft LM head's vocabulary (None = the target's)
+    draft_vocab_size: int | None = None  # size of the draft vocabulary (None = the target's): eagle3's own LM head;
+    # eagle's logits are the target LM head's rows of its draft tokens (a large vocabulary's head costs most of a step)
     fc_bias: bool = True  # bias of the 2H -> H input projection (EAGLE-1 has one)
     init_layer_from: int | None = None  # copy the weights of this target layer into the draft layer (None = random)
     layout: str = "fc"  # "fc" | "midlayer" (eagle3 only): how embedding and feature enter the layer
@@ -104,7 +105,7 @@ class EagleConfig:
 
     @property
     def effective_draft_vocab_size(self) -> int:
-        if self.variant == "eagle" or self.draft_vocab_size is None:
+        if self.draft_vocab_size is None:
             return self.vocab_size
         return min(int(self.draft_vocab_size), self.vocab_size)
 
@@ -262,20 +263,32 @@ class EagleHeads(nn.Module):
 
         if config.variant == "eagle3":
             self.norm = _norm(hidden, eps, final_scale)
-            vd = config.effective_draft_vocab_size
-            if d2t is None:
-                d2t = torch.zeros(vd, dtype=torch.long)  # identity map over the first vd ids until a vocab is set
-            if d2t.shape != (vd,):
-                raise ValueError(f"d2t has shape {tuple(d2t.shape)}; expected ({vd},) (the draft vocabulary size).")
-            self.lm_head = nn.Linear(hidden, vd, bias=False)
-            self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
-            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-            self.set_draft_vocab(d2t, init_lm_head_from=target.get_output_embeddings())
+            self._register_vocab(config, d2t)
+            self.lm_head = nn.Linear(hidden, config.effective_draft_vocab_size, bias=False)
+            self.set_draft_vocab(self.d2t if d2t is None else d2t, init_lm_head_from=target.get_output_embeddings())
+        elif config.draft_vocab_size is not None:  # eagle: the target LM head's draft rows (logits), no head of its own
+            self._register_vocab(config, d2t)
+            self.set_draft_vocab(self.d2t if d2t is None else d2t)
+        self._rows: tuple[tuple, tuple] | None = None  # eagle: (key, the LM head's draft rows), see logits
         for p in self.parameters():
             p.requires_grad_(True)
         self.to(next(target.parameters()).device)  # new layers beside the copied norms: all on the target's device
         # Used, never owned: kept out of state_dict() and parameters().
         self._target = [target]
+
+    def _register_vocab(self, config: EagleConfig, d2t: torch.Tensor | None) -> None:
+        """The ``d2t`` / ``t2d`` buffers of a draft vocabulary; zeros in ``d2t`` (identity over the first ids) until
+        :meth:`set_draft_vocab` (or a loaded state dict) sets one."""
+        vd = config.effective_draft_vocab_size
+        if d2t is not None and d2t.shape != (vd,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; expected ({vd},) (the draft vocabulary size).")
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        """Whether it drafts over a draft vocabulary (``d2t`` / ``t2d``): eagle3 always, eagle with a draft_vocab_size."""
+        return "d2t" in self._buffers
 
     def _init_layer_from(self, layers: nn.ModuleList, index: int) -> None:
         """Copy target layer ``index``'s weights into the draft layer. The target's layer must have a Llama layer's
@@ -329,21 +342,21 @@ class EagleHeads(nn.Module):
         return [-1] if self.variant == "eagle" else list(self.config.layer_ids)
 
     def set_draft_vocab(self, d2t: torch.Tensor, init_lm_head_from: nn.Module | None = None) -> None:
-        """eagle3: install a draft vocabulary (``d2t`` from :func:`selfspec.heads.vocab.build_draft_vocab`), optionally copying the
-        matching rows of the target's LM head into the draft LM head."""
-        if self.variant != "eagle3":
-            raise ValueError("only eagle3 drafters have a reduced draft vocabulary")
-        install_draft_vocab(self, d2t, init_lm_head_from)
+        """Install a draft vocabulary (``d2t`` from :func:`selfspec.heads.vocab.build_draft_vocab`); eagle3: optionally
+        copying the matching rows of the target's LM head into the draft LM head."""
+        if not self.has_draft_vocab:
+            raise ValueError("this drafter has no draft vocabulary: build it with a draft_vocab_size")
+        install_draft_vocab(self, d2t, init_lm_head_from if self.variant == "eagle3" else None)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft vocabulary ids -> target ids (identity for eagle)."""
-        if self.variant == "eagle":
+        """Draft vocabulary ids -> target ids (identity without a draft vocabulary)."""
+        if not self.has_draft_vocab:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
     def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids, -100 for ids outside the draft vocabulary (and for -100)."""
-        if self.variant == "eagle":
+        if not self.has_draft_vocab:
             return target_ids
         lookup = torch.cumsum(self.t2d.long(), 0) - 1  # rank of a kept id among kept ids = its draft id
         safe = target_ids.clamp(min=0)
@@ -351,7 +364,7 @@ class EagleHeads(nn.Module):
         return torch.where((target_ids >= 0) & self.t2d[safe], out, torch.full_like(out, -100))
 
     def draft_token_ids(self) -> torch.Tensor:
-        """[Vd] the target ids of the draft vocabulary, in draft id order (eagle3)."""
+        """[Vd] the target ids of the draft vocabulary, in draft id order."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def teacher_logits(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,7 +372,7 @@ class EagleHeads(nn.Module):
         in_vocab says the target's top token is a draft token (EAGLE-3 trains only on those positions). Logits
         already over the draft vocabulary alone ([..., Vd], heads.loss.teacher_vocab=draft) pass as they are, every
         row in vocabulary: the target's top token outside it cannot be told from them."""
-        if self.variant == "eagle" or target_logits.shape[-1] == self.d2t.numel():
+        if not self.has_draft_vocab or target_logits.shape[-1] == self.d2t.numel():
             return target_logits, torch.ones(target_logits.shape[:-1], dtype=torch.bool, device=target_logits.device)
         ids = self.draft_token_ids()
         in_vocab = self.t2d[target_logits.argmax(-1)]
@@ -431,12 +444,28 @@ class EagleHeads(nn.Module):
         return rotary(x, position_ids)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (Vd = V for eagle: the target's LM
-        head, soft-capped where the target's logits are, :func:`selfspec.core.archs.output_logits`)."""
+        """Draft features [..., H] -> logits over the draft vocabulary [..., Vd] (eagle: the target's LM head, or its
+        draft rows alone with a draft vocabulary, soft-capped where the target's logits are,
+        :func:`selfspec.core.archs.output_logits`)."""
         if self.variant == "eagle":
             lm_head = self.target.get_output_embeddings()
-            return output_logits(self.target.config, lm_head(features.to(lm_head.weight.dtype)))
+            x = features.to(lm_head.weight.dtype)
+            if not self.has_draft_vocab:
+                return output_logits(self.target.config, lm_head(x))
+            weight, bias = self._draft_rows(lm_head)
+            return output_logits(self.target.config, F.linear(x, weight, bias))
         return self.lm_head(self.norm(features))
+
+    def _draft_rows(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """eagle: the (frozen) target LM head's rows (and bias) of the draft tokens, gathered once and again only when
+        the head's weight or ``d2t`` is another tensor or changed in place (a new vocabulary, a loaded state dict)."""
+        weight, d2t = lm_head.weight, self.d2t
+        key = (weight.data_ptr(), weight.device, weight._version, d2t.data_ptr(), d2t.device, d2t._version)
+        if self._rows is None or self._rows[0] != key:
+            rows = self.draft_token_ids().to(weight.device)
+            bias = lm_head.bias[rows].detach() if getattr(lm_head, "bias", None) is not None else None
+            self._rows = (key, (weight[rows].detach(), bias))
+        return self._rows[1]
 
     def unrolled_forward(
         self,

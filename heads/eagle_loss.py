@@ -231,7 +231,7 @@ def drafter_loss(
     if use_teacher:
         with torch.no_grad():
             teacher, in_vocab = drafter.teacher_logits(_teacher_rows(target_logits, b, p))
-        if drafter.variant != "eagle":
+        if drafter.has_draft_vocab:
             b, p, teacher = b[in_vocab], p[in_vocab], teacher[in_vocab]
     regression_target = None
     if weights.regression > 0:

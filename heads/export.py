@@ -330,7 +330,8 @@ def eagle3_to_sglang(drafter: nn.Module, include_embeddings: bool = True) -> tup
 
 def eagle_to_vllm(drafter: nn.Module, include_embeddings: bool = True) -> tuple[dict, dict]:
     """An EAGLE-1 drafter with an fc without bias and a layer without input norm -> (config, state) of vLLM's
-    ``EagleLlamaForCausalLM``."""
+    ``EagleLlamaForCausalLM``. A draft vocabulary (the target LM head's rows the drafter's logits use in selfspec) is
+    not exported: vLLM's EAGLE-1 drafts over the target's whole head, which the drafter's features are trained for."""
     if drafter.config.variant != "eagle" or drafter.config.fc_bias or drafter.config.input_norm:
         raise ExportError("Only EAGLE-1 drafters with fc_bias=false and input_norm=false have vLLM's EAGLE-1 form.")
     config = {"architectures": ["EagleLlamaForCausalLM"],

@@ -30,7 +30,8 @@ from selfspec.decode.engine import SpeculativeDecoder
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ARCHS = list(TINY_ARCHS)
-VARIANTS = {"eagle": ["heads=eagle"], "eagle3": ["heads=eagle3"],
+VARIANTS = {"eagle": ["heads=eagle", "heads.draft_vocab_size=null"],  # the whole LM head; test_eagle.py: a draft vocabulary
+            "eagle3": ["heads=eagle3"],
             "eagle3-mid": ["heads=eagle3", "heads.layout=midlayer"]}
 STEPS = 16  # from the store: drafts are accepted after them on every architecture (eagle3-mid, the slowest to learn: tau >= 1.2)
 ONLINE_STEPS = 4  # online: the store run's first steps again

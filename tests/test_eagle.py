@@ -73,7 +73,7 @@ def test_shapes_and_ownership(request, arch, variant):
     assert feats.shape == (2, 10, 64)
     out = drafter(feats, ids, torch.arange(10, device=model.device)[None].expand(2, 10))
     assert out.shape == (2, 10, 64)
-    assert drafter.logits(out).shape == (2, 10, 320 if variant == "eagle" else 100)
+    assert drafter.logits(out).shape == (2, 10, 100)  # eagle: the target LM head's rows of the draft vocabulary
     assert type(drafter.layer) is LlamaDecoderLayer  # a Llama layer whatever the target, no biases
     assert not any(k.endswith("bias") for k in drafter.layer.state_dict())
     # The target's embedding / LM head are used, not owned: not in state_dict, not trainable through the drafter.
@@ -92,7 +92,7 @@ def test_shapes_and_ownership(request, arch, variant):
     else:
         assert drafter.fc.weight.shape == (64, 128)
     if variant == "eagle":
-        assert "lm_head.weight" not in drafter.state_dict()
+        assert "lm_head.weight" not in drafter.state_dict() and {"d2t", "t2d"} <= set(drafter.state_dict())
 
 
 def test_feature_sources():
@@ -413,7 +413,7 @@ def dense_reference_loss(drafter, hidden_states, target_logits, ids, labels, wei
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, variant):
-    """drafter_loss projects only the positions it trains on (assistant tokens, not padding, eagle3: in the draft
+    """drafter_loss projects only the positions it trains on (assistant tokens, not padding, in the draft
     vocabulary); loss and gradients equal the dense formulation's, with the target's logits given as a tensor or as
     a function of the rows."""
     model, _ = tiny_llama
@@ -426,7 +426,7 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
     labels[2, 9:] = -100
     with torch.no_grad():
         out = model(ids, attention_mask=attention_mask.long(), output_hidden_states=True)
-    # eagle3: a draft vocabulary of the sequence's tokens and the target's top tokens but two (one label, one top
+    # A draft vocabulary of the sequence's tokens and the target's top tokens but two (one label, one top
     # token), so some positions fall outside it both ways.
     counts = (count_tokens(ids.cpu(), model.config.vocab_size)
               + count_tokens(out.logits.argmax(-1).cpu(), model.config.vocab_size))  # counted on the CPU
@@ -434,8 +434,7 @@ def test_drafter_loss_at_trained_positions_equals_the_dense_loss(tiny_llama, var
     size = int((counts > 0).sum())
     torch.manual_seed(0)
     drafter = make(model, variant, draft_vocab_size=size)
-    if variant != "eagle":
-        drafter.set_draft_vocab(build_draft_vocab(counts, size)[0], init_lm_head_from=model.lm_head)
+    drafter.set_draft_vocab(build_draft_vocab(counts, size)[0], init_lm_head_from=model.lm_head)
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=0.5, step_decay=0.7)
 
     def grads(loss):
@@ -494,9 +493,11 @@ def test_a_draft_vocabulary_teacher_trains_on_the_draft_rows_of_the_lm_head(tiny
         EagleLossWeights(teacher_vocab="top")
 
 
-def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp_path):
+@pytest.mark.parametrize("heads_option", ["eagle", "eagle3"])
+def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp_path, heads_option):
     """EagleMethod's teacher with heads.loss.teacher_vocab=draft: the target's LM head (soft-capped as the target's)
-    over the draft vocabulary's rows, equal to the full head's logits at those columns."""
+    over the draft vocabulary's rows, equal to the full head's logits at those columns (eagle's counted draft
+    vocabulary as eagle3's)."""
     from test_medusa_train import tiny_datasets, tiny_target
 
     from selfspec.train.data import collate
@@ -505,7 +506,7 @@ def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp
     target, datasets = tiny_target(), tiny_datasets()
     logits = {}
     for vocab in ("full", "draft"):
-        method = EagleMethod(eagle_cfg(tmp_path / vocab, "heads=eagle3", "heads.draft_vocab_size=64",
+        method = EagleMethod(eagle_cfg(tmp_path / vocab, f"heads={heads_option}", "heads.draft_vocab_size=64",
                                        f"heads.loss.teacher_vocab={vocab}"))
         method.prepare_data(datasets, target, None, None)
         core = method.build_module(target).drafter
@@ -523,6 +524,32 @@ def test_the_trainer_runs_only_the_draft_rows_for_a_draft_vocabulary_teacher(tmp
     core.d2t.copy_(torch.arange(64) * 2 + 1 - torch.arange(64))  # draft ids -> target ids 1, 3, 5, ...
     _, moved = method._target_outputs(batch, target, core.config.layer_ids, core)
     torch.testing.assert_close(moved(b, p), logits["full"][:, 1:128:2], rtol=1e-5, atol=1e-5)
+
+
+def test_eagle1_logits_are_the_lm_heads_draft_rows(tiny_llama):
+    """EAGLE-1 with a draft vocabulary: its logits are the target LM head's logits at the draft tokens (no head of
+    its own), its draft ids map back to those tokens, and a new vocabulary set in place is read, not the old rows."""
+    model, _ = tiny_llama
+    drafter = make(model, "eagle", draft_vocab_size=50)
+    counts = torch.zeros(model.config.vocab_size)
+    counts[torch.arange(7, 307, 6)] = 1.0  # target ids 7, 13, ..., 301
+    drafter.set_draft_vocab(build_draft_vocab(counts, 50)[0])
+    features = torch.randn(3, 64, device=model.device)
+    full = model.lm_head(features)
+    rows = drafter.draft_token_ids()
+    assert rows.tolist() == list(range(7, 307, 6)) and "lm_head.weight" not in drafter.state_dict()
+    torch.testing.assert_close(drafter.logits(features), full[:, rows], rtol=1e-5, atol=1e-5)
+    top = drafter.logits(features).argmax(-1)
+    assert torch.equal(drafter.draft_to_target(top), rows[top])
+    drafter.set_draft_vocab(torch.zeros(50, dtype=torch.long))  # the first 50 ids
+    torch.testing.assert_close(drafter.logits(features), full[:, :50], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no draft vocabulary"):
+        make(model, "eagle").set_draft_vocab(torch.zeros(50, dtype=torch.long))
+    # vLLM's EAGLE-1 form drafts over the target's whole head: the map stays out of the export
+    from selfspec.heads.export import eagle_to_vllm
+
+    config, state = eagle_to_vllm(make(model, "eagle", draft_vocab_size=50, fc_bias=False, input_norm=False))
+    assert config["vocab_size"] == model.config.vocab_size and not {"d2t", "t2d"} & set(state)
 
 
 def test_uniform_noise_bounds():
@@ -605,8 +632,7 @@ def train_briefly(model, variant, draft_vocab_size=200, steps=30, do_sample=Fals
     if variant == "eagle3-mid":
         steps *= 5  # the midlayer layout learns more slowly (selfspec.heads.eagle)
     drafter = make(model, variant, draft_vocab_size=draft_vocab_size, init_layer_from=None)
-    if variant != "eagle":
-        drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)
+    drafter.set_draft_vocab(d2t, init_lm_head_from=model.lm_head)  # eagle: no head of its own, the target's rows
     weights = EagleLossWeights(regression=1.0 if variant == "eagle" else 0.0, token=1.0)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     num_items = step_counts(drafter.target_to_draft(seqs), 2)  # the batch is the whole step
@@ -868,14 +894,14 @@ def test_training_changes_the_draft_and_not_the_target(tmp_path, heads_option):
     assert loaded.config["head_type"] == heads_option.split("-")[0] and isinstance(loaded.module, EagleHeads)
     assert loaded.module.config.layout == ("midlayer" if heads_option == "eagle3-mid" else "fc")
     assert loaded.config["eval"]["eval/accept_length_chain"] >= 0 and loaded.config["tree"]["top_k"] >= 1
-    if heads_option != "eagle":
-        # The draft vocabulary is the 64 most frequent assistant tokens of the training split, saved with the heads.
-        from selfspec.train.data import draft_vocab_counts
+    # The draft vocabulary (eagle's too: its logits are the target LM head's rows of it) is the 64 most frequent
+    # assistant tokens of the training split, saved with the heads.
+    from selfspec.train.data import draft_vocab_counts
 
-        counts = draft_vocab_counts(tiny_datasets()["train"], 320)
-        d2t, t2d = build_draft_vocab(counts, 64)
-        assert torch.equal(loaded.module.d2t.cpu(), d2t) and torch.equal(loaded.module.t2d.cpu(), t2d)
-        assert int(t2d.sum()) == 64 and loaded.config["draft_vocab_coverage"] > 0.3
+    counts = draft_vocab_counts(tiny_datasets()["train"], 320)
+    d2t, t2d = build_draft_vocab(counts, 64)
+    assert torch.equal(loaded.module.d2t.cpu(), d2t) and torch.equal(loaded.module.t2d.cpu(), t2d)
+    assert int(t2d.sum()) == 64 and loaded.config["draft_vocab_coverage"] > 0.3
     for k, v in loaded.module.state_dict().items():
         assert torch.equal(v.cpu(), trained[k]), k
 
@@ -966,6 +992,9 @@ def test_configs_compose_and_bad_options_fail_clearly(tmp_path):
     for experiment in experiments:  # shared overlays (debug, cpu_1h) and the EAGLE ones
         cfg = compose("eagle", [f"experiment={experiment}", f"run_dir={tmp_path}"])
         assert EagleMethod(cfg).name == cfg.heads.type and TrainerConfig.from_cfg(cfg.trainer).max_steps >= 1
+    gemma = compose("eagle", ["experiment=gemma_eagle_1h", f"run_dir={tmp_path}"])  # Gemma's 262k head: draft rows
+    assert gemma.heads.type == "eagle" and gemma.heads.draft_vocab_size == "auto"
+    assert gemma.heads.loss.teacher_vocab == "draft"
     with pytest.raises(ValueError, match="heads.layout=midlayer"):
         EagleMethod(compose("eagle", ["heads.layout=midlayer"]))
     with pytest.raises(ValueError, match="use fc or midlayer"):

@@ -8,11 +8,13 @@ Config (``cfg.heads``, conf/heads/eagle.yaml and eagle3.yaml):
   EAGLE-3's widened q/k/v, exportable to SGLang and vLLM speculators, see selfspec.heads.export); see selfspec.heads.eagle;
 - ``fc_bias``, ``input_norm`` (fc layout: the layer's own input norm; false with ``fc_bias: false`` is vLLM's
   EAGLE-1), ``init_layer_from`` (copy a Llama-shaped target layer into the draft layer), ``layer_ids`` (eagle3),
-  ``draft_vocab_size`` (eagle3: the most frequent assistant tokens of the training split, counted before training),
+  ``draft_vocab_size`` (the most frequent assistant tokens of the training split, counted before training; eagle3's
+  LM head is over them, and eagle's logits with one are the target LM head's rows of them: null, its default, keeps
+  the whole head),
 - ``unroll_steps``: test-time steps unrolled in training (the draft reads its own output features);
   ``feature_noise``: uniform noise on the step-0 input features (training only);
 - ``loss``: ``regression``, ``token`` weights, ``token_loss`` (kl to the target | ce on the data), ``step_decay``,
-  ``teacher_vocab`` (eagle3's kl teacher: the whole LM head, or its draft vocabulary's rows alone);
+  ``teacher_vocab`` (the kl teacher of a drafter with a draft vocabulary: the whole LM head, or its rows alone);
 - ``tree``: the dynamic-tree settings decoding uses by default (saved with the heads).
 
 Hidden states come from the target as training runs (``features: online``: one forward with
@@ -29,8 +31,8 @@ is outside the draft vocabulary (no draft could propose it); they stay counted, 
 ``loss.teacher_vocab=draft`` the teacher is the draft vocabulary's rows of the LM head alone (the same softmax over
 the draft tokens, without the whole head's cost: most of a step on a 262k vocabulary), and those positions train too.
 
-Saved through selfspec.heads.io as head type ``eagle`` / ``eagle3``; eagle3's ``d2t`` / ``t2d`` are buffers of the module and
-are saved with its weights.
+Saved through selfspec.heads.io as head type ``eagle`` / ``eagle3``; a draft vocabulary's ``d2t`` / ``t2d`` are buffers of
+the module and are saved with its weights.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class EagleSettings:
     init_layer_from: int | None
     layout: str
     layer_ids: list[int] | None
-    draft_vocab_size: int | str | None  # eagle3: a number, auto (by draft_vocab_coverage), or null (the full vocab)
+    draft_vocab_size: int | str | None  # a number, auto (by draft_vocab_coverage), or null (the full vocab)
     draft_vocab_coverage: float | None
     unroll_steps: int
     feature_noise: float
@@ -152,10 +154,10 @@ class EagleMethod(TrainMethod):
     # --- setup --------------------------------------------------------------------------------------------------
 
     def prepare_data(self, datasets, target, accelerator, collate_fn):
-        if self.settings.type == "eagle3":
+        if self.settings.type == "eagle3" or self.settings.draft_vocab_size is not None:
             model = target.model
             vocab = count_draft_vocab(datasets["train"], self.settings.eagle_config(model).vocab_size, self.settings,
-                                      "eagle3", accelerator)
+                                      self.settings.type, accelerator)
             self.settings.draft_vocab_size = vocab.size
             self.d2t, self.draft_vocab_coverage = vocab.d2t, vocab.coverage
         if self.features.online:
@@ -201,7 +203,7 @@ class EagleMethod(TrainMethod):
         hidden_states = target_hidden_states(model, batch, layer_ids)  # the LM head runs below on trained rows alone
         lm_head, hidden = model.get_output_embeddings(), hidden_states[-1]
         head = lm_head
-        if self.weights.teacher_vocab == "draft" and core.variant == "eagle3":  # the draft vocabulary's rows alone
+        if self.weights.teacher_vocab == "draft" and core.has_draft_vocab:  # the draft vocabulary's rows alone
             head = self._draft_rows_head(lm_head, core)
 
         def logits(b: torch.Tensor, p: torch.Tensor) -> torch.Tensor:  # only the rows the loss trains on

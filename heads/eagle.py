@@ -269,7 +269,7 @@ class EagleHeads(nn.Module):
         elif config.draft_vocab_size is not None:  # eagle: the target LM head's draft rows (logits), no head of its own
             self._register_vocab(config, d2t)
             self.set_draft_vocab(self.d2t if d2t is None else d2t)
-        self._rows: tuple[tuple, tuple] | None = None  # eagle: (key, the LM head's draft rows), see logits
+        self._rows: tuple[tuple, tuple] | None = None  # (key, the LM head's draft rows): draft_rows
         for p in self.parameters():
             p.requires_grad_(True)
         self.to(next(target.parameters()).device)  # new layers beside the copied norms: all on the target's device
@@ -452,12 +452,12 @@ class EagleHeads(nn.Module):
             x = features.to(lm_head.weight.dtype)
             if not self.has_draft_vocab:
                 return output_logits(self.target.config, lm_head(x))
-            weight, bias = self._draft_rows(lm_head)
+            weight, bias = self.draft_rows(lm_head)
             return output_logits(self.target.config, F.linear(x, weight, bias))
         return self.lm_head(self.norm(features))
 
-    def _draft_rows(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """eagle: the (frozen) target LM head's rows (and bias) of the draft tokens, gathered once and again only when
+    def draft_rows(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (frozen) target LM head's rows (and bias) of the draft tokens, gathered once and again only when
         the head's weight or ``d2t`` is another tensor or changed in place (a new vocabulary, a loaded state dict)."""
         weight, d2t = lm_head.weight, self.d2t
         key = (weight.data_ptr(), weight.device, weight._version, d2t.data_ptr(), d2t.device, d2t._version)

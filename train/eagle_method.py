@@ -149,7 +149,7 @@ class EagleMethod(TrainMethod):
         self.d2t: torch.Tensor | None = None
         self.draft_vocab_coverage: float | None = None
         self._draft_vocab_of = None  # the built drafter's target -> draft id map, for count_items
-        self._draft_head = None  # (key, F.linear over the LM head's draft rows): gathered once per run (_draft_rows_head)
+        self._draft_head = None  # (the drafter's gathered rows, F.linear over them): _draft_rows_head
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -214,14 +214,11 @@ class EagleMethod(TrainMethod):
         return hidden_states, logits if need_logits else None
 
     def _draft_rows_head(self, lm_head: nn.Module, core: EagleHeads):
-        """F.linear over the LM head's rows of the drafter's draft vocabulary; the rows are copied once and reused
-        while the (frozen) head's weight and the drafter's d2t map are the same tensors, unchanged in place."""
-        weight, d2t = lm_head.weight, core.d2t
-        key = (weight.data_ptr(), weight.device, weight._version, d2t.data_ptr(), d2t._version)
-        if self._draft_head is None or self._draft_head[0] != key:
-            rows = core.draft_token_ids().to(weight.device)
-            bias = lm_head.bias[rows] if getattr(lm_head, "bias", None) is not None else None
-            self._draft_head = (key, functools.partial(F.linear, weight=weight[rows], bias=bias))
+        """F.linear over the LM head's rows of the drafter's draft vocabulary, from the drafter's own gather
+        (:meth:`EagleHeads.draft_rows`: once per run, again when the head or the map changes)."""
+        weight, bias = core.draft_rows(lm_head)
+        if self._draft_head is None or self._draft_head[0] is not weight:
+            self._draft_head = (weight, functools.partial(F.linear, weight=weight, bias=bias))
         return self._draft_head[1]
 
     def count_items(self, batch: dict) -> torch.Tensor:

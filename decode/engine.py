@@ -329,20 +329,18 @@ class SpeculativeDecoder:
 
     def _head(self, sampling: Sampling) -> GreedyHead | None:
         """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py) if this decode can use it: the
-        small-batch kernels, greedy acceptance, the engine's own tree forward, and a head that pays on this machine
-        (timed once per model, before the decode's clock starts)."""
-        if not (self.greedy_head and self.small_batch and sampling.acceptance == "greedy"
-                and self.drafter.verify_forward is None):
+        small-batch kernels, greedy acceptance, and a head that pays on this machine (timed once per model, before
+        the decode's clock starts). A drafter's own verify forward (layer-skip's) reads it too."""
+        if not (self.greedy_head and self.small_batch and sampling.acceptance == "greedy"):
             return None
         return greedy_head(self.model)
 
     def _verify_forward(self, head: GreedyHead | None) -> Callable[[torch.nn.Module, DecodeState, Draft],
                                                                    ForwardOutput]:
         """The verify forward: the drafter's own when it has one (a layer-skip drafter runs only the layers its draft
-        did not), else one target forward over the tree (with ``head``: greedy verification's LM head)."""
-        if self.drafter.verify_forward is not None:
-            return self.drafter.verify_forward
-        return tree_forward if head is None else partial(tree_forward, head=head)
+        did not), else one target forward over the tree; with ``head``, greedy verification's LM head, either way."""
+        forward = self.drafter.verify_forward if self.drafter.verify_forward is not None else tree_forward
+        return forward if head is None else partial(forward, head=head)
 
     def _generate(self, prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, clock, head,
                   observer=None) -> DecodeResult:

@@ -49,6 +49,7 @@ from selfspec.core.archs import (attention_mask_for, context_limit, layer_positi
                                  output_logits, sliding_window)
 from selfspec.core.kv import cache_length, crop_cache
 from selfspec.core.target import cache_kwarg
+from selfspec.cpu_kernels.greedy_head import GreedyHead
 from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")  # what the stack runs of the target's decoder
@@ -257,17 +258,19 @@ class LayerSkipDrafter(DrafterBase):
         return Draft(tokens=torch.tensor(tokens, device=device), tree=chain_tree(len(tokens) - 1).to(device))
 
     @torch.no_grad()
-    def verify_forward(self, model: nn.Module, state: DecodeState, draft: Draft) -> ForwardOutput:
+    def verify_forward(self, model: nn.Module, state: DecodeState, draft: Draft,
+                       head: GreedyHead | None = None) -> ForwardOutput:
         """The verify forward over a tree whose first nodes are the chain this step drafted (more nodes may follow:
         a hybrid's suffix proposals, :mod:`selfspec.decode.hybrid`), running layers 0..E-1 only on the nodes the draft did not
         run them on: layers 0..E-1 on those, under the tree's mask over the chain rows already cached; then layers
-        E..L-1 on every node from its layer-E state; the final norm and LM head give the verifier's logits."""
+        E..L-1 on every node from its layer-E state; the final norm and LM head give the verifier's logits (``head``:
+        greedy verification's LM head, cpu_kernels/greedy_head.py, as the engine's own forward reads it)."""
         n, done = draft.tree.num_nodes, len(self._rows)
         if done > n or (done and (draft.tree.depth[:done].tolist() != list(range(done))
                                   or draft.tokens[:done].tolist() != self._tokens[:done])):
             raise RuntimeError("LayerSkipDrafter verifies trees whose first nodes are the chain it drafted.")
         if not done:  # no draft this step (adaptive depth chose not to): the model's own forward over the tree
-            out = tree_forward(model, state, draft)
+            out = tree_forward(model, state, draft, head=head)
             self._chain = out.hidden_states[self.exit_layer]  # layer-E states [N, H], for the adapter
             return ForwardOutput(logits=out.logits, hidden_states=(out.hidden_states[-1],))
         positions = tree_position_ids(draft.tree, state.length)[0]
@@ -280,7 +283,7 @@ class LayerSkipDrafter(DrafterBase):
         self._chain = chain[0]
         hidden = self.stack.run(chain, self.exit_layer, self.stack.num_layers, positions, state.cache, ancestors)
         final = self.stack.decoder.norm(hidden)[0]  # [N, H]
-        logits = output_logits(self.stack.config, self.stack.lm_head(final))
+        logits = output_logits(self.stack.config, self.stack.lm_head(final)) if head is None else head.logits(final)
         return ForwardOutput(logits=logits, hidden_states=(final,))
 
     @torch.no_grad()

@@ -142,9 +142,11 @@ class DrafterBase:
 
     Optional capabilities (override what the family offers):
 
-    - ``verify_forward(model, state, draft) -> ForwardOutput``: replaces the engine's one target forward over the
-      tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every cache
-      layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden states.
+    - ``verify_forward(model, state, draft, head=None) -> ForwardOutput``: replaces the engine's one target forward
+      over the tree (decode/layerskip.py: the draft already ran the first layers on its tokens). It must leave every
+      cache layer with ``state.length + N`` rows, as that forward would, and return at least the final hidden
+      states; ``head``, when the engine passes one (greedy verification on a CPU), gives the logits from them
+      (cpu_kernels/greedy_head.py: exact in their argmax only).
       None (the default): one target forward over the tree (decode/step.py:tree_forward).
     - ``verify_share``: the share of a full target forward that verifying a draft runs (adaptive depth scales the
       verify cost curve by it); 1 unless ``verify_forward`` skips work its draft already did.

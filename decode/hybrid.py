@@ -117,7 +117,7 @@ class HybridDrafter(DrafterBase):
         return self.inner.max_draft_depth
 
     @property
-    def verify_forward(self) -> Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None:
+    def verify_forward(self) -> Callable[..., ForwardOutput] | None:
         """The inner drafter's own verify forward when it has one (a layer-skip drafter: the merged tree starts with
         its chain); None otherwise: the engine's one target forward over the tree."""
         return self.inner.verify_forward

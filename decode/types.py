@@ -109,7 +109,7 @@ class Drafter(Protocol):
     after them are optional capabilities, declared with their defaults on :class:`DrafterBase`, which a family
     overrides when it offers them."""
 
-    verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None
+    verify_forward: Callable[..., ForwardOutput] | None
     verify_share: float
     max_draft_depth: int | None
 
@@ -161,7 +161,7 @@ class DrafterBase:
       nodes) keeps it and returns one without a policy on the same clock.
     """
 
-    verify_forward: Callable[[torch.nn.Module, DecodeState, Draft], ForwardOutput] | None = None
+    verify_forward: Callable[..., ForwardOutput] | None = None
     verify_share: float = 1.0
     max_draft_depth: int | None = None
 

@@ -26,11 +26,11 @@ the argmax:
 
 Only the argmax is exact: the other logits are not the model's, so the head serves greedy verification only
 (sampling needs the whole distribution): the engine's own tree forward (:func:`selfspec.decode.step.tree_forward`)
-reads it, and so does a drafter's own verify forward (layer-skip's). It is used where it pays: the first time a model's head is read on a machine,
-one bfloat16 product (with its bound) is timed against the float32 one, and taken only if clearly faster
-(``SPEEDUP``), as on a CPU with native bfloat16 products (AVX-512 BF16, AMX). A model whose logits are not its
-``lm_head`` applied to its last hidden state (a soft cap, a scale) is left alone: the engine checks that on the
-prefill, once per head (:meth:`GreedyHead.fits`).
+reads it, and so does a drafter's own verify forward (layer-skip's). It is used where it pays: the first time a
+model's head is read on a machine, one bfloat16 product (with its bound) is timed against the float32 one, and taken
+only if clearly faster (``SPEEDUP``), as on a CPU with native bfloat16 products (AVX-512 BF16, AMX). A model whose
+logits are not its ``lm_head`` applied to its last hidden state (a soft cap, a scale) is left alone: the engine
+checks that on the prefill, once per head (:meth:`GreedyHead.fits`).
 
 On SmolLM2-135M on a 2-core AMD EPYC (Zen 5) the head ran faster this way for one row and for a tree's rows, and so
 did a decode step, timed interleaved on and off (docs/journal/2026-12-01-figures-from-code.md).

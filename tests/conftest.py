@@ -116,6 +116,18 @@ def _seed_and_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
 
 
+@pytest.fixture
+def fresh_heads(monkeypatch):
+    """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py): no head kept from another test (the tiny
+    targets are shared), and every head pays (timing aside)."""
+    import weakref
+
+    import selfspec.cpu_kernels.greedy_head as greedy_module
+
+    monkeypatch.setattr(greedy_module, "_HEADS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(greedy_module, "SPEEDUP", float("inf"))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Torch on one thread for a module (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): the tiny

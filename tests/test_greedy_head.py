@@ -1,8 +1,6 @@
 """Greedy verification's bfloat16 LM head (cpu_kernels/greedy_head.py): its error bound, its argmax, and the engine
 with it against HF ``generate``, with drafts that are accepted."""
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,13 +92,6 @@ def test_a_non_finite_hidden_state_takes_the_float32_head():
 
 
 CPU_ONLY = "the bfloat16 greedy head is made for a CPU's float32 LM head only (cpu_kernels/greedy_head.py: greedy_head)"
-
-
-@pytest.fixture
-def fresh_heads(monkeypatch):
-    """No head kept from another test (the tiny targets are shared); every head pays (timing aside)."""
-    monkeypatch.setattr(greedy_module, "_HEADS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(greedy_module, "SPEEDUP", float("inf"))
 
 
 def reference(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:

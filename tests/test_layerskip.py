@@ -175,25 +175,21 @@ def test_exit_agreement_counts_what_a_direct_comparison_counts(tiny_llama):
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0])  # 0: every step drafts its chain; 1: none does (the model's forward)
-def test_greedy_verification_reads_the_bfloat16_head_and_equals_hf_generate(threshold, monkeypatch):
+def test_greedy_verification_reads_the_bfloat16_head_and_equals_hf_generate(threshold, fresh_heads):
     """Layer-skip's own verify forward reads greedy verification's LM head as the engine's forward does (on drafted
     steps from its final hidden states, on undrafted ones through the engine's tree forward)."""
-    import weakref
-
-    import selfspec.cpu_kernels.greedy_head as greedy_module
+    from selfspec.cpu_kernels.greedy_head import greedy_head
 
     model, _ = confident_target("llama")
     if model.device.type != "cpu":
         pytest.skip("the bfloat16 greedy head is made for a CPU's float32 LM head only")
-    monkeypatch.setattr(greedy_module, "_HEADS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(greedy_module, "SPEEDUP", float("inf"))  # the head pays here, timing aside
     drafter = LayerSkipDrafter(model, exit_layer=2, threshold=threshold, max_depth=4)
     decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel="small_batch", depth_policy=None)
     prompt = [5, 9, 17, 33, 65, 129]
     ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24, eos_token_id=None,
                          pad_token_id=0)[0, len(prompt):].tolist()
     res = decoder.generate(prompt, max_new_tokens=24)
-    head = greedy_module.greedy_head(model)
+    head = greedy_head(model)
     assert res.tokens == ref
     assert head is not None and head.positions >= res.stats.steps  # every step's logits came from the head
     if threshold == 0.0:

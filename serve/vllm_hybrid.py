@@ -17,12 +17,16 @@ subclasses (:func:`install`). The subclasses behave exactly as vLLM's own unless
 
 **Each step, per request** (:class:`HybridRows`):
 
-1. vLLM's proposer drafts its chain as it always does (greedy), and the subclass keeps each drafted token's probability
-   under the drafter (its softmax, from the logits it already computes);
-2. the trained chain's tokens are worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per
-   position and per bin of the drafter's probability, learned from what vLLM accepted), cut to the prefix with the most
-   expected tokens per verify cost;
-3. the suffix drafter plans its chain as serve/vllm_suffix.py does (adaptive length, calibrated online);
+1. the suffix drafter plans its chain as serve/vllm_suffix.py does (adaptive length, calibrated online);
+2. if the trained drafter's chain could not beat it on any row of the batch, whatever its tokens (its calibrated
+   acceptance at its best, :meth:`HybridRows.trained_bound`), the trained drafter does not draft this step: a DFlash
+   drafter only stores the context keys and values of the step's hidden states, as vLLM's own ``propose`` does before
+   its query forward; an EAGLE-3 drafter runs its first forward, which writes its cache, and drafts one token;
+3. otherwise vLLM's proposer drafts its chain as it always does (greedy), and the subclass keeps each drafted token's
+   probability under the drafter (its softmax, from the logits it already computes); the trained chain's tokens are
+   worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per position and per bin of the
+   drafter's probability, learned from what vLLM accepted), cut to the prefix with the most expected tokens per
+   verify cost;
 4. the chain with more expected tokens (one for the bonus token, plus the chain's) per verify cost is returned, as a
    list per request (vLLM's CPU runner schedules drafts of any length up to ``num_speculative_tokens``).
 
@@ -40,6 +44,7 @@ The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for serve/vllm
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -123,43 +128,79 @@ class _Sent:
     suffix_tokens: list[int]
 
 
+@dataclass
+class Pending:
+    """A request's step between its suffix plan and the choice (:meth:`HybridRows.prepare`)."""
+
+    request: str
+    plan: SuffixPlan
+    suffix_tokens: list[int]
+    suffix_rate: float  # (1 + its expected accepted tokens) / the verify cost of its chain
+
+
 class HybridRows:
     """The hybrid's choice per request and its learning, apart from vLLM (tests drive it with plain lists).
 
-    ``step(i, request, history, new, trained, confidences, greedy)``: batch row ``i`` holds ``request`` whose tokens
-    so far are ``history`` (prompt and answer, the ``new`` tokens of this step last); the trained drafter proposed
-    ``trained`` with ``confidences``. Returns the chain to send."""
+    Each step, per batch row: :meth:`prepare` learns from the row's last chain and plans the suffix drafter's;
+    :meth:`needs_trained` says whether the trained drafter could beat that plan at all (when no row's can, the
+    proposer does not run it); :meth:`choose` returns the chain to send. :meth:`step` is the three for one row."""
 
     def __init__(self, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000, max_match: int = 24):
         self.k, self.curve = k, curve
         self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
         self.calibration = ChainCalibration()
         self.sent: dict[str, _Sent] = {}
-        self.counts = {"trained": 0, "suffix": 0, "": 0}  # chains sent, by kind
+        # chains sent, by kind; "skipped": steps where no row needed the trained drafter's chain, so it did not run
+        self.counts = {"trained": 0, "suffix": 0, "": 0, "skipped": 0}
+        self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
 
     def step(self, i: int, request: str, history: list[int], new: list[int], trained: list[int],
              confidences: list[float], greedy: bool) -> list[int]:
+        """Batch row ``i`` holds ``request`` whose tokens so far are ``history`` (prompt and answer, the ``new``
+        tokens of this step last); the trained drafter proposed ``trained`` with ``confidences``: the chain to
+        send."""
+        return self.choose(self.prepare(i, request, history, new, greedy), trained, confidences)
+
+    def prepare(self, i: int, request: str, history: list[int], new: list[int], greedy: bool) -> Pending:
         row = self.suffix.row(i, history, len(new))
         last = self.sent.pop(request, None)
         if last is not None and new:
             self._learn(last, new, row, greedy)
         row.history = history
         plan = self.suffix.plan(row)
-        suffix_tokens = [plan.cands.tokens[n] for n in plan.chosen]
-        probs = self.calibration.probs(confidences)
-        n, trained_expected = expected_prefix(probs, self.curve)
+        tokens = [plan.cands.tokens[n] for n in plan.chosen]
+        return Pending(request, plan, tokens, (1.0 + plan.expected) / self.curve.cost(1 + len(tokens)))
+
+    def trained_bound(self, n: int) -> float:
+        """The most tokens per verify cost any chain of ``n`` trained tokens could be expected to give: at each
+        position the calibration's best bin, at the top of its range (:func:`expected_prefix` grows with every
+        probability, so no confidences the drafter could give beat it)."""
+        cal = self.calibration
+        best = [max(cal.prob(j, min((b + 1) / cal.bins, 1.0)) for b in range(cal.bins)) for j in range(n)]
+        m, expected = expected_prefix(best, self.curve)
+        return (1.0 + expected) / self.curve.cost(1 + m)
+
+    def needs_trained(self, pending: Pending, n: int) -> bool:
+        """Whether a trained chain of ``n`` tokens could be chosen over ``pending``'s suffix chain."""
+        return not pending.suffix_tokens or self.trained_bound(n) >= pending.suffix_rate
+
+    def choose(self, pending: Pending, trained: list[int] | None, confidences: list[float] | None) -> list[int]:
+        """The chain to send for ``pending``'s request: the suffix drafter's or the trained drafter's prefix with
+        more expected tokens per verify cost. ``trained=None``: the trained drafter did not run this step."""
+        trained, confidences = list(trained or []), list(confidences or [])
+        n, trained_expected = expected_prefix(self.calibration.probs(confidences), self.curve)
         trained_rate = (1.0 + trained_expected) / self.curve.cost(1 + n)
-        suffix_rate = (1.0 + plan.expected) / self.curve.cost(1 + len(suffix_tokens))
-        if suffix_tokens and suffix_rate > trained_rate:
-            kind, chain = "suffix", suffix_tokens
+        if pending.suffix_tokens and pending.suffix_rate > trained_rate:
+            kind, chain = "suffix", pending.suffix_tokens
         elif n:
-            kind, chain = "trained", list(trained[:n])
+            kind, chain = "trained", trained[:n]
         else:
             kind, chain = "", []
         self.counts[kind] += 1
-        self.sent[request] = _Sent(kind, len(chain), list(trained), list(confidences),
-                                   plan if plan.chosen else None, suffix_tokens)
-        return chain
+        plan = pending.plan
+        self.sent[pending.request] = _Sent(kind, len(chain), trained, confidences, plan if plan.chosen else None,
+                                           pending.suffix_tokens)
+        return list(chain)
 
     def _learn(self, last: _Sent, new: list[int], row: Any, greedy: bool) -> None:
         """Both chains learn from this step's tokens. Under greedy decoding the target's own tokens say how far
@@ -205,14 +246,15 @@ def trained_tokens(method: str, draft_config: Any, k: int) -> int:
 
 class HybridHook:
     """vLLM's ``worker_extension_cls``: importing this module installs the hybrid proposers. Its one method, called
-    with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far."""
+    with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far
+    (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did)."""
 
     def selfspec_hybrid_counts(self) -> dict[str, int]:
         rows = getattr(self.model_runner.drafter, "_rows", None)
         if rows is None:
             raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
                                f"must be one of {', '.join(METHODS)}).")
-        return dict(rows.counts)
+        return {**rows.counts, "trained_ms": round(rows.seconds * 1000)}
 
 
 def _hybrid(base: type) -> type:
@@ -261,19 +303,57 @@ def _hybrid(base: type) -> type:
         def propose(self, *args, **kwargs):
             if self._rows is None:
                 return super().propose(*args, **kwargs)
-            self._confidences = []
-            if not args and kwargs.get("num_speculative_tokens", 0) > self._own_k:  # the runner passes keywords
-                kwargs["num_speculative_tokens"] = self._own_k  # the trained drafter's own length; the suffix's: k
-            drafts = super().propose(*args, **kwargs)
+            if args:
+                raise RuntimeError("selfspec's hybrid proposer needs vLLM's runner to pass propose() its inputs by "
+                                   "name, as vLLM 0.32's does (.ci/vllm-constraints.txt).")
             if self._batch is None:
                 raise RuntimeError("selfspec's hybrid proposer needs vLLM's padded drafter batch "
                                    "(speculative_config disable_padded_drafter_batch=false).")
-            sampling = kwargs.get("sampling_metadata")
-            greedy = bool(getattr(sampling, "all_greedy", False))
-            return self._choose(drafts, greedy)
+            rows = self._rows
+            greedy = bool(getattr(kwargs.get("sampling_metadata"), "all_greedy", False))
+            own_k = min(int(kwargs.get("num_speculative_tokens", 0)), self._own_k)
+            kwargs["num_speculative_tokens"] = own_k  # the trained drafter's own length; the suffix's: k
+            pending = self._prepare(greedy)
+            self._confidences = []
+            start = time.perf_counter()
+            if all(p is None or not rows.needs_trained(p, own_k) for p in pending):
+                rows.counts["skipped"] += sum(p is not None for p in pending)
+                self._without_chain(kwargs)  # no row's chain could be the trained one: only its cache is kept
+                trained, confidences = None, None
+            else:
+                drafts = super().propose(**kwargs)
+                trained, confidences = self._drafted(drafts)
+            rows.seconds += time.perf_counter() - start
+            out = []
+            for i, p in enumerate(pending):
+                out.append([] if p is None else rows.choose(
+                    p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
+            rows.finish(set(self._batch.req_ids[:len(pending)]))
+            return out
 
-        def _choose(self, drafts, greedy: bool) -> list[list[int]]:
+        def _prepare(self, greedy: bool) -> list[Pending | None]:
+            """Each batch row's suffix plan (None for a row with no token this step: a prefill chunk)."""
             batch, rows = self._batch, self._rows
+            sampled = self._sampled.cpu().tolist()
+            n_rows = len(sampled)
+            discard = self._discard[:n_rows].cpu().tolist() if self._discard is not None else [False] * n_rows
+            pending: list[Pending | None] = []
+            for i in range(n_rows):
+                new = []
+                for t in sampled[i]:
+                    if t < 0:
+                        break
+                    new.append(int(t))
+                if discard[i] or not new:
+                    pending.append(None)
+                    continue
+                n = int(batch.num_tokens_no_spec[i])
+                history = [int(t) for t in batch.token_ids_cpu[i, :n]] + new
+                pending.append(rows.prepare(i, batch.req_ids[i], history, new, greedy))
+            return pending
+
+        def _drafted(self, drafts) -> tuple[list[list[int]], list[list[float]]]:
+            """The trained chains vLLM's proposer drafted, and each token's probability under the drafter."""
             n_rows, k = drafts.shape
             trained = drafts.cpu().tolist()
             if not self._confidences or k == 0:
@@ -282,24 +362,25 @@ def _hybrid(base: type) -> type:
                 confidences = self._confidences[0].view(n_rows, k).cpu().tolist()
             else:
                 confidences = torch.stack(self._confidences, dim=1).cpu().tolist()
-            sampled = self._sampled.cpu().tolist()
-            discard = self._discard[:n_rows].cpu().tolist() if self._discard is not None else [False] * n_rows
-            out = []
-            for i in range(n_rows):
-                request = batch.req_ids[i]
-                new = []
-                for t in sampled[i]:
-                    if t < 0:
-                        break
-                    new.append(int(t))
-                if discard[i] or not new:  # a prefill chunk: no token this step
-                    out.append([])
-                    continue
-                n = int(batch.num_tokens_no_spec[i])
-                history = [int(t) for t in batch.token_ids_cpu[i, :n]] + new
-                out.append(rows.step(i, request, history, new, trained[i], confidences[i], greedy))
-            rows.finish(set(batch.req_ids[:n_rows]))
-            return out
+            return trained, confidences
+
+        def _without_chain(self, kwargs: dict) -> None:
+            """A step on which the trained drafter drafts nothing, but keeps what later steps read. DFlash: the
+            context keys and values of this step's target hidden states are stored, as vLLM's ``propose`` stores
+            them before its query forward, and the query forward is not run. EAGLE-3: its first forward writes the
+            drafter's own cache of these positions, so it runs, for one token (the rest of its chain does not)."""
+            self._last_draft_probs = None
+            if self.method != "dflash":
+                super().propose(**{**kwargs, "num_speculative_tokens": 1})
+                return
+            self.num_speculative_tokens = kwargs["num_speculative_tokens"]
+            hidden = self.model.combine_hidden_states(kwargs["target_hidden_states"])
+            num_tokens, _, _ = self.set_inputs_first_pass(
+                target_token_ids=kwargs["target_token_ids"], next_token_ids=kwargs["next_token_ids"],
+                target_positions=kwargs["target_positions"], target_hidden_states=hidden,
+                token_indices_to_sample=kwargs.get("token_indices_to_sample"),
+                cad=kwargs["common_attn_metadata"], num_rejected_tokens_gpu=kwargs.get("num_rejected_tokens_gpu"))
+            self.build_model_inputs_first_pass(num_tokens, num_tokens, None)  # stores the context keys and values
 
     Hybrid.__name__ = Hybrid.__qualname__ = f"Hybrid{base.__name__}"
     return Hybrid

@@ -87,6 +87,58 @@ def test_the_suffix_chain_is_sent_where_the_text_repeats_and_the_trained_one_els
     assert rows.counts["suffix"] >= 5 and rows.counts["trained"] >= 10
 
 
+def test_the_trained_bound_is_never_below_what_any_chain_of_the_drafter_would_be_worth():
+    """needs_trained may only skip the trained drafter where no confidences it could give would be chosen: the bound
+    is at least the rate of every chain, before and after learning."""
+    import random
+
+    rng = random.Random(0)
+    curve = CostCurve.from_relative({1: 1.0, 4: 1.2, 9: 2.0})
+    rows = HybridRows(k=4, max_model_len=512, curve=curve)
+    for learned in range(3):
+        for _ in range(300):
+            conf = [rng.random() for _ in range(3)]
+            n, expected = expected_prefix(rows.calibration.probs(conf), curve)
+            assert (1.0 + expected) / curve.cost(1 + n) <= rows.trained_bound(3) + 1e-12
+        for _ in range(50):  # learn: the first token accepted half the time, the second seldom
+            conf = [rng.random() for _ in range(3)]
+            accepted = int(rng.random() < 0.5) + int(rng.random() < 0.1)
+            rows.calibration.record(conf, accepted, min(accepted + 1, 3))
+    assert rows.trained_bound(0) == pytest.approx(1.0)  # no chain: the bonus token at one step's cost
+
+
+def test_the_trained_drafter_is_not_run_where_the_text_repeats_and_its_chain_could_not_win():
+    """Once the trained drafter's acceptance is learned and the suffix drafter's chain of a repeated phrase is worth
+    more than the trained chain at its best, the proposer need not run it (needs_trained False) and the suffix chain
+    is sent without it (choose with trained=None); on new text the trained drafter is needed again."""
+    curve = CostCurve.from_relative({1: 1.0, 4: 1.0, 8: 1.5})
+    novel = [(7 * i + 3) % 50 + 10 for i in range(40)]
+    loop = [90, 91, 92, 93, 94, 95, 96, 97]
+    target = novel + loop * 8
+    rows = HybridRows(k=6, max_model_len=512, curve=curve)
+    prompt = [1, 2, 3]
+    history, new, skipped, needed_on_new_text = prompt + target[:1], target[:1], 0, []
+    while len(history) - len(prompt) < len(target):
+        done = len(history) - len(prompt)
+        pending = rows.prepare(0, "r", list(history), list(new), greedy=True)
+        if rows.needs_trained(pending, 3):
+            needed_on_new_text.append(done < len(novel))
+            trained = [target[done], 0, 0] if done < len(target) else [0, 0, 0]  # its first token right
+            chain = rows.choose(pending, trained, [0.95, 0.95, 0.95])
+        else:
+            skipped += 1
+            assert done >= len(novel)  # never on the new text, whose suffix chains are short
+            chain = rows.choose(pending, None, None)
+            assert chain == pending.suffix_tokens and rows.sent["r"].kind == "suffix"
+        accepted, _ = matched(chain, target[done:])
+        new = target[done:done + accepted + 1]
+        history += new
+    assert skipped >= 3 and all(needed_on_new_text[:10])
+    # a fresh drafter's calibration is its own probability: at 1.0 the bound is the whole chain accepted
+    fresh = HybridRows(k=6, max_model_len=512, curve=curve)
+    assert fresh.trained_bound(3) == pytest.approx(4.0 / curve.cost(4))
+
+
 def test_each_request_learns_from_its_own_last_chain_and_finished_ones_are_forgotten():
     rows = HybridRows(k=3, max_model_len=512, curve=FLAT)
     rows.step(0, "a", [1, 2, 3, 4], [4], [5, 6, 7], [0.9, 0.9, 0.9], greedy=True)

@@ -200,3 +200,91 @@ def test_the_trained_drafter_drafts_its_own_length_inside_the_hybrids_longer_cha
     assert trained_tokens("eagle3", SimpleNamespace(), 8) == 3
     monkeypatch.setenv("SELFSPEC_VLLM_HYBRID_TRAINED", "5")
     assert trained_tokens("eagle3", SimpleNamespace(), 8) == 5 and trained_tokens("eagle3", SimpleNamespace(), 4) == 4
+
+
+class _FakeProposer:
+    """The few parts of vLLM's EAGLE/DFlash proposer the hybrid subclass calls, recording the calls."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        self.method = vllm_config.speculative_config.method
+        self.calls: list[tuple] = []
+        self.model = self
+
+    def combine_hidden_states(self, hidden):
+        return hidden * 2  # stands for the drafter's fc over the target's layers
+
+    def prepare_next_token_ids_padded(self, sampled, requests, input_batch, discard):
+        return None
+
+    def propose(self, **kwargs):
+        import torch
+
+        self.calls.append(("propose", kwargs["num_speculative_tokens"]))
+        n = kwargs["num_speculative_tokens"]
+        if hasattr(self, "_confidences"):  # the hybrid keeps each token's probability from its _greedy_sample
+            self._confidences.append(torch.full((n,), 0.9))
+        return torch.full((1, n), 7, dtype=torch.int64)
+
+    def set_inputs_first_pass(self, **kwargs):
+        self.calls.append(("set_inputs_first_pass", kwargs["target_hidden_states"].tolist()))
+        return 5, None, None
+
+    def build_model_inputs_first_pass(self, num_tokens, num_input_tokens, mm):
+        self.calls.append(("store_context", num_tokens))
+
+
+def _fake_hybrid(method: str):
+    from types import SimpleNamespace
+
+    from selfspec.serve.vllm_hybrid import HOOK, _hybrid
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(worker_extension_cls=HOOK),
+        speculative_config=SimpleNamespace(method=method, num_speculative_tokens=8,
+                                           draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(block_size=3))),
+        model_config=SimpleNamespace(max_model_len=512))
+    return _hybrid(_FakeProposer)(config, "cpu")
+
+
+def _propose(h, history: list[int], new: list[int]):
+    import numpy as np
+    import torch
+    from types import SimpleNamespace
+
+    done = len(history) - len(new)
+    batch = SimpleNamespace(req_ids=["r"], num_tokens_no_spec=np.array([done]),
+                            token_ids_cpu=np.array([history[:done] + [0] * 8]))
+    sampled = torch.tensor([new + [-1] * (9 - len(new))])
+    h.prepare_next_token_ids_padded(sampled, None, batch, torch.tensor([False]))
+    h.calls.clear()
+    return h.propose(num_speculative_tokens=8, target_hidden_states=torch.ones(2, 3), target_token_ids=None,
+                     target_positions=None, next_token_ids=None, common_attn_metadata=None,
+                     sampling_metadata=SimpleNamespace(all_greedy=True))
+
+
+@pytest.mark.parametrize("method", ["dflash", "eagle3"])
+def test_the_proposer_runs_the_trained_drafter_only_where_its_chain_could_be_sent(method):
+    """Inside vLLM's proposer (faked here; tests/test_serving.py runs the real one): on new text the trained drafter
+    drafts its own length (a DFlash block of 3: 2 tokens); where the suffix drafter's chain beats any chain the trained
+    drafter could give, a DFlash drafter only stores the context of the step's hidden states (combined as vLLM's
+    propose combines them) and an EAGLE-3 drafter drafts one token to keep its cache; the suffix chain is sent."""
+    h = _fake_hybrid(method)
+    own = 2 if method == "dflash" else 3
+    prompt = [1, 2, 3, 4]
+    assert _propose(h, prompt + [5], [5]) == [[7] * own] and h.calls == [("propose", own)]
+    # the trained drafter learned it is never right: no chain of it beats the bonus token alone
+    for _ in range(200):
+        h._rows.calibration.record([0.95] * 3, 0, 1)
+        h._rows.calibration.record([0.05] * 3, 0, 1)
+    for b in range(10):
+        for _ in range(200):
+            h._rows.calibration.record([b / 10 + 0.01] * 3, 0, 1)
+    loop = [20, 21, 22, 23, 24, 25, 26, 27]
+    history = prompt + loop * 4 + [20]
+    out = _propose(h, history, history[-1:])
+    assert out[0] and out[0] == (loop * 2)[1:1 + len(out[0])]  # the loop's next tokens
+    assert h._rows.counts["skipped"] == 1 and h._rows.sent["r"].kind == "suffix"
+    if method == "dflash":
+        assert h.calls == [("set_inputs_first_pass", [[2.0] * 3] * 2), ("store_context", 5)]
+    else:
+        assert h.calls == [("propose", 1)]

@@ -150,7 +150,7 @@ class HybridRows:
         self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
         self.calibration = ChainCalibration()
         self.sent: dict[str, _Sent] = {}
-        # chains sent, by kind; "skipped": steps where no row needed the trained drafter's chain, so it did not run
+        # chains sent, by kind; "skipped": rows on steps where no row needed the trained chain, so it did not run
         self.counts = {"trained": 0, "suffix": 0, "": 0, "skipped": 0}
         self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
 

@@ -22,6 +22,10 @@ after; the same parameters and state dict, transformers' code untouched):
 - **MLP** (``LlamaMLP``'s form with SiLU): ``F.silu(gate) * up`` on the gate/up group's one product.
 - **Decoder layer** (``LlamaDecoderLayer``'s form): its norms' and MLP's forwards called directly, without
   ``nn.Module.__call__``, where they carry no hooks.
+- **Causal LM** (``LlamaForCausalLM``'s form over ``LlamaModel``'s, every layer of the forms above with SiLU, float32
+  and the small-batch kernels' products): the whole stack in one forward (:class:`LeanCausalLM`), each layer's ops on
+  its parts read once per block, no module call or hook dispatch per layer, the hidden states collected as
+  transformers' capture hooks would. Any hook but those, training, or an argument it does not cover runs HF's forward.
 
 A class takes a form only if its ``forward`` is the reference's bytecode (:func:`lean_class`), and an attention's
 rotary functions are Llama's too, so a class that only looks alike (Gemma 3's norm, gpt-oss's sinks, Phi-3's fused
@@ -44,6 +48,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import output_capturing
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
@@ -223,6 +228,228 @@ class LeanDecoderLayer:
         return hidden_states + _run(self.mlp, _run(self.post_attention_layernorm, hidden_states))
 
 
+# --- the whole stack ---------------------------------------------------------------------------------------------------
+
+_STACK_KWARGS = frozenset({"output_hidden_states", "output_attentions"})  # what the stack's forward reads of kwargs
+
+
+def _capture_hook(hook: Callable) -> bool:
+    """Whether a forward hook is transformers' output capturing hook (``capture_outputs`` sets one on each decoder
+    layer and attention, to collect hidden states and attentions when asked)."""
+    code = getattr(hook, "__code__", None)
+    return code is not None and code.co_name == "output_capturing_hook" and hook.__module__ == output_capturing.__name__
+
+
+@dataclass(frozen=True)
+class StackProduct:
+    """One product of the stack as its small-batch linear computes it (a group's first member: the group's)."""
+
+    linear: nn.Module
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    product: Callable  # linear_kernels.py's _product (imported there: that module imports this one)
+    packed_width: int  # linear_kernels.PACKED
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> "StackProduct":
+        from selfspec.cpu_kernels import linear_kernels  # deferred: it imports this module
+
+        group = linear.__dict__.get("_group")
+        return cls(linear, *((linear.weight, linear.bias) if group is None else (group.weight, group.bias)),
+                   linear_kernels._product, linear_kernels.PACKED)
+
+    def width(self, rows: int) -> int | None:
+        """The plan's kernel for ``rows`` rows (linear_kernels.py's ``_planned_product``), None where it leaves the
+        product to PyTorch."""
+        width = self.linear._row_plan.width(rows)
+        return None if width == 0 or (width == self.packed_width and self.linear._packed is None) else width
+
+    def __call__(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """x [rows, in] -> [rows, out], the same product as the linear's own call."""
+        y = self.product(self.weight, x, width, self.linear._packed)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One Llama decoder layer's parts, read once per block."""
+
+    index: int
+    attention: nn.Module
+    input_norm: tuple[torch.Tensor, float]  # weight, eps
+    post_norm: tuple[torch.Tensor, float]
+    qkv: StackProduct
+    o: StackProduct
+    gate_up: StackProduct
+    down: StackProduct
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # gate_proj's out_features
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+@dataclass(frozen=True)
+class LeanStack:
+    """A Llama-form model's decoder stack as :class:`LeanCausalLM` runs it: every layer a lean decoder layer with a
+    lean Llama attention, a lean SiLU MLP and lean norms, its projections small-batch linears, all in float32, each
+    projection group one product."""
+
+    layers: tuple[StackLayer, ...]
+    norm: tuple[torch.Tensor, float]
+    products: tuple[StackProduct, ...]
+    hook_dicts: tuple[dict, ...]  # every hook dict of the modules the stack runs but the ones below: all empty
+    capture_dicts: tuple[dict, ...]  # the layers' and attentions' forward hooks: transformers' capture hooks only
+    capture_keys: list  # [the capture dicts' keys when last found all capture hooks]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "LeanStack | None":
+        """The stack of ``model`` (a lean causal LM's ``model``), or None where any part of it is not of the form."""
+        from selfspec.cpu_kernels.linear_kernels import SmallBatchLinear  # deferred: it imports this module
+
+        if _code(type(model).forward) != _code(llama.LlamaModel.forward):
+            return None
+        captured, plain, layers = [], [model, model.embed_tokens, model.norm, model.rotary_emb], []
+        for index, layer in enumerate(model.layers[: model.config.num_hidden_layers]):
+            attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+            if not (isinstance(layer, LeanDecoderLayer) and isinstance(attention, LeanAttention)
+                    and attention._lean_form.reference is llama.LlamaAttention.forward
+                    and isinstance(mlp, LeanMLP) and type(mlp.act_fn) is SiLUActivation
+                    and all(isinstance(n, LeanRMSNorm) and n.weight.dtype is torch.float32 for n in norms)):
+                return None
+            linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
+                       mlp.up_proj, mlp.down_proj)
+            if not (all(isinstance(m, SmallBatchLinear) and m.weight.dtype is torch.float32 for m in linears)
+                    and attention.q_proj.__dict__.get("_group") is not None
+                    and mlp.gate_proj.__dict__.get("_group") is not None):
+                return None
+            d = attention.head_dim
+            layers.append(StackLayer(index, attention, _norm(norms[0]), _norm(norms[1]),
+                                     StackProduct.of(attention.q_proj), StackProduct.of(attention.o_proj),
+                                     StackProduct.of(mlp.gate_proj), StackProduct.of(mlp.down_proj),
+                                     attention.q_proj.out_features // d, attention.k_proj.out_features // d, d,
+                                     mlp.gate_proj.out_features))
+            captured += [layer, attention]
+            plain += [mlp, mlp.act_fn, *norms, *linears]
+        if not (layers and isinstance(model.norm, LeanRMSNorm) and model.norm.weight.dtype is torch.float32
+                and model.embed_tokens.weight.dtype is torch.float32):
+            return None
+        products = tuple(p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        hook_dicts = tuple(d for m in plain for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                                      m._backward_pre_hooks))
+        hook_dicts += tuple(d for m in captured for d in (m._forward_pre_hooks, m._backward_hooks,
+                                                          m._backward_pre_hooks))
+        return cls(tuple(layers), _norm(model.norm), products, hook_dicts,
+                   tuple(m._forward_hooks for m in captured), [None])
+
+    def unhooked(self) -> bool:
+        """Whether running the stack's parts directly skips nothing: no hooks but transformers' capture hooks
+        (whose work :meth:`LeanCausalLM.forward` does itself). Checked every forward (a hook may come at any time),
+        on the hook dicts gathered once."""
+        if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+                or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks
+                or any(self.hook_dicts)):
+            return False
+        keys = tuple(tuple(d) for d in self.capture_dicts)
+        if keys != self.capture_keys[0]:  # hooks added or removed there since the last check: look at each
+            if not all(_capture_hook(hook) for d in self.capture_dicts for hook in d.values()):
+                return False
+            self.capture_keys[0] = keys
+        return True
+
+    def width(self, rows: int) -> int | None:
+        """The one kernel every product of the stack takes for ``rows`` rows, or None (then each module runs)."""
+        widths = {p.width(rows) for p in self.products}
+        return widths.pop() if len(widths) == 1 and None not in widths else None
+
+    def layer(self, part: StackLayer, x: torch.Tensor, mask: Any, rotary: HeadRotary, cache: Any, width: int,
+              interface: Callable, kwargs: dict) -> torch.Tensor:
+        """One decoder layer on x [B, N, hidden]: LeanDecoderLayer's, LeanAttention's and LeanMLP's forwards' ops,
+        in their order, on the parts read once."""
+        shape = x.shape[:-1]
+        rows = x.numel() // x.shape[-1]
+        h, h_kv, d = part.heads, part.kv_heads, part.head_dim
+        normed = F.rms_norm(x, part.input_norm[0].shape, *part.input_norm)
+        qkv = part.qkv(normed.reshape(rows, normed.shape[-1]), width).reshape(*shape, -1)
+        heads = qkv.view(*shape, -1, d).transpose(1, 2)  # [B, H + 2 H_kv, N, D]
+        rotated_qk = rotated(heads[:, :h + h_kv], rotary)
+        key, value = cache.update(rotated_qk[:, h:], heads[:, h + h_kv:], part.index, kwargs=kwargs)
+        out, _ = interface(part.attention, rotated_qk[:, :h], key, value, mask, dropout=0.0,
+                           scaling=part.attention.scaling, **kwargs)
+        out = out.reshape(*shape, -1).contiguous()
+        x = x + part.o(out.reshape(rows, out.shape[-1]), width).reshape(*shape, -1)
+        normed = F.rms_norm(x, part.post_norm[0].shape, *part.post_norm)
+        gate_up = part.gate_up(normed.reshape(rows, normed.shape[-1]), width).reshape(*shape, -1)
+        gate, up = gate_up.split(part.intermediate, dim=-1)
+        act = F.silu(gate) * up
+        return x + part.down(act.reshape(rows, act.shape[-1]), width).reshape(*shape, -1)
+
+
+class LeanCausalLM:
+    """``LlamaForCausalLM``'s form over ``LlamaModel``'s, the whole stack in one forward (:class:`LeanStack`): the
+    embedding, HF's mask and rotary, each layer's lean ops on its parts read once (no ``nn.Module`` call, no hook
+    dispatch: the stack has no hooks but transformers' capture hooks, whose hidden states this forward collects as
+    they would), the final norm and the LM head on the rows ``logits_to_keep`` selects. The same ops as the lean
+    layers', so the same bits; any other call is HF's forward."""
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: Any = None,
+                position_ids: torch.Tensor | None = None, cache: Any = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs) -> Any:
+        stack = self.__dict__.get("_lean_stack")
+        if stack is None:
+            stack = self.__dict__["_lean_stack"] = LeanStack.of(self.model) or False
+        config = self.model.config
+        hidden_flag = kwargs.get("output_hidden_states", config.output_hidden_states)
+        if (not stack or input_ids is None or inputs_embeds is not None or labels is not None or cache is None
+                or not use_cache or not _lean_call(self, kwargs) or not _STACK_KWARGS.issuperset(kwargs)
+                or kwargs.get("output_attentions", config.output_attentions) or not isinstance(hidden_flag, bool)
+                or getattr(config, "tie_last_hidden_states", None) is False or not stack.unhooked()):
+            if cache is not None:  # else none given, or by its old name in kwargs, which HF's forward maps
+                kwargs["cache"] = cache
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, **kwargs)
+        model = self.model
+        inputs_embeds = model.embed_tokens.forward(input_ids)
+        if position_ids is None:
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device)
+                            + cache.get_seq_length()).unsqueeze(0)
+        mask = llama.create_causal_mask(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                        cache=cache, position_ids=position_ids)
+        hidden_states = inputs_embeds
+        position_embeddings = model.rotary_emb.forward(hidden_states, position_ids=position_ids)
+        collected = [hidden_states] if hidden_flag else None
+        cos, sin = position_embeddings
+        width = stack.width(hidden_states.numel() // hidden_states.shape[-1])
+        if width is None or cos.shape[-1] % 2:  # a product PyTorch runs, an odd head: the layers' own forwards
+            for layer in model.layers[: config.num_hidden_layers]:
+                hidden_states = layer.forward(hidden_states, attention_mask=mask, position_ids=position_ids,
+                                              cache=cache, use_cache=use_cache,
+                                              position_embeddings=position_embeddings)
+                if collected is not None:
+                    collected.append(hidden_states)
+        else:
+            rotary = head_rotary(cos, sin)
+            interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+                                                              stack.layers[0].attention._lean_eager)
+            step = {"position_ids": position_ids, "use_cache": use_cache}  # what HF's layers pass on as kwargs
+            for part in stack.layers:
+                hidden_states = stack.layer(part, hidden_states, mask, rotary, cache, width, interface, step)
+                if collected is not None:
+                    collected.append(hidden_states)
+        hidden_states = F.rms_norm(hidden_states, stack.norm[0].shape, *stack.norm)
+        if collected is not None:
+            collected[-1] = hidden_states  # as capture_outputs ties the last one to the normed output
+        logits = self.lm_head(llama.slice_logits_to_keep(hidden_states, logits_to_keep))
+        return llama.CausalLMOutputWithPast(loss=None, logits=logits, cache=cache,
+                                            hidden_states=None if collected is None else tuple(collected))
+
+
 # --- the swap ---------------------------------------------------------------------------------------------------------
 
 _LEAN_CLASSES: dict[type, type | None] = {}
@@ -250,6 +477,8 @@ def _make_lean_class(cls: type) -> type | None:
         lean = LeanMLP
     elif code == _code(llama.LlamaDecoderLayer.forward):
         lean = LeanDecoderLayer
+    elif code == _code(llama.LlamaForCausalLM.forward):
+        lean = LeanCausalLM
     else:
         form = next((f for f in ATTENTION_FORMS if code == _code(f.reference)), None)
         if form is None or not _rotary_is_llamas(forward):
@@ -283,5 +512,6 @@ def lean_layers(model: nn.Module | None, enabled: bool = True) -> Iterator[int]:
     finally:
         for sub, cls in swapped:
             sub.__class__ = cls
+            sub.__dict__.pop("_lean_stack", None)
         if swapped:
             _last_rotary[0] = None

@@ -1,7 +1,8 @@
 """Lean Llama-form layers (cpu_kernels/lean_layers.py): the same logits as transformers' forwards, bit for bit, on a
 plain step and a tree-verify step under the engine's kernels; the engine's greedy output still HF generate's on
 SmolLM2 with every draft accepted; the classes set back after the block with the state dict unchanged; a form not
-covered keeps its own forward."""
+covered keeps its own forward. Llama's whole stack in one forward: the same logits and hidden states as HF's, bit for
+bit, and HF's forward wherever a hook, training or an argument it does not cover is present."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 import selfspec.cpu_kernels.lean_layers as lean_module
 from selfspec.core.target import build_tiny, cache_kwarg
-from selfspec.cpu_kernels.lean_layers import lean_class, lean_layers
+from selfspec.cpu_kernels.lean_layers import LeanStack, lean_class, lean_layers
 from selfspec.cpu_kernels.linear_kernels import MAX_ROWS, PACKED, RowPlan, can_pack, decoding_kernels
 from selfspec.decode.cache import new_cache
 from selfspec.decode.drafters import OracleDrafter, VanillaDrafter
@@ -39,6 +40,35 @@ def _steps(model, plan: RowPlan | None, lean: bool) -> list[torch.Tensor]:
         tree = model(input_ids=torch.arange(20, 24)[None], attention_mask=_tree_mask(7),
                      position_ids=torch.tensor([[7, 8, 8, 9]]), use_cache=True, **cache).logits
     return [prefill, plain, tree]
+
+
+def _stack_steps(model, plan: RowPlan | None, lean: bool) -> list:
+    """Outputs (logits and every hidden state) of _steps' three calls, hidden states asked for."""
+    cache = {cache_kwarg(model): new_cache()}
+    calls = [dict(input_ids=torch.arange(10, 16)[None]),
+             dict(input_ids=torch.tensor([[30]]), position_ids=torch.tensor([[6]])),
+             dict(input_ids=torch.arange(20, 24)[None], attention_mask=_tree_mask(7),
+                  position_ids=torch.tensor([[7, 8, 8, 9]]))]
+    with torch.no_grad(), decoding_kernels(model, plan=plan, lean=lean):
+        return [model(**call, use_cache=True, output_hidden_states=True, **cache) for call in calls]
+
+
+def _counting_stack(monkeypatch) -> dict[str, int]:
+    """How often the whole-stack forward ran ("forwards") and how many layers it ran on its parts read once."""
+    counts = {"forwards": 0, "layers": 0}
+    width, layer = LeanStack.width, LeanStack.layer
+
+    def counting_width(self, rows):
+        counts["forwards"] += 1
+        return width(self, rows)
+
+    def counting_layer(self, *args):
+        counts["layers"] += 1
+        return layer(self, *args)
+
+    monkeypatch.setattr(LeanStack, "width", counting_width)
+    monkeypatch.setattr(LeanStack, "layer", counting_layer)
+    return counts
 
 
 def _counting_rotary(monkeypatch) -> list[int]:
@@ -145,6 +175,66 @@ def test_training_gradients_and_hooks_take_hf_forward(monkeypatch):
         assert calls and seen == [1]  # the hooked norm is called, not only its forward
 
 
+@pytest.mark.parametrize("plan", PLANS)
+def test_whole_stack_same_logits_and_hidden_states_bit_for_bit(plan, monkeypatch):
+    # Llama's whole stack in one forward runs each layer's lean ops on its parts read once and collects the hidden
+    # states as transformers' capture hooks would (the embedding, each layer's output, the last tied to the normed
+    # one): every tensor equal to the last bit.
+    if plan == "packed" and not can_pack(torch.zeros(2, 2)):
+        pytest.skip("this PyTorch has no oneDNN packed product")
+    model, _ = build_tiny("llama")
+    reference = _stack_steps(model, PLANS[plan], lean=False)
+    counts = _counting_stack(monkeypatch)
+    lean = _stack_steps(model, PLANS[plan], lean=True)
+    layers = model.config.num_hidden_layers
+    if plan == "torch":  # no small-batch linears: no stack of the form, each module's lean forward
+        assert counts == {"forwards": 0, "layers": 0}
+    else:  # a call whose rows the plan leaves to PyTorch (the default plan's one row) runs the layers' forwards
+        fused = sum(PLANS[plan].width(rows) != 0 for rows in (6, 1, 4))
+        assert counts == {"forwards": 3, "layers": fused * layers} and fused >= 2
+    for ours, theirs in zip(lean, reference):
+        assert torch.equal(ours.logits, theirs.logits)
+        assert len(ours.hidden_states) == len(theirs.hidden_states) == layers + 1
+        for a, b in zip(ours.hidden_states, theirs.hidden_states):
+            assert torch.equal(a, b)
+    assert type(model).__name__ == "LlamaForCausalLM" and "_lean_stack" not in model.__dict__  # set back, cleared
+
+
+def test_whole_stack_keeps_hf_forward_for_what_it_does_not_cover(monkeypatch):
+    model, _ = build_tiny("llama")
+    counts = _counting_stack(monkeypatch)
+    ids = torch.arange(10, 14)[None]
+
+    def run(**kwargs):
+        cache = {cache_kwarg(model): new_cache()}
+        return model(input_ids=ids, use_cache=True, **cache, **kwargs)
+
+    with torch.no_grad(), decoding_kernels(model, plan=RowPlan.default(), lean=False):
+        expected = run().logits  # the same products, HF's layers
+    with decoding_kernels(model, plan=RowPlan.default()):
+        with torch.no_grad():
+            assert torch.equal(run().logits, expected) and counts["forwards"] == 1
+            run(output_hidden_states=True)  # HF installs its capture hooks: the stack still runs, collecting itself
+            assert counts["forwards"] == 2
+            for module in (model.model, model.model.layers[1], model.model.layers[1].self_attn,
+                           model.model.layers[0].mlp.down_proj, model.model.norm):
+                seen = []
+                handle = module.register_forward_hook(lambda *a: seen.append(1))
+                assert torch.equal(run().logits, expected)
+                handle.remove()
+                assert seen == [1] and counts["forwards"] == 2, module  # a hooked part: HF's forward, hook run
+            for kwargs in ({"output_attentions": True}, {"return_dict": True}, {"labels": ids}):
+                assert torch.equal(run(**kwargs).logits, expected)
+                assert counts["forwards"] == 2, kwargs
+            assert torch.equal(run().logits, expected) and counts["forwards"] == 3  # hooks gone: the stack again
+        run()  # gradients on
+        model.train()
+        with torch.no_grad():
+            run()
+        model.eval()
+        assert counts["forwards"] == 3
+
+
 @pytest.mark.real_model
 def test_greedy_equals_hf_on_smollm2_through_lean_layers(smollm2, monkeypatch):
     model, tokenizer = smollm2.model, smollm2.tokenizer
@@ -153,8 +243,11 @@ def test_greedy_equals_hf_on_smollm2_through_lean_layers(smollm2, monkeypatch):
     ref = model.generate(torch.tensor([ids], device=model.device), do_sample=False,
                          max_new_tokens=24)[0, len(ids):].tolist()
     calls = _counting_rotary(monkeypatch)
+    counts = _counting_stack(monkeypatch)
     for drafter in (VanillaDrafter(), OracleDrafter(ref, depth=5)):  # plain steps; 6-token verifies, all accepted
         engine = SpeculativeDecoder(model, drafter, eos_token_ids=[], linear_kernel="auto")
         calls.clear()
+        counts["layers"] = 0
         assert engine.generate(ids, max_new_tokens=24).tokens == ref
         assert calls, "the engine's steps should run the lean attention"
+        assert counts["layers"], "the engine's steps should run SmolLM2's whole stack in one forward"

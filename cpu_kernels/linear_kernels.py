@@ -349,6 +349,9 @@ class SmallBatchLinear(nn.Linear):
     _group: "ProjectionGroup | None" = None
     _handed: "tuple[torch.Tensor, torch.Tensor] | None" = None
     _packed: "torch.Tensor | None" = None  # this linear's weight, or its group's, packed (PACKED plans only)
+    # what lean_layers.py's whole-stack forward calls for this linear's products (that module is below this one)
+    stack_product = staticmethod(_product)
+    packed_width = PACKED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         handed = self.__dict__.pop("_handed", None)

@@ -27,19 +27,16 @@ engines alike (R times the engine starts, which are not timed). First turns only
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from selfspec.core.archs import context_limit
 from selfspec.core.vllm_env import selfspec_pythonpath
-from selfspec.decode.adaptive import measured_cost_curve
 from selfspec.decode.settings import required
-from selfspec.serve.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, run_vllm, served_depth,
-                                     served_format, served_target_dir)
+from selfspec.serve.serving import (HYBRID, cut_at_eos, formats_for, needs_selfspec, proposer_env, run_vllm,
+                                     served_depth, served_format, served_target_dir)
 from selfspec.decode.types import DecodeSetupError
 from selfspec.heads.export import export_heads
-from selfspec.serve.vllm_hybrid import TRAINED_TOKENS_ENV
 
 VLLM_METHODS = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_selfspec_suffix", "vllm_heads", "vllm_hybrid")
 SELFSPEC_SUFFIX = "selfspec.serve.vllm_suffix.SuffixProposer"
@@ -96,11 +93,9 @@ def run_vllm_methods(base: Any, heads: dict, names: list[str], prompts: list[lis
            "max_new_tokens": s.max_new_tokens, "prompts": prompts, "stop_token_ids": eos,
            "warmup": [prompts[0][: max(1, len(prompts[0]) // 2)]], "runs": runs}
     if needs_selfspec(runs):  # selfspec's proposers import from this installation, inside vLLM's venv
-        curve = measured_cost_curve(model, base.decoder.linear_kernel if model.device.type == "cpu" else "torch")
         job["pythonpath"] = [selfspec_pythonpath()]  # selfspec.decode and selfspec.core, as installed
-
-        job["env"] = {"SELFSPEC_VLLM_COST_CURVE": json.dumps({n: curve.cost(n) for n in range(1, suffix_k + 2)}),
-                      TRAINED_TOKENS_ENV: str(k)}  # an EAGLE-3 drafter's chain in the hybrid, as in vllm_heads
+        # an EAGLE-3 drafter's chain in the hybrid as long as in vllm_heads
+        job["env"] = proposer_env(model, base.decoder.linear_kernel, suffix_k, k)
     result = run_vllm(job, c["vllm_venv"], log_path=out / log_name)
     records, info = {}, {}
     for run, spec in zip(result["runs"], runs):

@@ -53,7 +53,8 @@ from selfspec.decode.settings import decode_config, required
 from selfspec.heads.export import (FORMATS as EXPORT_FORMATS, VLLM_TOKEN_MAP_FLAG, export_heads, medusa_vocab,
                                    served_exports)
 from selfspec.heads.io import heads_dir, read_heads_config
-from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK
+from selfspec.serve.vllm_hybrid import COUNTS_RPC, HOOK, TRAINED_TOKENS_ENV
+from selfspec.serve.vllm_suffix import COST_CURVE_ENV
 
 WORKER = Path(__file__).resolve().parent / "serving_worker.py"
 
@@ -124,6 +125,17 @@ def needs_selfspec(runs: list[dict]) -> bool:
         return own_proposer or "worker_extension_cls" in (run.get("engine") or {})
 
     return any(imports_selfspec(r) for r in runs)
+
+
+def proposer_env(model: torch.nn.Module, linear_kernel: str, longest: int, trained: int) -> dict[str, str]:
+    """The environment selfspec's proposers read inside vLLM's worker: the target's verify cost curve as selfspec
+    measured it on this machine, for chains up to ``longest`` tokens (vLLM's is not measured inside vLLM:
+    serve/vllm_suffix.py), and the hybrid's EAGLE-3 chain length ``trained`` (serve/vllm_hybrid.py)."""
+    from selfspec.decode.adaptive import measured_cost_curve  # deferred: measuring loads the kernels
+
+    curve = measured_cost_curve(model, linear_kernel if model.device.type == "cpu" else "torch")
+    return {COST_CURVE_ENV: json.dumps({n: curve.cost(n) for n in range(1, longest + 2)}),
+            TRAINED_TOKENS_ENV: str(trained)}
 
 
 def chain_settings(head_type: str, k: int) -> dict:
@@ -261,18 +273,20 @@ class CheckSettings:
     timeout: float | None  # seconds vLLM may take for all its runs
     tolerance: float  # per-position acceptance rates may differ by this much (serve_check.py's aim)
     vocab: str  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
+    suffix_tokens: int = 8  # the hybrid's num_speculative_tokens: the longest chain it sends (its trained drafter: k)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "CheckSettings":
         """The settings of a composed conf/decode/serve_check.yaml."""
         c = required(cfg, ("k", "max_new_tokens", "model", "target", "out", "warmup", "tolerance", "vocab",
-                           "serving"))
+                           "suffix_tokens", "serving"))
         serving = required(c["serving"], ("vllm_venv", "timeout"))
         return cls(k=c["k"], max_new_tokens=int(c["max_new_tokens"]), venv=serving["vllm_venv"], model=c["model"],
                    target=dict(c["target"] or {}),
                    out=None if c["out"] is None else str(c["out"]), warmup=bool(c["warmup"]),
                    timeout=None if serving["timeout"] is None else float(serving["timeout"]),
-                   tolerance=float(c["tolerance"]), vocab=str(c["vocab"]))
+                   tolerance=float(c["tolerance"]), vocab=str(c["vocab"]),
+                   suffix_tokens=int(c["suffix_tokens"]))
 
 
 def our_sessions(heads_path: str | Path, head_type: str, settings: CheckSettings):
@@ -370,7 +384,8 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
     prompts = [list(map(int, p)) for p in prompts]
     eos = set(chain.decoder.eos_token_ids)
     limit = context_limit(target.model.config)
-    longest = max(len(p) for p in prompts) + settings.max_new_tokens + settings.k + 1
+    drafted = max(settings.k, settings.suffix_tokens if HYBRID in formats else 0)  # the longest chain vLLM verifies
+    longest = max(len(p) for p in prompts) + settings.max_new_tokens + drafted + 1
     if longest > limit:
         raise ServingError(f"The longest prompt plus max_new_tokens ({longest} tokens) exceeds the target's context "
                            f"({limit}); shorten the prompts or lower max_new_tokens.")
@@ -397,10 +412,12 @@ def plan_check(heads_path: str | Path, prompts: list[list[int]] | list[str], for
         # vLLM <= 0.32 loads a Medusa token_map only without its strict weight check (heads/export.py:medusa_vocab)
         "engine": VLLM_TOKEN_MAP_FLAG if vocab == "draft" else {},
         "runs": [{"name": "plain", "speculative_config": None}]
-        + [served_format(fmt, head_type).run(exports[fmt], settings.k, name=fmt) for fmt in formats],
+        + [served_format(fmt, head_type).run(exports[fmt], settings.suffix_tokens if fmt == HYBRID else settings.k,
+                                             name=fmt) for fmt in formats],
     }
     if needs_selfspec(job["runs"]):
         job["pythonpath"] = [selfspec_pythonpath()]
+        job["env"] = proposer_env(target.model, chain.decoder.linear_kernel, drafted, settings.k)
     return CheckPlan(heads=heads_path, head_type=head_type, settings=settings, formats=formats, exports=exports,
                      vocab=vocab, chain=chain, plain=plain, eos=eos, job=job, out_root=out_root)
 

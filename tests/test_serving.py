@@ -194,6 +194,23 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, f
 
 
 @pytest.mark.vllm
+def test_the_hybrid_skips_its_trained_drafter_where_the_suffix_chain_must_win_and_stays_lossless(trained_heads,
+                                                                                                  tmp_path):
+    # Each prompt decoded twice, one at a time, the hybrid sending chains of up to suffix_tokens (8) as users run it:
+    # the second time the suffix drafter holds the whole answer and plans chains longer than the DFlash drafter's 3
+    # that no trained chain could beat, so vLLM's DFlash proposer only stores the step's context (the skip path),
+    # in the real engine, lossless.
+    twice = prompts(3) * 2
+    report = serve_check(trained_heads["dflash"], twice, formats=["hybrid"],
+                         settings=check_settings(k="auto", max_new_tokens=MAX_NEW, out=str(tmp_path), timeout=900))
+    assert not report["mismatches"], report["mismatches"]
+    entry = report["formats"]["hybrid"]
+    assert entry["loaded"] and entry["lossless"], entry["error"]
+    sent = entry["sent"]
+    assert sent["skipped"] > 0 and sent["trained"] > 0 and sent["suffix"] > 0, sent
+
+
+@pytest.mark.vllm
 def test_formats_that_vllm_cannot_serve_are_refused(trained_heads, tmp_path):
     with pytest.raises(ServingError, match="do not export to eagle3"):
         serve_check(trained_heads["medusa"], prompts(1), formats=["eagle3"], settings=check_settings(k=K))

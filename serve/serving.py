@@ -273,7 +273,7 @@ class CheckSettings:
     timeout: float | None  # seconds vLLM may take for all its runs
     tolerance: float  # per-position acceptance rates may differ by this much (serve_check.py's aim)
     vocab: str  # Medusa exports: full | draft | auto (heads/export.py:medusa_vocab)
-    suffix_tokens: int = 8  # the hybrid's num_speculative_tokens: the longest chain it sends (its trained drafter: k)
+    suffix_tokens: int  # the hybrid's num_speculative_tokens: the longest chain it sends (its trained drafter: k)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "CheckSettings":

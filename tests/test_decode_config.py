@@ -105,6 +105,7 @@ def test_the_serve_check_s_settings_are_serve_check_yaml_s():
     assert (settings.max_new_tokens, settings.timeout, settings.k, settings.tolerance) == (
         yaml.max_new_tokens, yaml.serving.timeout, yaml.k, yaml.tolerance)
     assert (settings.warmup, settings.vocab, settings.venv) == (yaml.warmup, yaml.vocab, yaml.serving.vllm_venv)
+    assert settings.suffix_tokens == yaml.suffix_tokens
     partial = OmegaConf.create({k: v for k, v in OmegaConf.to_container(yaml).items() if k != "max_new_tokens"})
     with pytest.raises(DecodeSetupError, match=r"\['max_new_tokens'\]"):
         CheckSettings.from_config(partial)

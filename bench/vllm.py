@@ -22,7 +22,9 @@ its rows cannot be interleaved prompt by prompt with the others: they run before
 the interleaved loop then reads their results.
 With ``vllm_rounds`` R > 1 the prompts are split into R runs of consecutive prompts, and each round runs vLLM's rows
 (a vLLM process) and then the others on its prompts, so that a drift of the machine's speed over minutes hits both
-engines alike (R times the engine starts, which are not timed). First turns only.
+engines alike (R times the engine starts, which are not timed). First turns only. Each method's rows still come from
+its own engine processes, and on a 2-core CPU one vLLM process can run 10-15% faster than the next: for ratios between
+two vLLM methods, scripts/ab_engines.py keeps every engine open and alternates them prompt by prompt.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h> parameter numbers
 MMAP_THRESHOLD = 32 << 20  # glibc's largest on a 64-bit system: blocks below it come from the heap
@@ -32,7 +33,7 @@ _USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PA
 _done: list[bool] = []  # [whether the thresholds were set], once the first call decided
 
 
-def users_own_allocator_settings(environ: os._Environ | dict = os.environ) -> bool:
+def users_own_allocator_settings(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the process runs under an allocator or glibc malloc settings its user chose."""
     preload = environ.get("LD_PRELOAD", "")
     return ("malloc" in preload or any(name in environ for name in _USERS_OWN)

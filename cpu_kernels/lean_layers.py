@@ -248,19 +248,16 @@ class StackProduct:
     weight: torch.Tensor
     bias: torch.Tensor | None
     product: Callable  # the small-batch linear's ``stack_product`` (linear_kernels.py's ``_product``)
-    packed_width: int  # its ``packed_width``: linear_kernels.PACKED
 
     @classmethod
     def of(cls, linear: nn.Module) -> "StackProduct":
         group = linear.__dict__.get("_group")
         return cls(linear, *((linear.weight, linear.bias) if group is None else (group.weight, group.bias)),
-                   type(linear).stack_product, type(linear).packed_width)
+                   type(linear).stack_product)
 
     def width(self, rows: int) -> int | None:
-        """The plan's kernel for ``rows`` rows (linear_kernels.py's ``_planned_product``), None where it leaves the
-        product to PyTorch."""
-        width = self.linear._row_plan.width(rows)
-        return None if width == 0 or (width == self.packed_width and self.linear._packed is None) else width
+        """The plan's kernel for ``rows`` rows, None where it leaves the product to PyTorch."""
+        return self.linear.kernel_width(rows)
 
     def __call__(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """x [rows, in] -> [rows, out], the same product as the linear's own call."""
@@ -331,6 +328,8 @@ class LeanStack:
                     and mlp.gate_proj.__dict__.get("_group") is not None):
                 return None
             d = attention.head_dim
+            if d % 2:  # the rotary's halves
+                return None
             layers.append(StackLayer(index, attention, _norm(norms[0]), _norm(norms[1]),
                                      StackProduct.of(attention.q_proj), StackProduct.of(attention.o_proj),
                                      StackProduct.of(mlp.gate_proj), StackProduct.of(mlp.down_proj),
@@ -365,7 +364,7 @@ class LeanStack:
         return True
 
     def width(self, rows: int) -> int | None:
-        """The one kernel every product of the stack takes for ``rows`` rows, or None (then each module runs)."""
+        """The one kernel every product of the stack takes for ``rows`` rows, or None (then HF's forward runs)."""
         if rows not in self.widths:
             widths = {p.width(rows) for p in self.products}
             self.widths[rows] = widths.pop() if len(widths) == 1 and None not in widths else None
@@ -410,10 +409,15 @@ class LeanCausalLM:
             stack = self.__dict__["_lean_stack"] = LeanStack.of(self.model) or False
         config = self.model.config
         hidden_flag = kwargs.get("output_hidden_states", config.output_hidden_states)
-        if (not stack or input_ids is None or inputs_embeds is not None or labels is not None or cache is None
-                or not use_cache or not _lean_call(self, kwargs) or not _STACK_KWARGS.issuperset(kwargs)
-                or kwargs.get("output_attentions", config.output_attentions) or not isinstance(hidden_flag, bool)
-                or getattr(config, "tie_last_hidden_states", None) is False or not stack.unhooked()):
+        covered = not (not stack or input_ids is None or inputs_embeds is not None or labels is not None
+                       or cache is None or not use_cache or not _lean_call(self, kwargs)
+                       or not _STACK_KWARGS.issuperset(kwargs)
+                       or kwargs.get("output_attentions", config.output_attentions)
+                       or not isinstance(hidden_flag, bool)
+                       or getattr(config, "tie_last_hidden_states", None) is False or not stack.unhooked())
+        # the kernel every product takes for these rows; None (a product PyTorch runs) is HF's forward too
+        width = stack.width(input_ids.numel()) if covered else None
+        if width is None:
             if cache is not None:  # else none given, or by its old name in kwargs, which HF's forward maps
                 kwargs["cache"] = cache
             return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -429,24 +433,14 @@ class LeanCausalLM:
         hidden_states = inputs_embeds
         position_embeddings = model.rotary_emb.forward(hidden_states, position_ids=position_ids)
         collected = [hidden_states] if hidden_flag else None
-        cos, sin = position_embeddings
-        width = stack.width(hidden_states.numel() // hidden_states.shape[-1])
-        if width is None or cos.shape[-1] % 2:  # a product PyTorch runs, an odd head: the layers' own forwards
-            for layer in model.layers[: config.num_hidden_layers]:
-                hidden_states = layer.forward(hidden_states, attention_mask=mask, position_ids=position_ids,
-                                              cache=cache, use_cache=use_cache,
-                                              position_embeddings=position_embeddings)
-                if collected is not None:
-                    collected.append(hidden_states)
-        else:
-            rotary = head_rotary(cos, sin)
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
-                                                              stack.layers[0].attention._lean_eager)
-            step = {"position_ids": position_ids, "use_cache": use_cache}  # what HF's layers pass on as kwargs
-            for part in stack.layers:
-                hidden_states = stack.layer(part, hidden_states, mask, rotary, cache, width, interface, step)
-                if collected is not None:
-                    collected.append(hidden_states)
+        rotary = head_rotary(*position_embeddings)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation,
+                                                          stack.layers[0].attention._lean_eager)
+        step = {"position_ids": position_ids, "use_cache": use_cache}  # what HF's layers pass on as kwargs
+        for part in stack.layers:
+            hidden_states = stack.layer(part, hidden_states, mask, rotary, cache, width, interface, step)
+            if collected is not None:
+                collected.append(hidden_states)
         hidden_states = F.rms_norm(hidden_states, stack.norm[0].shape, *stack.norm)
         if collected is not None:
             collected[-1] = hidden_states  # as capture_outputs ties the last one to the normed output

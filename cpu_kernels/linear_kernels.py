@@ -351,7 +351,6 @@ class SmallBatchLinear(nn.Linear):
     _packed: "torch.Tensor | None" = None  # this linear's weight, or its group's, packed (PACKED plans only)
     # what lean_layers.py's whole-stack forward calls for this linear's products (that module is below this one)
     stack_product = staticmethod(_product)
-    packed_width = PACKED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         handed = self.__dict__.pop("_handed", None)
@@ -382,16 +381,21 @@ class SmallBatchLinear(nn.Linear):
         """x [..., in] as rows [rows, in] @ the weight (its group's, if it leads one) + bias, by this linear's plan;
         None where the plan, the device, a gradient or the dtype leaves the product to F.linear."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        width = self._row_plan.width(rows)
+        width = self.kernel_width(rows)
         grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        packed = self._packed
-        if (width == 0 or (width == PACKED and packed is None) or x.device.type != "cpu" or grad
+        if (width is None or x.device.type != "cpu" or grad
                 or x.dtype != self.weight.dtype):  # another dtype: an autocast region's, whose F.linear casts
             return None
         group = self._group
         weight, bias = (self.weight, self.bias) if group is None else (group.weight, group.bias)
-        y = _product(weight, x.reshape(rows, x.shape[-1]), width, packed)
+        y = _product(weight, x.reshape(rows, x.shape[-1]), width, self._packed)
         return y if bias is None else y + bias
+
+    def kernel_width(self, rows: int) -> int | None:
+        """The plan's width for ``rows`` rows, None where the plan leaves the product to F.linear (0, or ``PACKED``
+        without a packed weight)."""
+        width = self._row_plan.width(rows)
+        return None if width == 0 or (width == PACKED and self._packed is None) else width
 
 
 # --- grouped projections -------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     session = load_session(decode_config({"max_new_tokens": args.max_new_tokens,
                                           **({"heads": args.heads} if args.heads else {"family": "vanilla"})}))
     plain = session.decoder_for("vanilla")
-    questions = [q for q in load_prompts(args.mt_bench)[args.mt_start::args.mt_every]]
+    questions = load_prompts(args.mt_bench)[args.mt_start::args.mt_every]
     if args.humaneval:
         questions += load_prompts("humaneval", args.humaneval)
     prompts = [prompt_ids(session.target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]

@@ -46,6 +46,7 @@ from selfspec.core.vllm_env import (  # noqa: F401 - the venv's names, used from
     vllm_python,
     worker_env,
 )
+from selfspec.decode.adaptive import measured_cost_curve
 from selfspec.decode.families import DRAFTERS
 from selfspec.decode.prompts import prompt_ids
 from selfspec.decode.session import hf_generate, load_session
@@ -131,8 +132,6 @@ def proposer_env(model: torch.nn.Module, linear_kernel: str, longest: int, train
     """The environment selfspec's proposers read inside vLLM's worker: the target's verify cost curve as selfspec
     measured it on this machine, for chains up to ``longest`` tokens (vLLM's is not measured inside vLLM:
     serve/vllm_suffix.py), and the hybrid's EAGLE-3 chain length ``trained`` (serve/vllm_hybrid.py)."""
-    from selfspec.decode.adaptive import measured_cost_curve  # deferred: measuring loads the kernels
-
     curve = measured_cost_curve(model, linear_kernel if model.device.type == "cpu" else "torch")
     return {COST_CURVE_ENV: json.dumps({n: curve.cost(n) for n in range(1, longest + 2)}),
             TRAINED_TOKENS_ENV: str(trained)}

@@ -189,7 +189,7 @@ def test_whole_stack_same_logits_and_hidden_states_bit_for_bit(plan, monkeypatch
     layers = model.config.num_hidden_layers
     if plan == "torch":  # no small-batch linears: no stack of the form, each module's lean forward
         assert counts == {"forwards": 0, "layers": 0}
-    else:  # a call whose rows the plan leaves to PyTorch (the default plan's one row) runs the layers' forwards
+    else:  # a call whose rows the plan leaves to PyTorch (the default plan's one row) runs HF's forward
         fused = sum(PLANS[plan].width(rows) != 0 for rows in (6, 1, 4))
         assert counts == {"forwards": 3, "layers": fused * layers} and fused >= 2
     for ours, theirs in zip(lean, reference):

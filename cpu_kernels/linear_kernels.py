@@ -47,6 +47,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -61,6 +62,7 @@ from torch import nn
 from selfspec.cpu_kernels.allocator import keep_freed_memory
 from selfspec.cpu_kernels.attention import grouped_query_attention
 from selfspec.cpu_kernels.lean_layers import lean_layers
+from selfspec.cpu_kernels.machine_load import OthersLoad
 from selfspec.core.errors import SettingError
 from selfspec.core.folders import cache_dir
 
@@ -68,7 +70,7 @@ MAX_ROWS = 64  # rows a plan covers; above, PyTorch's product, or the packed one
 KERNELS = ("auto", "torch", "small_batch")
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts measured; others take the next one up's choice
 PLAN_REPEATS = 5  # timings per (rows, width), all interleaved; the median of each
-PLAN_METHOD = 3  # part of the cache key: plans measured by an earlier method are measured again
+PLAN_METHOD = 4  # part of the cache key: plans measured by an earlier method are measured again
 PACKED = -1  # a RowPlan width: oneDNN's product on the weight packed once for it (see the module doc)
 PACK_ROWS = 16  # the row count a weight is packed for; any count runs on it (packed for 8, 16 or 64 timed alike)
 PACK_MEMORY_SHARE = 0.25  # packing is measured only if the packed copies take at most this share of the memory
@@ -296,8 +298,10 @@ def _plan_file(weights: Sequence[torch.Tensor]) -> Path:
 def measured_row_plan(*modules: nn.Module | None, dtype: torch.dtype | None = None) -> RowPlan:
     """The :class:`RowPlan` for the linear layers of ``modules`` (those whose weights are in ``dtype``, if given) on
     this machine: measured on their own weights the first time (a short one-off cost for SmolLM2-135M on a CPU),
-    then read from the cache; the packed product is among the options where :func:`packing_offered` says so. Off a
-    CPU the small-batch product is not used and the default plan is returned unmeasured."""
+    then read from the cache; the packed product is among the options where :func:`packing_offered` says so. A plan
+    measured while other processes used the CPUs (cpu_kernels/machine_load.py) is this process's alone: the next
+    process measures again. Off a CPU the small-batch product is not used and the default plan is returned
+    unmeasured."""
     weights = [w for w in linear_weights(*modules) if dtype is None or w.dtype == dtype]
     if not weights or weights[0].device.type != "cpu":
         return RowPlan.default()
@@ -306,9 +310,21 @@ def measured_row_plan(*modules: nn.Module | None, dtype: torch.dtype | None = No
         return RowPlan(tuple(int(w) for w in json.loads(path.read_text())["widths"]))
     except (OSError, ValueError, KeyError, TypeError):  # missing, or unreadable: measure it (again)
         pass
-    plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights), packed=packing_offered(weights))))
-    write_row_plan(weights, plan)
+    if path in _UNKEPT:
+        return _UNKEPT[path]
+    with OthersLoad() as load:
+        plan = RowPlan.from_choices(choose_widths(time_widths(sample_weights(weights),
+                                                              packed=packing_offered(weights))))
+    if load.quiet:
+        write_row_plan(weights, plan)
+    else:  # beside other work: this process's plan only, measured again by the next one
+        _UNKEPT[path] = plan
+        print(f"[selfspec] the kernel plan was measured while other processes used {load.describe()} of the CPUs: "
+              "used now, not kept (measured again next time)", file=sys.stderr)
     return plan
+
+
+_UNKEPT: dict[Path, RowPlan] = {}  # plans measured beside other work, this process's alone
 
 
 def measured_row_plans(model: nn.Module, *modules: nn.Module | None) -> dict[torch.dtype, RowPlan]:

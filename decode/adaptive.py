@@ -11,8 +11,9 @@ probability that drafted node i is accepted (the node's whole branch matches the
   on a GPU until it is compute bound, expensive on a CPU); :class:`CostCurve`: ``cost(n)`` from it, measured once per
   model, dtype, device, thread count and linear kernel on this machine and cached as JSON under the selfspec cache
   (:func:`measured_cost_curve`). A first decode may run beside other work, so the measurement takes each size's
-  fastest of interleaved repeats, keeps a curve only when those repeats agree, and a kept curve is checked against
-  a fresh one-token timing once per process (:func:`settled_curve`).
+  fastest of interleaved repeats, keeps a curve only when those repeats agree and other processes left the CPUs
+  quiet meanwhile, and a kept curve is checked against a fresh one-token timing once per process
+  (:func:`settled_curve`).
 - :class:`Calibration`: a drafter's raw scores are not probabilities. Per bucket (e.g. a match length), it keeps the
   drafted nodes' summed scores and how many of them were accepted, and scales scores by their ratio, shrunk towards
   the ratio over all buckets, itself shrunk towards a prior of ``prior_weight`` nodes at ``prior_rate``.
@@ -36,6 +37,7 @@ import torch
 from selfspec.decode.cache import new_cache
 from selfspec.decode.step import synchronize, tree_forward
 from selfspec.cpu_kernels.linear_kernels import measured_decoding_kernels, measured_row_plan, use_small_batch
+from selfspec.cpu_kernels.machine_load import OthersLoad
 from selfspec.decode.tree import Tree, load_tree
 from selfspec.decode.types import ROOT, Beside, DecodeState, Draft
 from selfspec.core.archs import context_limit
@@ -406,17 +408,18 @@ def settled_curve(path: Path, measure: Callable[[Sequence[int], int], dict[int, 
     """The cost curve kept at ``path``, or measured with ``measure(sizes, repeats)`` (seconds per size, sizes
     interleaved) and kept there. A kept curve is checked against a fresh one-token timing first: if it is slower
     than the machine is now by more than ``tolerance``, it was measured beside other work, and is measured again. A
-    measured curve is kept only if its repeats agree (:func:`repeats_agree`); otherwise it serves this process
-    alone."""
+    measured curve is kept only if its repeats agree (:func:`repeats_agree`) and other processes left the CPUs
+    quiet meanwhile (cpu_kernels/machine_load.py); otherwise it serves this process alone."""
     kept = _read_curve(path)
     if kept is not None:
         one = kept.sizes[0]
         fresh_ms = 1000.0 * min(measure((one,), CURVE_CHECK_REPEATS)[one])
         if kept.ms[0] <= fresh_ms * (1.0 + tolerance):
             return kept
-    times = measure(CURVE_SIZES, CURVE_REPEATS)
+    with OthersLoad() as load:
+        times = measure(CURVE_SIZES, CURVE_REPEATS)
     curve = fastest_curve(times)
-    if repeats_agree(times, tolerance):
+    if repeats_agree(times, tolerance) and load.quiet:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"sizes": list(curve.sizes), "ms": list(curve.ms)}))

@@ -7,7 +7,8 @@ The engine measures the plan by itself on its first decode and caches it; this s
 method: a pass over a stride of the model's weights per option, medians of ``--repeats`` interleaved rounds), prints
 per row count the time of PyTorch's own product, of oneDNN's on packed weights (where offered) and of each padded
 width, writes the plan into the cache (so the
-engine uses it from now on) and the table as JSON to ``--out``. The config is conf/decode/decode.yaml with the
+engine uses it from now on; not where other processes used the CPUs meanwhile, cpu_kernels/machine_load.py) and the
+table as JSON to ``--out``. The config is conf/decode/decode.yaml with the
 overrides after ``--`` (its ``model``, ``dtype``, ``device``).
 """
 
@@ -24,6 +25,7 @@ from selfspec.core.target import load_target
 from selfspec.cpu_kernels.linear_kernels import (PACKED, PLAN_REPEATS, PROBE_ROWS, RowPlan, choose_widths,
                                                  linear_weights, packing_offered, sample_weights, time_widths,
                                                  write_row_plan)
+from selfspec.cpu_kernels.machine_load import OthersLoad
 from selfspec.decode.settings import target_config_from_overrides
 
 
@@ -39,12 +41,14 @@ def main(argv: list[str] | None = None) -> dict:
         weights = linear_weights(target.model)
         sample = sample_weights(weights)
         packing = packing_offered(weights)
-        seconds = time_widths(sample, repeats=args.repeats, packed=packing)
+        with OthersLoad() as load:
+            seconds = time_widths(sample, repeats=args.repeats, packed=packing)
         plan = RowPlan.from_choices(choose_widths(seconds))
-        path = write_row_plan(weights, plan)
+        path = write_row_plan(weights, plan) if load.quiet else None
     rows = {r: {str(w): 1000 * t for (rr, w), t in sorted(seconds.items()) if rr == r} for r in PROBE_ROWS}
     report = {"model": target.name, "threads": torch.get_num_threads(), "weights_timed": len(sample),
-              "weights": len(weights), "repeats": args.repeats, "packing": packing, "ms": rows, "widths": list(plan.widths)}
+              "weights": len(weights), "repeats": args.repeats, "packing": packing, "ms": rows, "widths": list(plan.widths),
+              "others_share": load.share, "written": str(path) if path else None}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{target.name}: one pass over {len(sample)} of its {len(weights)} linear weights, ms (median of "
@@ -58,7 +62,11 @@ def main(argv: list[str] | None = None) -> dict:
         packed = f"{rows[r][str(PACKED)]:.1f}" if str(PACKED) in rows[r] else "-"
         chosen = plan.width(r)
         print(f"| {r} | {rows[r]['0']:.1f} | {packed} | {padded} | {names.get(chosen, chosen)} |")
-    print(f"plan written to {path}")
+    if path:
+        print(f"plan written to {path}")
+    else:
+        print(f"plan not written: other processes used {load.describe()} of the CPUs while it was timed, so these "
+              "are not this machine's own times; run it again when the machine is quiet")
     return report
 
 

@@ -153,6 +153,8 @@ class HybridRows:
         # chains sent, by kind; "skipped": rows on steps where no row needed the trained chain, so it did not run
         self.counts = {"trained": 0, "suffix": 0, "": 0, "skipped": 0}
         self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
+        self.propose_seconds = 0.0  # spent in the whole proposer: the suffix plans, the trained drafter, the choice
+        self.steps = 0  # proposer calls
 
     def step(self, i: int, request: str, history: list[int], new: list[int], trained: list[int],
              confidences: list[float], greedy: bool) -> list[int]:
@@ -247,14 +249,16 @@ def trained_tokens(method: str, draft_config: Any, k: int) -> int:
 class HybridHook:
     """vLLM's ``worker_extension_cls``: importing this module installs the hybrid proposers. Its one method, called
     with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far
-    (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did)."""
+    (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did, its
+    context store on skipped steps included; ``propose_ms``: the whole proposer's, over ``steps`` calls)."""
 
     def selfspec_hybrid_counts(self) -> dict[str, int]:
         rows = getattr(self.model_runner.drafter, "_rows", None)
         if rows is None:
             raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
                                f"must be one of {', '.join(METHODS)}).")
-        return {**rows.counts, "trained_ms": round(rows.seconds * 1000)}
+        return {**rows.counts, "trained_ms": round(rows.seconds * 1000),
+                "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps}
 
 
 def _hybrid(base: type) -> type:
@@ -310,6 +314,7 @@ def _hybrid(base: type) -> type:
                 raise RuntimeError("selfspec's hybrid proposer needs vLLM's padded drafter batch "
                                    "(speculative_config disable_padded_drafter_batch=false).")
             rows = self._rows
+            begun = time.perf_counter()
             greedy = bool(getattr(kwargs.get("sampling_metadata"), "all_greedy", False))
             own_k = min(int(kwargs.get("num_speculative_tokens", 0)), self._own_k)
             kwargs["num_speculative_tokens"] = own_k  # the trained drafter's own length; the suffix's: k
@@ -329,6 +334,8 @@ def _hybrid(base: type) -> type:
                 out.append([] if p is None else rows.choose(
                     p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
             rows.finish(set(self._batch.req_ids[:len(pending)]))
+            rows.steps += 1
+            rows.propose_seconds += time.perf_counter() - begun
             return out
 
         def _prepare(self, greedy: bool) -> list[Pending | None]:

@@ -228,6 +228,22 @@ def test_a_curve_measured_while_the_machine_was_busy_is_not_kept(tmp_path):
     assert settled_curve(tmp_path / "curve.json", BusyMachine(slower=1.5).measure) == again  # busy now: kept as is
 
 
+def test_a_curve_measured_while_other_processes_used_the_cpus_is_not_kept(tmp_path, monkeypatch):
+    from selfspec.cpu_kernels import machine_load
+    from selfspec.cpu_kernels.machine_load import CpuTimes
+    from selfspec.decode.adaptive import settled_curve
+
+    # every repeat agrees (the others were busy throughout), but the others used 45% of the CPUs' time meanwhile
+    busy = iter([CpuTimes(0.0, 0.0, 0.0), CpuTimes(busy=500.0, total=1000.0, own=50.0)])
+    monkeypatch.setattr(machine_load, "cpu_times", lambda: next(busy))
+    curve = settled_curve(tmp_path / "curve.json", BusyMachine(slower=1.3).measure)
+    assert curve.ms[0] == pytest.approx(1.3 * BusyMachine.true_ms(1))  # this process's own reading
+    assert not (tmp_path / "curve.json").exists()
+    monkeypatch.setattr(machine_load, "cpu_times", lambda: None)  # quiet: kept
+    settled_curve(tmp_path / "curve.json", BusyMachine().measure)
+    assert (tmp_path / "curve.json").is_file()
+
+
 def test_the_measured_curve_is_checked_once_per_process(tiny_llama, monkeypatch, tmp_path):
     from selfspec.decode import adaptive
 

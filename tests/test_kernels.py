@@ -179,6 +179,39 @@ def test_measured_plan_is_cached_and_remeasured_when_unreadable(monkeypatch, tmp
     assert runs == [2, 2, 1]
 
 
+def test_a_plan_measured_while_other_processes_used_the_cpus_serves_this_process_alone(monkeypatch, tmp_path,
+                                                                                        capsys):
+    import selfspec.cpu_kernels.linear_kernels as kernels
+    from selfspec.cpu_kernels import machine_load
+    from selfspec.cpu_kernels.machine_load import CpuTimes
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_UNKEPT", {})
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    runs = []
+
+    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
+        runs.append(len(weights))
+        return {(r, w): (0.5 if (r, w) == (1, 2) else 1.0 if w == 0 else 2.0) for r in probes
+                for w in candidate_widths(r)}
+
+    monkeypatch.setattr(kernels, "time_widths", fake_time_widths)
+    # others used 60% of the CPUs' time while it was timed (a compile beside it, say)
+    busy = iter([CpuTimes(0.0, 0.0, 0.0), CpuTimes(busy=700.0, total=1000.0, own=100.0)])
+    monkeypatch.setattr(machine_load, "cpu_times", lambda: next(busy))
+    plan = measured_row_plan(model)
+    assert plan.width(1) == 2 and runs == [2]
+    assert not list((tmp_path / "kernel_plans").glob("*.json"))  # not kept for later processes
+    err = capsys.readouterr().err
+    assert "not kept" in err and "60%" in err and err.count("\n") == 1  # said in one line
+    assert measured_row_plan(model) == plan and runs == [2]  # this process measures it once
+    # the next process, on a quiet machine, measures it again and keeps it
+    monkeypatch.setattr(kernels, "_UNKEPT", {})
+    monkeypatch.setattr(machine_load, "cpu_times", lambda: None)
+    assert measured_row_plan(model) == plan and runs == [2, 2]
+    assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_off_a_cpu_the_plan_is_the_default_unmeasured():
     assert measured_row_plan(nn.Linear(4, 4).cuda()) == RowPlan.default()
@@ -195,6 +228,8 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     from selfspec.core.target import load_target
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    # the machine read as quiet: other test workers may be busy beside this one (their effect: the next test)
+    monkeypatch.setattr("selfspec.cpu_kernels.machine_load.cpu_times", lambda: None)
     out = tmp_path / "plan.json"
     report = kernel_plan.main(["--repeats", "1", "--out", str(out), "model=tiny"])
     printed = capsys.readouterr().out
@@ -207,6 +242,20 @@ def test_kernel_plan_script_measures_prints_and_caches_the_plan(monkeypatch, tmp
     monkeypatch.setattr(kernels, "time_widths", lambda *a, **k: pytest.fail("measured again"))
     model = load_target(model_config("tiny")).model
     assert measured_row_plan(model).widths == tuple(report["widths"])
+
+
+def test_kernel_plan_script_does_not_write_a_plan_timed_beside_other_work(monkeypatch, tmp_path, capsys):
+    from conftest import load_script
+    from selfspec.cpu_kernels.machine_load import CpuTimes
+
+    kernel_plan = load_script("kernel_plan")
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    busy = iter([CpuTimes(0.0, 0.0, 0.0), CpuTimes(busy=900.0, total=1000.0, own=400.0)])
+    monkeypatch.setattr("selfspec.cpu_kernels.machine_load.cpu_times", lambda: next(busy))
+    report = kernel_plan.main(["--repeats", "1", "--out", str(tmp_path / "plan.json"), "model=tiny"])
+    assert report["written"] is None and report["others_share"] == pytest.approx(0.5)
+    assert "plan not written" in capsys.readouterr().out
+    assert not (tmp_path / "cache" / "kernel_plans").exists()
 
 
 # --- grouped projections ---------------------------------------------------------------------------------------------

@@ -184,6 +184,8 @@ def test_every_export_loads_in_vllm_and_accepts_what_selfspec_accepts(reports, f
         if fmt == "hybrid":  # selfspec's hybrid proposer inside vLLM: both drafters' chains were sent and accepted
             assert entry["acceptance_equal"] is None and entry["vllm"]["accepted"] > 0
             assert entry["sent"]["trained"] > 0 and entry["sent"]["suffix"] > 0, entry["sent"]
+            # its own time: every step through it, the trained drafter's share within the whole proposer's
+            assert entry["sent"]["steps"] > 0 and 0 < entry["sent"]["trained_ms"] <= entry["sent"]["propose_ms"]
             continue
         # the heads were trained to be accepted: the comparison has something to compare at every position
         assert all(a > 0 for a in entry["selfspec"]["accepted_per_pos"]), entry["selfspec"]

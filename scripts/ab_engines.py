@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = {"model": str(served_target_dir(session.target)), "dtype": str(session.target.model.dtype).removeprefix(
         "torch."), "max_model_len": min(context_limit(session.target.model.config),
                                         max(map(len, prompts)) + args.max_new_tokens + args.suffix_tokens + 8)}
+    # selfspec's kernel plan and cost curve are timed on its first decode: before vLLM's engines start beside it
+    plain.generate(prompts[0][:8], max_new_tokens=4)
     sessions = {run["name"]: VllmSession({**engine, "speculative_config": run["speculative_config"],
                                           **(run.get("engine") or {})}, args.vllm_venv, replica_env=[env],
                                          pythonpath=[selfspec_pythonpath()], log_path=out.parent / f"{run['name']}.log")

@@ -155,20 +155,24 @@ def test_sample_weights_keeps_a_stride_and_the_largest():
     assert [id(w) for w in sample] == [id(w) for w in weights[::4]] + [id(weights[-1])]
 
 
+def timed_widths(runs: list[int]):
+    """A fake ``time_widths``, counting its runs (how many weights each timed) in ``runs``: one row fastest padded to
+    two; above that, PyTorch's own product."""
+    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
+        runs.append(len(weights))
+        return {(r, w): (0.5 if (r, w) == (1, 2) else 1.0 if w == 0 else 2.0) for r in probes
+                for w in candidate_widths(r)}
+
+    return fake_time_widths
+
+
 def test_measured_plan_is_cached_and_remeasured_when_unreadable(monkeypatch, tmp_path):
     import selfspec.cpu_kernels.linear_kernels as kernels
 
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
     runs = []
-
-    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
-        runs.append(len(weights))
-        # one row fastest padded to two; above that, PyTorch's own product
-        return {(r, w): (0.5 if (r, w) == (1, 2) else 1.0 if w == 0 else 2.0) for r in probes
-                for w in candidate_widths(r)}
-
-    monkeypatch.setattr(kernels, "time_widths", fake_time_widths)
+    monkeypatch.setattr(kernels, "time_widths", timed_widths(runs))
     plan = measured_row_plan(model)
     assert runs == [2] and plan.width(1) == 2 and plan.width(2) == 0 and plan.width(40) == 0
     assert measured_row_plan(model) == plan and runs == [2]  # read back from the cache
@@ -189,13 +193,7 @@ def test_a_plan_measured_while_other_processes_used_the_cpus_serves_this_process
     monkeypatch.setattr(kernels, "_UNKEPT", {})
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
     runs = []
-
-    def fake_time_widths(weights, probes=PROBE_ROWS, **_):
-        runs.append(len(weights))
-        return {(r, w): (0.5 if (r, w) == (1, 2) else 1.0 if w == 0 else 2.0) for r in probes
-                for w in candidate_widths(r)}
-
-    monkeypatch.setattr(kernels, "time_widths", fake_time_widths)
+    monkeypatch.setattr(kernels, "time_widths", timed_widths(runs))
     # others used 60% of the CPUs' time while it was timed (a compile beside it, say)
     busy = iter([CpuTimes(0.0, 0.0, 0.0), CpuTimes(busy=700.0, total=1000.0, own=100.0)])
     monkeypatch.setattr(machine_load, "cpu_times", lambda: next(busy))

@@ -9,7 +9,8 @@ rotated order, wall time per request from the caller. Ratios are geometric means
 scripts/bench.py starts an engine per vLLM method and round, and on a 2-core CPU one vLLM process can run 10-15%
 faster than the next with the same settings (docs/benchmarks.md): its ratios between two vLLM methods carry that. Here
 each engine is one process for all prompts and the methods alternate prompt by prompt, so a drift of the machine hits
-all alike. Methods: ``vanilla`` (selfspec's engine, plain) and scripts/bench.py's vLLM methods (bench/vllm.py:
+all alike. Methods: ``vanilla`` (selfspec's engine, plain), ``selfspec`` (its default decoder: ``--heads`` with the
+suffix drafter, as scripts/bench.py's ``hybrid`` row) and scripts/bench.py's vLLM methods (bench/vllm.py:
 ``vllm``, ``vllm_ngram``, ``vllm_suffix``, ``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two
 with ``--heads``), each drafting what its bench row drafts. Prompts: every ``--mt-every``-th MT-bench first turn from
 the ``--mt-start``-th, and the first ``--humaneval`` HumanEval problems. The tokens of every method are compared;
@@ -67,10 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.decode.settings import decode_config
     from selfspec.serve.serving import needs_selfspec, proposer_env, served_target_dir
 
-    unknown = [m for m in names if m != "vanilla" and m not in VLLM_METHODS]
+    own = ("vanilla", "selfspec")  # selfspec's engine: plain, and its default decoder
+    unknown = [m for m in names if m not in own and m not in VLLM_METHODS]
     if unknown or len(names) < 2:
-        print(f"error: --methods: two or more of vanilla, {', '.join(VLLM_METHODS)} (not {', '.join(unknown)})",
+        print(f"error: --methods: two or more of {', '.join(own + VLLM_METHODS)} (not {', '.join(unknown)})",
               file=sys.stderr)
+        return 2
+    if "selfspec" in names and not args.heads:
+        print("error: --methods selfspec: give --heads (its default decoder drafts with them)", file=sys.stderr)
         return 2
     session = load_session(decode_config({"max_new_tokens": args.max_new_tokens,
                                           **({"heads": args.heads} if args.heads else {"family": "vanilla"})}))
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(args.heads or ".").resolve()
     heads = {(folder.parent if folder.name == "heads" else folder).name: (session, args.heads)} if args.heads else {}
-    runs = vllm_runs([m for m in names if m != "vanilla"], heads, out.parent / (out.stem + "-exports"),
+    runs = vllm_runs([m for m in names if m not in own], heads, out.parent / (out.stem + "-exports"),
                      served_target_dir(session.target), args.speculative_tokens, args.suffix_tokens)
     env = (proposer_env(session.target.model, session.decoder.linear_kernel, args.suffix_tokens,
                         args.speculative_tokens) if needs_selfspec(runs) else {})
@@ -92,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         "torch."), "max_model_len": min(context_limit(session.target.model.config),
                                         max(map(len, prompts)) + args.max_new_tokens + args.suffix_tokens + 8)}
     # selfspec's kernel plan and cost curve are timed on its first decode: before vLLM's engines start beside it
-    plain.generate(prompts[0][:8], max_new_tokens=4)
+    for engine in [plain] + ([session.decoder] if "selfspec" in names else []):
+        engine.generate(prompts[0][:8], max_new_tokens=4)
     sessions = {run["name"]: VllmSession({**engine, "speculative_config": run["speculative_config"],
                                           **(run.get("engine") or {})}, args.vllm_venv, replica_env=[env],
                                          pythonpath=[selfspec_pythonpath()], log_path=out.parent / f"{run['name']}.log")
                 for run in runs}
     # the methods in the order given (a heads method's engine is named after its heads: vllm_hybrid:<heads>)
-    order_names = [n for m in names for n in (["vanilla"] if m == "vanilla" else
+    order_names = [n for m in names for n in ([m] if m in own else
                                                [r["name"] for r in runs if r["name"].split(":")[0] == m])]
 
     def request(ids: list[int]) -> dict:
@@ -106,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                 "seed": None, "stop_token_ids": eos}
 
     def decode(name: str, ids: list[int]) -> list[int]:
-        if name == "vanilla":
-            return list(plain.generate(ids, max_new_tokens=args.max_new_tokens).tokens)
+        if name in own:
+            engine = plain if name == "vanilla" else session.decoder
+            return list(engine.generate(ids, max_new_tokens=args.max_new_tokens).tokens)
         return list(sessions[name].generate([request(ids)])[0])
 
     try:

@@ -29,3 +29,9 @@ def test_an_unknown_method_is_one_error_line(capsys):
     assert ab.main(["--methods", "vanilla,medusa_in_vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --methods") and "medusa_in_vllm" in err[0]
+
+
+def test_the_default_decoder_without_heads_is_one_error_line(capsys):
+    assert ab.main(["--methods", "selfspec,vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--heads" in err[0]

@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch."), "max_model_len": min(context_limit(session.target.model.config),
                                         max(map(len, prompts)) + args.max_new_tokens + args.suffix_tokens + 8)}
     # selfspec's kernel plan and cost curve are timed on its first decode: before vLLM's engines start beside it
-    for engine in [plain] + ([session.decoder] if "selfspec" in names else []):
-        engine.generate(prompts[0][:8], max_new_tokens=4)
+    for decoder in [plain] + ([session.decoder] if "selfspec" in names else []):
+        decoder.generate(prompts[0][:8], max_new_tokens=4)
     sessions = {run["name"]: VllmSession({**engine, "speculative_config": run["speculative_config"],
                                           **(run.get("engine") or {})}, args.vllm_venv, replica_env=[env],
                                          pythonpath=[selfspec_pythonpath()], log_path=out.parent / f"{run['name']}.log")
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode(name: str, ids: list[int]) -> list[int]:
         if name in own:
-            engine = plain if name == "vanilla" else session.decoder
-            return list(engine.generate(ids, max_new_tokens=args.max_new_tokens).tokens)
+            decoder = plain if name == "vanilla" else session.decoder
+            return list(decoder.generate(ids, max_new_tokens=args.max_new_tokens).tokens)
         return list(sessions[name].generate([request(ids)])[0])
 
     try:

@@ -51,7 +51,7 @@ from typing import Any, Sequence
 import torch
 from selfspec.decode.adaptive import CostCurve
 from selfspec.decode.suffix import SuffixPlan
-from selfspec.serve.vllm_suffix import SuffixProposer, curve_from_env
+from selfspec.serve.vllm_suffix import SuffixProposer, curve_from_env, record_chain
 
 HOOK = "selfspec.serve.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
@@ -218,7 +218,7 @@ class HybridRows:
             n = min(accepted, last.length)
             self.calibration.record(last.confidences, n, min(n + 1, last.length))
         elif last.kind == "suffix" and last.suffix is not None:
-            row.drafter.record(last.suffix, accepted)
+            record_chain(row.drafter, last.suffix, accepted)
 
     def finish(self, live: set[str]) -> None:
         """Forget what was sent to requests no longer in the batch."""

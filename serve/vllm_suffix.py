@@ -49,8 +49,7 @@ COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
 def record_chain(drafter: SuffixDrafter, plan: SuffixPlan, accepted: int) -> None:
     """``plan``'s chain was verified and its first ``accepted`` tokens accepted: the depths up to the first rejected
     one learn (all of them when the whole chain was accepted)."""
-    sent = len(plan.chosen)
-    drafter.record(plan, accepted, accepted + 1 if accepted < sent else accepted)
+    drafter.record(plan, accepted, min(accepted + 1, len(plan.chosen)))
 
 
 def default_curve(k: int) -> CostCurve:

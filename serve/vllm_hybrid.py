@@ -18,10 +18,12 @@ subclasses (:func:`install`). The subclasses behave exactly as vLLM's own unless
 **Each step, per request** (:class:`HybridRows`):
 
 1. the suffix drafter plans its chain as serve/vllm_suffix.py does (adaptive length, calibrated online);
-2. if the trained drafter's chain could not beat it on any row of the batch, whatever its tokens (its calibrated
-   acceptance at its best, :meth:`HybridRows.trained_bound`), the trained drafter does not draft this step: a DFlash
-   drafter only stores the context keys and values of the step's hidden states, as vLLM's own ``propose`` does before
-   its query forward; an EAGLE-3 drafter runs its first forward, which writes its cache, and drafts one token;
+2. if the trained drafter's chain is not expected to pay on any row of the batch, the trained drafter does not draft
+   this step (:meth:`HybridRows.needs_trained`): where no chain it could give would be chosen (its calibrated
+   acceptance at its best, :meth:`HybridRows.trained_bound`), or, once measured, where its recent chains would
+   not have beaten the suffix chain by more than its own time costs. A DFlash drafter then only stores the context
+   keys and values of the step's hidden states, as vLLM's own ``propose`` does before its query forward; an EAGLE-3
+   drafter runs its first forward, which writes its cache, and drafts one token;
 3. otherwise vLLM's proposer drafts its chain as it always does (greedy), and the subclass keeps each drafted token's
    probability under the drafter (its softmax, from the logits it already computes); the trained chain's tokens are
    worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per position and per bin of the
@@ -44,7 +46,9 @@ The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for serve/vllm
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,6 +59,9 @@ from selfspec.serve.vllm_suffix import SuffixProposer, curve_from_env, record_ch
 
 HOOK = "selfspec.serve.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
+RATE_SAMPLES = 256  # the trained chain's recent rates that say what running it is worth (HybridRows.needs_trained)
+RATE_WARMUP = 32  # until then it runs wherever its chain could be chosen
+TIME_SAMPLES = 64  # recent steps whose median times say what it costs
 
 
 @dataclass
@@ -155,6 +162,12 @@ class HybridRows:
         self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
         self.propose_seconds = 0.0  # spent in the whole proposer: the suffix plans, the trained drafter, the choice
         self.steps = 0  # proposer calls
+        # what running the trained drafter is worth and costs (needs_trained): its chain's rate each time it ran,
+        # and the recent seconds of a step that ran it, of one that skipped it, and of one verify cost unit
+        self.trained_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
+        self._ran_s: deque[float] = deque(maxlen=TIME_SAMPLES)
+        self._skipped_s: deque[float] = deque(maxlen=TIME_SAMPLES)
+        self._unit_s: deque[float] = deque(maxlen=TIME_SAMPLES)
 
     def step(self, i: int, request: str, history: list[int], new: list[int], trained: list[int],
              confidences: list[float], greedy: bool) -> list[int]:
@@ -182,9 +195,38 @@ class HybridRows:
         m, expected = expected_prefix(best, self.curve)
         return (1.0 + expected) / self.curve.cost(1 + m)
 
+    def timed(self, ran: bool, drafter_s: float, unit_s: float | None = None) -> None:
+        """One step's times: ``drafter_s`` in the trained drafter (``ran``: it drafted; else its skip path) and, when
+        known, ``unit_s``, the seconds of one verify cost unit (the step's period less the drafter, over the verify
+        cost of the longest chain sent the step before)."""
+        (self._ran_s if ran else self._skipped_s).append(drafter_s)
+        if unit_s is not None and unit_s > 0:
+            self._unit_s.append(unit_s)
+
+    def drafter_cost(self) -> float | None:
+        """What drafting with the trained drafter adds to a step over its skip path, in verify cost units (the
+        medians of recent steps); None until a step that ran it and the cost unit are timed."""
+        if not self._ran_s or not self._unit_s:
+            return None
+        skipped = statistics.median(self._skipped_s) if self._skipped_s else 0.0
+        return max(0.0, statistics.median(self._ran_s) - skipped) / statistics.median(self._unit_s)
+
     def needs_trained(self, pending: Pending, n: int) -> bool:
-        """Whether a trained chain of ``n`` tokens could be chosen over ``pending``'s suffix chain."""
-        return not pending.suffix_tokens or self.trained_bound(n) >= pending.suffix_rate
+        """Whether running the trained drafter for ``n`` tokens is expected to pay over ``pending``'s suffix chain.
+
+        Never where no chain it could give would be chosen (:meth:`trained_bound`). Past that, once its chain's rate
+        has been seen on :data:`RATE_WARMUP` steps and its time measured: where what those rates would add to the
+        suffix chain's (their mean of max(trained rate - suffix rate, 0): the better chain is sent) beats what the
+        drafter's own time takes away, ``suffix rate * drafter cost / the suffix chain's verify cost``. (On code,
+        where the suffix chain is long, a drafter that costs a tenth of a step and seldom beats it is not run.)"""
+        rate = pending.suffix_rate
+        if pending.suffix_tokens and self.trained_bound(n) < rate:
+            return False
+        cost = self.drafter_cost()
+        if len(self.trained_rates) < RATE_WARMUP or cost is None:
+            return True
+        gain = sum(max(r - rate, 0.0) for r in self.trained_rates) / len(self.trained_rates)
+        return gain > rate * cost / self.curve.cost(1 + len(pending.suffix_tokens))
 
     def choose(self, pending: Pending, trained: list[int] | None, confidences: list[float] | None) -> list[int]:
         """The chain to send for ``pending``'s request: the suffix drafter's or the trained drafter's prefix with
@@ -192,6 +234,8 @@ class HybridRows:
         trained, confidences = list(trained or []), list(confidences or [])
         n, trained_expected = expected_prefix(self.calibration.probs(confidences), self.curve)
         trained_rate = (1.0 + trained_expected) / self.curve.cost(1 + n)
+        if trained:
+            self.trained_rates.append(trained_rate)
         if pending.suffix_tokens and pending.suffix_rate > trained_rate:
             kind, chain = "suffix", pending.suffix_tokens
         elif n:
@@ -250,15 +294,18 @@ class HybridHook:
     """vLLM's ``worker_extension_cls``: importing this module installs the hybrid proposers. Its one method, called
     with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far
     (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did, its
-    context store on skipped steps included; ``propose_ms``: the whole proposer's, over ``steps`` calls)."""
+    context store on skipped steps included; ``propose_ms``: the whole proposer's, over ``steps`` calls;
+    ``drafter_cost_pct``: what drafting adds to a step, in percent of one verify cost unit, as last measured)."""
 
     def selfspec_hybrid_counts(self) -> dict[str, int]:
         rows = getattr(self.model_runner.drafter, "_rows", None)
         if rows is None:
             raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
                                f"must be one of {', '.join(METHODS)}).")
+        cost = rows.drafter_cost()
         return {**rows.counts, "trained_ms": round(rows.seconds * 1000),
-                "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps}
+                "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps,
+                "drafter_cost_pct": None if cost is None else round(100 * cost)}
 
 
 def _hybrid(base: type) -> type:
@@ -281,6 +328,7 @@ def _hybrid(base: type) -> type:
             self._own_k = trained_tokens(spec.method, spec.draft_model_config.hf_config, k)
             self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), curve_from_env(k))
             self._confidences: list[torch.Tensor] = []
+            self._last: tuple[float, float, float] | None = None  # the last step's start, drafter seconds, cost
             self._sampled: Any = None
             self._discard: Any = None
             self._batch: Any = None
@@ -321,19 +369,28 @@ def _hybrid(base: type) -> type:
             pending = self._prepare(greedy)
             self._confidences = []
             start = time.perf_counter()
-            if all(p is None or not rows.needs_trained(p, own_k) for p in pending):
+            ran = not all(p is None or not rows.needs_trained(p, own_k) for p in pending)
+            if not ran:
                 rows.counts["skipped"] += sum(p is not None for p in pending)
-                self._without_chain(kwargs)  # no row's chain could be the trained one: only its cache is kept
+                self._without_chain(kwargs)  # no row's chain pays for the trained drafter: only its cache is kept
                 trained, confidences = None, None
             else:
                 drafts = super().propose(**kwargs)
                 trained, confidences = self._drafted(drafts)
-            rows.seconds += time.perf_counter() - start
+            drafter_s = time.perf_counter() - start
+            rows.seconds += drafter_s
             out = []
             for i, p in enumerate(pending):
                 out.append([] if p is None else rows.choose(
                     p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
             rows.finish(set(self._batch.req_ids[:len(pending)]))
+            # a decode step's period, less the drafter's part, over the verify cost of the chains sent the step before
+            unit = None
+            if self._last is not None and all(p is not None for p in pending):
+                last_begun, last_drafter_s, last_cost = self._last
+                unit = (begun - last_begun - last_drafter_s) / last_cost
+            rows.timed(ran, drafter_s, unit)
+            self._last = (begun, drafter_s, rows.curve.cost(1 + max((len(c) for c in out), default=0)))
             rows.steps += 1
             rows.propose_seconds += time.perf_counter() - begun
             return out

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from selfspec.decode.adaptive import CostCurve
-from selfspec.serve.vllm_hybrid import ChainCalibration, HybridRows, expected_prefix, matched, trained_tokens
+from selfspec.serve.vllm_hybrid import (TIME_SAMPLES, ChainCalibration, HybridRows, expected_prefix, matched,
+                                          trained_tokens)
 
 FLAT = CostCurve.from_relative({1: 1.0, 9: 1.0})  # verifying is free up to 9 tokens
 LINEAR = CostCurve.from_relative({1: 1.0, 9: 9.0})  # each verified token costs what one step does
@@ -137,6 +138,42 @@ def test_the_trained_drafter_is_not_run_where_the_text_repeats_and_its_chain_cou
     # a fresh drafter's calibration is its own probability: at 1.0 the bound is the whole chain accepted
     fresh = HybridRows(k=6, max_model_len=512, curve=curve)
     assert fresh.trained_bound(3) == pytest.approx(4.0 / curve.cost(4))
+
+
+def test_the_trained_drafter_runs_only_where_its_chains_are_worth_its_time():
+    """Past the warm-up, needs_trained weighs what the trained chain's recent rates would add to the suffix chain's
+    (the mean of the better of the two) against the drafter's measured time in verify cost units: a drafter costing
+    a tenth of a step runs on new text, where the suffix chain is empty, and not beside a long suffix chain its
+    chains seldom beat; a free drafter runs wherever any of its chains could win."""
+    from selfspec.serve.vllm_hybrid import RATE_WARMUP, Pending
+
+    curve = CostCurve.from_relative({1: 1.0, 4: 1.0, 9: 1.5})
+    rows = HybridRows(k=8, max_model_len=512, curve=curve)
+    empty = Pending("r", None, [], 1.0 / curve.cost(1))
+    long = Pending("r", None, [5] * 4, 2.0 / curve.cost(5))  # a suffix chain worth 1 + 1.0 tokens a step
+    assert rows.needs_trained(long, 2)  # nothing measured: wherever its chain could be chosen (the bound)
+    for i in range(RATE_WARMUP):  # its chains: a token and a half on one step in eight, else the bonus token alone
+        rows.trained_rates.append(2.5 / curve.cost(3) if i % 8 == 0 else 1.0)
+    assert rows.drafter_cost() is None and rows.needs_trained(long, 2)  # not timed yet
+    for _ in range(5):
+        rows.timed(True, 0.012, 0.030)  # drafting: 12 ms
+        rows.timed(False, 0.002, 0.030)  # its skip path: 2 ms; a verify cost unit: 30 ms
+    assert rows.drafter_cost() == pytest.approx(1 / 3)
+    # new text: it adds (2.5 - 1) / 8 = 0.19 tokens a unit, and takes 1.0 * 1/3
+    assert not rows.needs_trained(empty, 2)
+    for _ in range(TIME_SAMPLES):
+        rows.timed(True, 0.005, 0.030)  # drafting 5 ms: 0.1 of a unit
+    assert rows.needs_trained(empty, 2)  # 0.19 > 0.1: it pays
+    assert not rows.needs_trained(long, 2)  # its chains never beat 2.0 / 1.0 tokens a unit: never worth 0.1
+    best = Pending("r", None, [5], 1.2 / curve.cost(2))
+    gain = sum(max(r - 1.2, 0.0) for r in rows.trained_rates) / RATE_WARMUP  # (2.5 / 1.0 - 1.2) / 8 = 0.1625
+    assert gain > 1.2 * 0.1 and rows.needs_trained(best, 2)  # worth more than its 0.12 a unit
+    for _ in range(TIME_SAMPLES):
+        rows.timed(True, 0.002, 0.030)  # as cheap as skipping
+    assert rows.needs_trained(best, 2)
+    rows.trained_rates.clear()
+    rows.trained_rates.extend([1.0] * RATE_WARMUP)  # its chains never add a token: not worth even a free run
+    assert not rows.needs_trained(best, 2)
 
 
 def test_each_request_learns_from_its_own_last_chain_and_finished_ones_are_forgotten():

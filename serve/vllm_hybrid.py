@@ -168,6 +168,7 @@ class HybridRows:
         self._ran_s: deque[float] = deque(maxlen=TIME_SAMPLES)
         self._skipped_s: deque[float] = deque(maxlen=TIME_SAMPLES)
         self._unit_s: deque[float] = deque(maxlen=TIME_SAMPLES)
+        self._cost: float | None = None  # drafter_cost(), measured once a step (timed)
 
     def step(self, i: int, request: str, history: list[int], new: list[int], trained: list[int],
              confidences: list[float], greedy: bool) -> list[int]:
@@ -202,14 +203,15 @@ class HybridRows:
         (self._ran_s if ran else self._skipped_s).append(drafter_s)
         if unit_s is not None and unit_s > 0:
             self._unit_s.append(unit_s)
+        if self._ran_s and self._unit_s:
+            skipped = statistics.median(self._skipped_s) if self._skipped_s else 0.0
+            self._cost = max(0.0, statistics.median(self._ran_s) - skipped) / statistics.median(self._unit_s)
 
     def drafter_cost(self) -> float | None:
         """What drafting with the trained drafter adds to a step over its skip path, in verify cost units (the
-        medians of recent steps); None until a step that ran it and the cost unit are timed."""
-        if not self._ran_s or not self._unit_s:
-            return None
-        skipped = statistics.median(self._skipped_s) if self._skipped_s else 0.0
-        return max(0.0, statistics.median(self._ran_s) - skipped) / statistics.median(self._unit_s)
+        medians of recent steps, taken once a step by :meth:`timed`); None until a step that ran it and the cost
+        unit are timed."""
+        return self._cost
 
     def needs_trained(self, pending: Pending, n: int) -> bool:
         """Whether running the trained drafter for ``n`` tokens is expected to pay over ``pending``'s suffix chain.
@@ -369,7 +371,7 @@ def _hybrid(base: type) -> type:
             pending = self._prepare(greedy)
             self._confidences = []
             start = time.perf_counter()
-            ran = not all(p is None or not rows.needs_trained(p, own_k) for p in pending)
+            ran = any(p is not None and rows.needs_trained(p, own_k) for p in pending)
             if not ran:
                 rows.counts["skipped"] += sum(p is not None for p in pending)
                 self._without_chain(kwargs)  # no row's chain pays for the trained drafter: only its cache is kept

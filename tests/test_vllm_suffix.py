@@ -24,8 +24,7 @@ def test_a_chain_teaches_the_depths_up_to_its_first_rejected_token_only():
     before = dict(calibration.scored)
     # vLLM accepted the chain's first token and rejected its second (sampling 99 there instead)
     call(proposer, history + [chain[0], 99], 2)
-    learned = {depth: calibration.scored.get(key, 0.0) - before.get(key, 0.0)
-               for key in set(calibration.scored) for depth in [key[1]]}
+    learned = {key[1]: calibration.scored[key] - before.get(key, 0.0) for key in calibration.scored}
     assert learned.get(1, 0) > 0 and learned.get(2, 0) > 0  # the accepted depth and the rejected one
     assert all(v == 0 for d, v in learned.items() if d > 2)  # never reached: not counted as rejected
     accepted = {key[1]: calibration.accepted.get(key, 0.0) for key in calibration.accepted}

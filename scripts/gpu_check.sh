@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for the day a GPU machine is lent: one script, sized to finish in under 8 minutes on one H200.
 #
-#   bash scripts/gpu_prepare.sh                 # here, with network: wheels, the SmolLM2 GGUF, data -> .gpu/a, .gpu/b
-#   bash scripts/gpu_check.sh --setup           # there, first call (carry .gpu/a): install, the GGUF's first part
-#   bash scripts/gpu_check.sh [OUT]             # there, second call (carry .gpu/b): the steps, results under OUT
+#   bash scripts/gpu_prepare.sh                 # here, with network: wheels, the SmolLM2 GGUF, data -> .gpu/1, 2, 3
+#   bash scripts/gpu_check.sh --setup           # there, calls 1 and 2 (carry .gpu/1, then .gpu/2): install, GGUF parts
+#   bash scripts/gpu_check.sh [OUT]             # there, call 3 (carry .gpu/3): the steps, results under OUT
 #   bash scripts/gpu_check.sh --dry-run [OUT]   # on a CPU: every step with tiny shapes, to check the script itself
 #
 # Steps, each under its own time limit and the whole under GPU_CHECK_SECONDS (default 480), each writing a log (a
@@ -25,11 +25,18 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline HYDRA_FULL_ERROR=1
 export SELFSPEC_CACHE="${SELFSPEC_CACHE:-/tmp/selfspec-cache}"
 gguf_path() { echo "$SELFSPEC_CACHE/downloads/$("$py" -c 'from selfspec.core.embedded import SMOLLM2 as m; print(f"{m.downloads}/{m.gguf}")')"; }
 
+parts() {  # keep the GGUF parts carried so far beside where the GGUF goes (a later call replaces .gpu/N)
+    local gguf; gguf="$(gguf_path)"; mkdir -p "$(dirname "$gguf")"
+    for part in .gpu/*/gguf.part-*; do [ -f "$part" ] && cp "$part" "$gguf.${part##*.}"; done
+}
 if [ "${1:-}" = "--setup" ]; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .gpu/a/whl/*.whl || exit 1
-    "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-    gguf="$(gguf_path)"; mkdir -p "$(dirname "$gguf")"
-    cp .gpu/a/gguf.part-aa "$gguf.part-aa" && echo "setup done: $(nvidia-smi --query-gpu=name --format=csv,noheader)"
+    if [ -d .gpu/1/whl ] && [ ! -f /tmp/selfspec-wheels-installed ]; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .gpu/1/whl/*.whl || exit 1
+        "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+        touch /tmp/selfspec-wheels-installed
+    fi
+    parts
+    echo "setup done: $(nvidia-smi --query-gpu=name --format=csv,noheader); GGUF parts: $(ls "$(gguf_path)".part-* | wc -l)"
     exit 0
 fi
 dry=0
@@ -49,28 +56,30 @@ if [ "$dry" = 1 ]; then
     recipe=(model=tiny data.max_records=200 trainer.max_minutes=0.5 trainer.batch_size=4)
     engine_args=(--prompts 1 --prompt-tokens 16 --new-tokens 8 --depths 1,2 --curve-repeats 1 -- model=tiny)
     bench_model=(model=tiny limit=2 max_new_tokens=8)
-    data_file=.gpu/b/conversations.jsonl
+    data_file=.gpu/3/conversations.jsonl
     [ -f "$data_file" ] || xz -dkf "$data_file.xz"
 else
     device=cuda; dtype=bfloat16
     shape8b="model.tiny.vocab_size=128256 model.tiny.hidden_size=4096 model.tiny.num_hidden_layers=32 model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=14336 model.tiny.max_position_embeddings=8192"
     steps=30; limit_tests=280; limit=90; records=2000
     # wandb does not travel (gpu_prepare.sh): its one test is left out
-    pytest_args=(--device cuda -m "not vllm_archs" -n 8 -p no:cacheprovider
+    # -v: each test's outcome on a line of its own, so a run cut at its limit still names its failures
+    pytest_args=(--device cuda -m "not vllm_archs" -n 8 -p no:cacheprovider -v --tb=line -rfE
                  --deselect tests/test_sweeps.py::test_a_resumed_run_goes_on_logging_into_its_wandb_run)
     recipe=(model=smollm2)
     engine_args=(--shape llama3b --prompts 4 --prompt-tokens 128 --new-tokens 128 --depths 1,2,4,8 -- model=tiny device=cuda dtype=bfloat16)
-    bench_model=(model=smollm2 limit=8 per_category=1 max_new_tokens=128 device=cuda dtype=float32)
+    bench_model=(model=smollm2 per_category=1 max_new_tokens=128 device=cuda dtype=float32)
     gguf="$(gguf_path)"
     if [ ! -f "$gguf" ]; then
-        cat "$gguf.part-aa" .gpu/b/gguf.part-ab > "$gguf.tmp" && mv "$gguf.tmp" "$gguf" || exit 1
+        parts
+        cat "$gguf".part-a? > "$gguf.tmp" && mv "$gguf.tmp" "$gguf" || exit 1
     fi
-    xz -dkf .gpu/b/conversations.jsonl.xz || exit 1
-    data_file=.gpu/b/conversations.jsonl
+    xz -dkf .gpu/3/conversations.jsonl.xz || exit 1
+    data_file=.gpu/3/conversations.jsonl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$summary" 2>&1
 fi
 data=(data=file "data.path=$(pwd)/$data_file")
-prompts="$(pwd)/.gpu/b/question.jsonl"
+prompts="$(pwd)/.gpu/3/question.jsonl"
 [ -f "$prompts" ] || prompts="$(cd .. && pwd)/shared/data/mt_bench/question.jsonl"
 
 left() { echo $((deadline - SECONDS)); }

@@ -19,7 +19,9 @@ from transformers import AddedToken
 
 from selfspec.core.target import build_tiny_tokenizer
 from selfspec.train.data import IGNORE_INDEX, ChatTemplateError, build_dataset, chat_ids, parse_turns
+from selfspec.core.records import DataError, ReadReport
 from selfspec.train.data.chat import TemplateRewritesTurns, conversation_examples, tokenize_conversation
+from selfspec.train.data.dataset import _tokenize_all
 
 from conftest import REPO
 from test_data import labelled_segments
@@ -186,3 +188,17 @@ def test_dataset_of_a_reasoning_template_keeps_each_conversation_on_one_side(qwe
     assert len(texts) == 16  # two answers of eight conversations
     assert len(ds["eval"]) == 4 and len(sides) == 8 and all(len(s) == 1 for s in sides.values())
     assert sum("<think>\nwhy 3\n</think>\n\nanswer 3" in t for t in texts) == 1  # in its own answer's example only
+
+
+def test_a_transformers_without_control_tokens_is_refused_with_the_version_it_needs(qwen3, monkeypatch):
+    """Before 5.20, transformers has no control-token list, and renders special tokens written in contents as tokens:
+    labels would be wrong. Tokenizing stops with the version to install (a GPU image with 5.17 met this)."""
+    def missing(self, name):
+        raise AttributeError(f"{type(self).__name__} has no attribute {name}")
+
+    monkeypatch.delattr(qwen3, "chat_control_tokens")
+    monkeypatch.setattr(type(qwen3), "__getattr__", missing)
+    with pytest.raises(DataError, match=r"transformers .* older than selfspec needs .*transformers>=5\.20"):
+        chat_ids(qwen3, THINKING[:3])
+    with pytest.raises(DataError, match=r"transformers>=5\.20"):  # at the first conversation, not skipped as one
+        _tokenize_all([THINKING[:3]] * 20, qwen3, 256, "truncate", ReadReport("x"), verbose=False)

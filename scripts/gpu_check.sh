@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, for the day a GPU machine is lent: one script, sized to finish in 9 minutes on one H200 (a call of timeout_s=590).
+# The GPU check, for the day a GPU machine is lent: one script, sized to finish in 9 minutes on one H200 (its device
+# call with timeout_s=590).
 #
 #   bash scripts/gpu_prepare.sh                 # here, with network: wheels, the SmolLM2 GGUF, data -> .gpu/1, 2, 3
 #   bash scripts/gpu_check.sh --setup           # there, calls 1 and 2 (carry .gpu/1, then .gpu/2): install, GGUF parts

@@ -13,8 +13,8 @@ all alike. Methods: ``vanilla`` (selfspec's engine, plain), ``selfspec`` (its de
 suffix drafter, as scripts/bench.py's ``hybrid`` row) and scripts/bench.py's vLLM methods (bench/vllm.py:
 ``vllm``, ``vllm_ngram``, ``vllm_suffix``, ``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two
 with ``--heads``), each drafting what its bench row drafts. Prompts: every ``--mt-every``-th MT-bench first turn from
-the ``--mt-start``-th, and the first ``--humaneval`` HumanEval problems. The tokens of every method are compared;
-any difference is reported and the script exits 1. Writes ``--out`` (JSON).
+the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
+tokens of every method are compared; any difference is reported and the script exits 1. Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mt-every", type=int, default=5)
     parser.add_argument("--mt-start", type=int, default=2)
     parser.add_argument("--humaneval", type=int, default=0)
+    parser.add_argument("--humaneval-start", type=int, default=0, help="the first HumanEval problem taken (unseen sets)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--speculative-tokens", type=int, default=3, help="scripts/bench.py's vllm_speculative_tokens")
     parser.add_argument("--suffix-tokens", type=int, default=8, help="scripts/bench.py's vllm_suffix_tokens")
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = session.decoder_for("vanilla")
     questions = load_prompts(args.mt_bench)[args.mt_start::args.mt_every]
     if args.humaneval:
-        questions += load_prompts("humaneval", args.humaneval)
+        questions += load_prompts("humaneval", args.humaneval_start + args.humaneval)[args.humaneval_start:]
     prompts = [prompt_ids(session.target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     eos = sorted(session.decoder.eos_token_ids)
     out = Path(args.out)

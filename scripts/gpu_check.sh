@@ -80,8 +80,6 @@ if [ "$dry" = 1 ]; then
     recipe=(model=tiny data.max_records=200 trainer.max_minutes=0.5 trainer.batch_size=4)
     engine_args=(--prompts 1 --prompt-tokens 16 --new-tokens 8 --depths 1,2 --curve-repeats 1 -- model=tiny)
     bench_model=(model=tiny limit=2 max_new_tokens=8)
-    data_file=.gpu/3/conversations.jsonl
-    [ -f "$data_file" ] || xz -dkf "$data_file.xz"
 else
     device=cuda; dtype=bfloat16
     shape8b="model.tiny.vocab_size=128256 model.tiny.hidden_size=4096 model.tiny.num_hidden_layers=32 model.tiny.num_attention_heads=32 model.tiny.num_key_value_heads=8 model.tiny.intermediate_size=14336 model.tiny.max_position_embeddings=8192"
@@ -98,11 +96,13 @@ else
         parts
         cat "$gguf".part-a? > "$gguf.tmp" && mv "$gguf.tmp" "$gguf" || exit 1
     fi
-    xz -dkf .gpu/3/conversations.jsonl.xz || exit 1
-    data_file=.gpu/3/conversations.jsonl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$summary" 2>&1
 fi
-data=(data=file "data.path=$(pwd)/$data_file")
+# unpacked outside .gpu/, so the carried load stays as gpu_prepare.sh made it (87 MB unpacked: too large to carry)
+data_file="$(mktemp -d)/conversations.jsonl"
+trap 'rm -rf "$(dirname "$data_file")"' EXIT
+xz -dc .gpu/3/conversations.jsonl.xz > "$data_file" || exit 1
+data=(data=file "data.path=$data_file")
 prompts="$(pwd)/.gpu/3/question.jsonl"
 [ -f "$prompts" ] || prompts="$(cd .. && pwd)/shared/data/mt_bench/question.jsonl"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from selfspec.decode.adaptive import CostCurve
-from selfspec.serve.vllm_hybrid import (TIME_SAMPLES, ChainCalibration, HybridRows, expected_prefix, matched,
-                                          trained_tokens)
+from selfspec.serve.vllm_hybrid import (RATE_WARMUP, TIME_SAMPLES, ChainCalibration, HybridRows, Pending,
+                                          expected_prefix, matched, trained_tokens)
 
 FLAT = CostCurve.from_relative({1: 1.0, 9: 1.0})  # verifying is free up to 9 tokens
 LINEAR = CostCurve.from_relative({1: 1.0, 9: 9.0})  # each verified token costs what one step does
@@ -145,8 +145,6 @@ def test_the_trained_drafter_runs_only_where_its_chains_are_worth_its_time():
     (the mean of the better of the two) against the drafter's measured time in verify cost units: a drafter costing
     a tenth of a step runs on new text, where the suffix chain is empty, and not beside a long suffix chain its
     chains seldom beat; a free drafter runs wherever any of its chains could win."""
-    from selfspec.serve.vllm_hybrid import RATE_WARMUP, Pending
-
     curve = CostCurve.from_relative({1: 1.0, 4: 1.0, 9: 1.5})
     rows = HybridRows(k=8, max_model_len=512, curve=curve)
     empty = Pending("r", None, [], 1.0 / curve.cost(1))

@@ -85,6 +85,26 @@ class NgramIndex:
                 hi = mid - 1
         return lo, (self._earlier(lo) if lo else [])
 
+    def longest_match_after(self, extra: Sequence[int]) -> tuple[int, list[int]]:
+        """:meth:`longest_match` for the sequence followed by ``extra`` tokens it does not hold (another drafter's
+        guess), the index unchanged: positions after earlier occurrences of that sequence's last n tokens, the end of
+        the sequence itself excluded (nothing follows it yet)."""
+        end = len(self.tokens)
+        tail = self.tokens[-self.max_n:] + [int(t) for t in extra]
+
+        def earlier(n: int) -> list[int]:
+            hits = self.follows.get(tuple(tail[-n:]), [])
+            return hits[:-1] if hits and hits[-1] >= end else hits
+
+        lo, hi = 0, min(self.max_n, end + len(extra) - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if earlier(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, (earlier(lo) if lo else [])
+
     def continuations(self, positions: list[int], depth: int, limit: int) -> list[list[int]]:
         """The ``depth`` tokens after each of the last ``limit`` positions, most recent first."""
         return [self.tokens[p:p + depth] for p in reversed(positions[-limit:])]
@@ -359,14 +379,20 @@ class SuffixDrafter(DrafterBase):
             self.history = SuffixArray.build(self.answers)
             self._indexed, self._waiting = self._kept, 0
 
-    def _candidates(self, depth: int) -> tuple[int, Candidates]:
-        n_local, positions = self.index.longest_match()
+    def _candidates(self, depth: int, extra: Sequence[int] = ()) -> tuple[int, Candidates]:
+        """The match class and candidates after the indexed tokens, followed by ``extra`` (not indexed) if given."""
+        if extra:
+            n_local, positions = self.index.longest_match_after(extra)
+            context = self.index.tokens[-self.max_match:] + [int(t) for t in extra]
+        else:
+            n_local, positions = self.index.longest_match()
+            context = self.index.tokens
         cands = Candidates()
         cands.add(self.index.continuations(positions, depth, self.max_occurrences), 1.0)
         n = n_local
         for index in (self.corpus, self.history):
             if index is not None:
-                n_index, found = index.longest_match(self.index.tokens, self.max_match)
+                n_index, found = index.longest_match(context, self.max_match)
                 if n_index:
                     cands.add(index.continuations(found, n_index, depth, self.max_occurrences), 1.0)
                 n = max(n, n_index)
@@ -383,7 +409,16 @@ class SuffixDrafter(DrafterBase):
         """This step's candidates, ranked, with their calibrated acceptance probabilities (the matching: the part
         of a plan that reads the indexes)."""
         self.index.extend(state.new_tokens[len(self.index.tokens) - state.prompt_length:])
-        bucket, cands = self._candidates(min(self.max_depth, max_depth))
+        return self._ranking(max_depth)
+
+    def rank_after(self, extra: Sequence[int], max_depth: int) -> SuffixRanking:
+        """:meth:`rank` for the tokens so far followed by ``extra`` (another drafter's chain, not yet verified): the
+        continuations that would follow it, with their calibrated acceptance probabilities given that ``extra`` is
+        accepted. Reads the indexes as they stand (after this step's :meth:`rank`) and changes nothing."""
+        return self._ranking(max_depth, extra)
+
+    def _ranking(self, max_depth: int, extra: Sequence[int] = ()) -> SuffixRanking:
+        bucket, cands = self._candidates(min(self.max_depth, max_depth), extra)
         limit = self.max_nodes if self.budget == "auto" else self.budget
         depths = cands.depths()
         rank = cands.best_branch if self.chain else cands.ranked

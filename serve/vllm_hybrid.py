@@ -29,12 +29,20 @@ subclasses (:func:`install`). The subclasses behave exactly as vLLM's own unless
    worth their calibrated acceptance probabilities (:class:`ChainCalibration`: per position and per bin of the
    drafter's probability, learned from what vLLM accepted), cut to the prefix with the most expected tokens per
    verify cost;
-4. the chain with more expected tokens (one for the bonus token, plus the chain's) per verify cost is returned, as a
-   list per request (vLLM's CPU runner schedules drafts of any length up to ``num_speculative_tokens``).
+4. where the trained drafter ran, the suffix drafter also looks for what would follow the trained chain's first m
+   tokens (m = 1 ... its length) had they been accepted, without taking them in
+   (:meth:`selfspec.decode.suffix.SuffixDrafter.rank_after`): the *spliced* chain, those m tokens and that
+   continuation, is worth the trained tokens' calibrated chances and then the suffix drafter's for what follows
+   (:meth:`HybridRows.spliced`). Where text turns to a phrase seen before, the suffix drafter finds no match until
+   the phrase's first token is decoded; a trained drafter that guesses it lets the whole phrase go in one step;
+5. of the suffix, trained and spliced chains, the one with the most expected tokens (one for the bonus token, plus
+   the chain's) per verify cost is returned, as a list per request (vLLM's CPU runner schedules drafts of any length
+   up to ``num_speculative_tokens``). ``$SELFSPEC_VLLM_HYBRID_SPLICE=0`` leaves the spliced chain out.
 
 What was accepted comes back with the next step (the sampled tokens, ``-1`` after the first rejection): the chain that
 was sent learns from it; under greedy decoding the chain that was not sent learns too, from the target's own tokens
 (its tokens up to the first that differs from them), so neither drafter's estimate starves while the other is chosen.
+A spliced chain's continuation teaches the suffix drafter's calibration where its trained part was accepted.
 
 Every chain is verified by vLLM's own rejection sampler: the output is the target's. With vLLM's default greedy
 drafting (``draft_sample_method="greedy"``) a draft carries no probabilities, so a swapped row is a point-mass draft
@@ -62,6 +70,7 @@ METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid exten
 RATE_SAMPLES = 256  # the trained chain's recent rates that say what running it is worth (HybridRows.needs_trained)
 RATE_WARMUP = 32  # until then it runs wherever its chain could be chosen
 TIME_SAMPLES = 64  # recent steps whose median times say what it costs
+SPLICE_ENV = "SELFSPEC_VLLM_HYBRID_SPLICE"  # "0": never send a trained chain continued by the suffix drafter
 
 
 @dataclass
@@ -112,6 +121,19 @@ def expected_prefix(probs: Sequence[float], curve: CostCurve) -> tuple[int, floa
     return best_n, best_expected
 
 
+def best_prefix(cumulative: Sequence[float], curve: CostCurve) -> tuple[int, float]:
+    """:func:`expected_prefix` for a chain given by each token's chance of being accepted with all before it: the
+    prefix length with the most (1 + expected accepted tokens) per verify cost, and those expected tokens."""
+    best_n, best_expected, best_rate = 0, 0.0, 1.0 / curve.cost(1)
+    expected = 0.0
+    for n, p in enumerate(cumulative, start=1):
+        expected += p
+        rate = (1.0 + expected) / curve.cost(1 + n)
+        if rate > best_rate:
+            best_n, best_expected, best_rate = n, expected, rate
+    return best_n, best_expected
+
+
 def matched(chain: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
     """What greedy verification would have accepted of ``chain`` where the target's own next tokens were ``target``
     (the accepted tokens and the bonus token): (accepted, observed), ``observed`` as in
@@ -124,15 +146,27 @@ def matched(chain: Sequence[int], target: Sequence[int]) -> tuple[int, int]:
 
 
 @dataclass
+class Splice:
+    """A trained chain's first ``m`` tokens followed by the suffix drafter's continuation of them (``plan``'s
+    chosen branch, found as if those tokens were accepted: :meth:`selfspec.decode.suffix.SuffixDrafter.rank_after`)."""
+
+    rate: float  # (1 + its expected accepted tokens) / the verify cost of the whole chain
+    m: int
+    tokens: list[int]  # the whole chain: the trained tokens, then the continuation
+    plan: SuffixPlan
+
+
+@dataclass
 class _Sent:
     """What a request was sent last step: the trained and suffix chains (whichever was sent, ``kind``)."""
 
-    kind: str  # "trained", "suffix" or "" (nothing)
+    kind: str  # "trained", "suffix", "spliced" (:class:`Splice`) or "" (nothing)
     length: int  # tokens sent
     trained: list[int]
     confidences: list[float]
     suffix: SuffixPlan | None
     suffix_tokens: list[int]
+    splice: Splice | None = None  # the spliced chain, when it was sent
 
 
 @dataclass
@@ -143,6 +177,7 @@ class Pending:
     plan: SuffixPlan
     suffix_tokens: list[int]
     suffix_rate: float  # (1 + its expected accepted tokens) / the verify cost of its chain
+    row: Any = None  # the request's suffix row (serve/vllm_suffix.py), whose drafter continues a trained chain
 
 
 class HybridRows:
@@ -154,11 +189,12 @@ class HybridRows:
 
     def __init__(self, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000, max_match: int = 24):
         self.k, self.curve = k, curve
+        self.splice = os.environ.get(SPLICE_ENV, "1") != "0"  # the spliced chain is weighed too (:meth:`spliced`)
         self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
         self.calibration = ChainCalibration()
         self.sent: dict[str, _Sent] = {}
         # chains sent, by kind; "skipped": rows on steps where no row needed the trained chain, so it did not run
-        self.counts = {"trained": 0, "suffix": 0, "": 0, "skipped": 0}
+        self.counts = {"trained": 0, "suffix": 0, "spliced": 0, "": 0, "skipped": 0}
         self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
         self.propose_seconds = 0.0  # spent in the whole proposer: the suffix plans, the trained drafter, the choice
         self.steps = 0  # proposer calls
@@ -185,7 +221,7 @@ class HybridRows:
         row.history = history
         plan = self.suffix.plan(row)
         tokens = [plan.cands.tokens[n] for n in plan.chosen]
-        return Pending(request, plan, tokens, (1.0 + plan.expected) / self.curve.cost(1 + len(tokens)))
+        return Pending(request, plan, tokens, (1.0 + plan.expected) / self.curve.cost(1 + len(tokens)), row)
 
     def trained_bound(self, n: int) -> float:
         """The most tokens per verify cost any chain of ``n`` trained tokens could be expected to give: at each
@@ -234,32 +270,74 @@ class HybridRows:
         """The chain to send for ``pending``'s request: the suffix drafter's or the trained drafter's prefix with
         more expected tokens per verify cost. ``trained=None``: the trained drafter did not run this step."""
         trained, confidences = list(trained or []), list(confidences or [])
-        n, trained_expected = expected_prefix(self.calibration.probs(confidences), self.curve)
+        probs = self.calibration.probs(confidences)
+        n, trained_expected = expected_prefix(probs, self.curve)
         trained_rate = (1.0 + trained_expected) / self.curve.cost(1 + n)
+        splice = self.spliced(pending, trained, probs) if trained and self.splice else None
         if trained:
-            self.trained_rates.append(trained_rate)
-        if pending.suffix_tokens and pending.suffix_rate > trained_rate:
-            kind, chain = "suffix", pending.suffix_tokens
+            self.trained_rates.append(max(trained_rate, splice.rate if splice else 0.0))
+        suffix_rate = pending.suffix_rate if pending.suffix_tokens else 0.0
+        if splice is not None and splice.rate > max(suffix_rate, trained_rate):
+            kind, chain = "spliced", splice.tokens
+        elif pending.suffix_tokens and pending.suffix_rate > trained_rate:
+            kind, chain, splice = "suffix", pending.suffix_tokens, None
         elif n:
-            kind, chain = "trained", trained[:n]
+            kind, chain, splice = "trained", trained[:n], None
         else:
-            kind, chain = "", []
+            kind, chain, splice = "", [], None
         self.counts[kind] += 1
         plan = pending.plan
         self.sent[pending.request] = _Sent(kind, len(chain), trained, confidences, plan if plan.chosen else None,
-                                           pending.suffix_tokens)
+                                           pending.suffix_tokens, splice)
         return list(chain)
+
+    def spliced(self, pending: Pending, trained: list[int], probs: Sequence[float]) -> Splice | None:
+        """The best chain that starts with the trained chain's first m tokens and goes on with what the suffix
+        drafter finds after them (m = 1 ... len(trained)), cut to the prefix with the most expected tokens per
+        verify cost; None where no such chain is longer than its trained part. Its tokens are worth the trained
+        tokens' calibrated chances (``probs``, each given the ones before) and then the suffix drafter's calibrated
+        chances for what follows, given that the trained ones are accepted."""
+        drafter = getattr(pending.row, "drafter", None)
+        if drafter is None:
+            return None
+        best: Splice | None = None
+        alive, cumulative = 1.0, []
+        for m in range(1, min(len(trained), self.k - 1) + 1):
+            alive *= probs[m - 1]
+            cumulative.append(alive)
+            ranking = drafter.rank_after(trained[:m], self.k - m)
+            branch = ranking.ranked[: self.k - m]
+            if not branch:
+                continue
+            length, expected = best_prefix(cumulative + [alive * ranking.probs[node] for node in branch], self.curve)
+            if length <= m:
+                continue
+            rate = (1.0 + expected) / self.curve.cost(1 + length)
+            if best is None or rate > best.rate:
+                chosen = branch[: length - m]
+                plan = SuffixPlan(ranking.bucket, ranking.cands, chosen, ranking.depths,
+                                  expected=sum(ranking.probs[node] for node in chosen))
+                best = Splice(rate, m, trained[:m] + [ranking.cands.tokens[node] for node in chosen], plan)
+        return best
 
     def _learn(self, last: _Sent, new: list[int], row: Any, greedy: bool) -> None:
         """Both chains learn from this step's tokens. Under greedy decoding the target's own tokens say how far
         either chain would have been accepted (:func:`matched`), so the one not sent learns too; under sampling only
         the chain sent learns, from what vLLM accepted of it."""
         accepted = len(new) - 1
+        splice = last.splice
         if greedy:
             if last.trained:
                 self.calibration.record(last.confidences, *matched(last.trained, new))
             if last.suffix is not None:
                 row.drafter.record(last.suffix, *matched(last.suffix_tokens, new))
+            if splice is not None and matched(splice.tokens[:splice.m], new)[0] == splice.m:
+                row.drafter.record(splice.plan, *matched(splice.tokens[splice.m:], new[splice.m:]))
+        elif splice is not None:  # the trained part learns up to what was seen of it, the continuation if reached
+            n = min(accepted, splice.m)
+            self.calibration.record(last.confidences, n, min(accepted + 1, splice.m))
+            if accepted >= splice.m:
+                record_chain(row.drafter, splice.plan, accepted - splice.m)
         elif last.kind == "trained":
             n = min(accepted, last.length)
             self.calibration.record(last.confidences, n, min(n + 1, last.length))

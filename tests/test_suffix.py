@@ -54,6 +54,48 @@ def test_ngram_index_finds_what_a_scan_finds(seed):
     assert index.continuations(hits, 3, limit=2) == [seq[p:p + 3] for p in reversed(hits[-2:])]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_match_after_tokens_not_yet_indexed_is_what_a_scan_finds_and_changes_nothing(seed):
+    """longest_match_after(extra): the longest n whose last n tokens of seq + extra occur ending inside seq before
+    its end (so that something follows them), the positions after them; the index is left as it was."""
+    rng = random.Random(seed)
+    seq = [rng.randrange(5) for _ in range(rng.randrange(2, 100))]
+    extra = [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+    index = NgramIndex(max_n=8)
+    index.extend(seq)
+    before = (list(index.tokens), {k: list(v) for k, v in index.follows.items()})
+    whole = seq + extra
+    expected = (0, [])
+    for n in range(min(8, len(whole) - 1), 0, -1):
+        hits = [i + n for i in range(len(seq) - n) if whole[i:i + n] == whole[-n:]]
+        if hits:
+            expected = (n, hits)
+            break
+    assert index.longest_match_after(extra) == expected
+    assert (index.tokens, index.follows) == before
+
+
+def test_the_suffix_drafter_continues_another_drafters_guess_without_taking_it_in(tiny_llama):
+    """rank_after(extra): the continuations that follow ``extra`` where it occurred before, as rank would find them
+    once ``extra`` was decoded, and the drafter's index is unchanged."""
+    from types import SimpleNamespace
+
+    model, _ = tiny_llama
+    drafter = suffix_drafter(model, cost_curve=CPU_CURVE, chain=True)
+    prompt = [5, 6, 7, 20, 21, 22, 23, 24, 8, 9]  # 20 21 22 23 24 seen once; the answer turns to it at 20
+    drafter.start(SimpleNamespace(prompt_ids=torch.tensor(prompt), prompt_length=len(prompt), next_token=30,
+                                  new_tokens=[30]), None)
+    state = SimpleNamespace(prompt_length=len(prompt), new_tokens=[30])
+    now = drafter.rank(state, 4)
+    assert not now.ranked  # 30 is new: nothing to continue
+    tokens = list(drafter.index.tokens)
+    after = drafter.rank_after([20], 4)
+    assert [after.cands.tokens[n] for n in after.ranked] == [21, 22, 23, 24]
+    assert drafter.index.tokens == tokens
+    decoded = SimpleNamespace(prompt_length=len(prompt), new_tokens=[30, 20])
+    assert drafter.rank(decoded, 4).cands.tokens == after.cands.tokens
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_suffix_array_finds_what_a_scan_finds(seed):
     rng = random.Random(seed)

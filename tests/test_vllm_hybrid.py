@@ -84,8 +84,59 @@ def test_the_suffix_chain_is_sent_where_the_text_repeats_and_the_trained_one_els
 
     rows = HybridRows(k=6, max_model_len=512, curve=curve)
     kinds = _decode(rows, target, [1, 2, 3], trained_of)
-    assert "trained" in kinds[:10] and kinds[-5:] == ["suffix"] * 5
-    assert rows.counts["suffix"] >= 5 and rows.counts["trained"] >= 10
+    # where the loop starts, its first token is the trained drafter's and the rest the suffix drafter's (spliced)
+    assert "trained" in kinds[:10] and "spliced" in kinds and kinds[-4:] == ["suffix"] * 4
+    assert rows.counts["suffix"] >= 4 and rows.counts["trained"] >= 10
+
+
+def _phrase_after_new_text(times: int = 3) -> list[int]:
+    """New text, then a phrase, each later time after other new text (whose last token was never seen before it)."""
+    novel = [(7 * i + 3) % 50 + 10 for i in range(40)]
+    phrase = [90, 91, 92, 93, 94, 95, 96, 97]
+    target = list(novel)
+    for t in range(times):
+        target += phrase + [100 + 12 * t + i for i in range(12)]
+    return target
+
+
+def test_a_trained_first_token_is_continued_by_the_suffix_drafter(monkeypatch):
+    """Where the text turns to a phrase seen before, the suffix drafter has no match until the phrase's first token is
+    decoded; a trained drafter that guesses that token lets the suffix drafter continue it in the same chain (the
+    spliced chain): the phrase takes one step, not two, and the whole answer fewer steps than without splicing."""
+    from selfspec.serve.vllm_hybrid import SPLICE_ENV
+
+    curve = CostCurve.from_relative({1: 1.0, 9: 1.2})
+    target = _phrase_after_new_text()
+
+    def trained_of(done):  # its first token right, its second never
+        return ([target[done], 0] if done < len(target) else [0, 0]), [0.7, 0.7]
+
+    rows = HybridRows(k=6, max_model_len=512, curve=curve)
+    kinds = _decode(rows, target, [1, 2, 3], trained_of)
+    assert rows.counts["spliced"] >= 2  # the phrase's second and third times
+    monkeypatch.setenv(SPLICE_ENV, "0")
+    plain = HybridRows(k=6, max_model_len=512, curve=curve)
+    plain_kinds = _decode(plain, target, [1, 2, 3], trained_of)
+    assert "spliced" not in plain_kinds and len(kinds) <= len(plain_kinds) - 2
+
+
+def test_a_spliced_chain_learns_both_parts_under_sampling():
+    """Under sampling only the chain sent learns, from what vLLM accepted: the trained part up to what was seen of it,
+    and the suffix drafter's continuation once the trained part was accepted."""
+    curve = CostCurve.from_relative({1: 1.0, 9: 1.2})
+    prompt = [5, 6, 7, 90, 91, 92, 93, 94, 8, 9]
+    rows = HybridRows(k=6, max_model_len=512, curve=curve)
+    history = prompt + [30]
+    pending = rows.prepare(0, "r", history, [30], greedy=False)
+    assert not pending.suffix_tokens
+    chain = rows.choose(pending, [90, 0], [0.7, 0.7])
+    assert rows.sent["r"].kind == "spliced" and chain[:4] == [90, 91, 92, 93]
+    drafter = rows.suffix.rows[0].drafter
+    assert not drafter.calibration.scored
+    rows.prepare(0, "r", history + [90, 91, 92, 50], [90, 91, 92, 50], greedy=False)  # 3 accepted, then the bonus
+    assert rows.calibration.seen == {(0, 7): 1.0} and rows.calibration.accepted == {(0, 7): 1.0}
+    depths = {d: a for (_, d), a in drafter.calibration.accepted.items()}
+    assert depths[1] == 1.0 and depths[2] == 1.0 and depths[3] == 0.0  # 91, 92 accepted; 93 rejected
 
 
 def test_the_trained_bound_is_never_below_what_any_chain_of_the_drafter_would_be_worth():

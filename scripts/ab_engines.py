@@ -12,7 +12,8 @@ each engine is one process for all prompts and the methods alternate prompt by p
 all alike. Methods: ``vanilla`` (selfspec's engine, plain), ``selfspec`` (its default decoder: ``--heads`` with the
 suffix drafter, as scripts/bench.py's ``hybrid`` row) and scripts/bench.py's vLLM methods (bench/vllm.py:
 ``vllm``, ``vllm_ngram``, ``vllm_suffix``, ``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two
-with ``--heads``), each drafting what its bench row drafts. Prompts: every ``--mt-every``-th MT-bench first turn from
+with ``--heads``), each drafting what its bench row drafts, and ``vllm_hybrid_unspliced``: the hybrid with
+``SELFSPEC_VLLM_HYBRID_SPLICE=0`` (no spliced chains, serve/vllm_hybrid.py), beside ``vllm_hybrid``. Prompts: every ``--mt-every``-th MT-bench first turn from
 the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
 tokens of every method are compared; any difference is reported and the script exits 1. Writes ``--out`` (JSON).
 """
@@ -70,10 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.serve.serving import needs_selfspec, proposer_env, served_target_dir
 
     own = ("vanilla", "selfspec")  # selfspec's engine: plain, and its default decoder
-    unknown = [m for m in names if m not in own and m not in VLLM_METHODS]
+    unspliced = "vllm_hybrid_unspliced"  # the hybrid's engine again, without spliced chains
+    unknown = [m for m in names if m not in own and m not in VLLM_METHODS and m != unspliced]
     if unknown or len(names) < 2:
-        print(f"error: --methods: two or more of {', '.join(own + VLLM_METHODS)} (not {', '.join(unknown)})",
+        print(f"error: --methods: two or more of {', '.join(own + VLLM_METHODS + (unspliced,))} "
+              f"(not {', '.join(unknown)})",
               file=sys.stderr)
+        return 2
+    if unspliced in names and "vllm_hybrid" not in names:
+        print(f"error: --methods {unspliced} goes beside vllm_hybrid (add it to --methods)", file=sys.stderr)
         return 2
     if "selfspec" in names and not args.heads:
         print("error: --methods selfspec: give --heads (its default decoder drafts with them)", file=sys.stderr)
@@ -90,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(args.heads or ".").resolve()
     heads = {(folder.parent if folder.name == "heads" else folder).name: (session, args.heads)} if args.heads else {}
-    runs = vllm_runs([m for m in names if m not in own], heads, out.parent / (out.stem + "-exports"),
+    runs = vllm_runs([m for m in names if m not in own and m != unspliced], heads, out.parent / (out.stem + "-exports"),
                      served_target_dir(session.target), args.speculative_tokens, args.suffix_tokens)
+    if unspliced in names:
+        from selfspec.serve.vllm_hybrid import SPLICE_ENV
+
+        hybrid = next(r for r in runs if r["name"].split(":")[0] == "vllm_hybrid")
+        runs.append({**hybrid, "name": hybrid["name"].replace("vllm_hybrid", unspliced, 1), "env": {SPLICE_ENV: "0"}})
     env = (proposer_env(session.target.model, session.decoder.linear_kernel, args.suffix_tokens,
                         args.speculative_tokens) if needs_selfspec(runs) else {})
     engine = {"model": str(served_target_dir(session.target)), "dtype": str(session.target.model.dtype).removeprefix(
@@ -101,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     for decoder in [plain] + ([session.decoder] if "selfspec" in names else []):
         decoder.generate(prompts[0][:8], max_new_tokens=4)
     sessions = {run["name"]: VllmSession({**engine, "speculative_config": run["speculative_config"],
-                                          **(run.get("engine") or {})}, args.vllm_venv, replica_env=[env],
+                                          **(run.get("engine") or {})}, args.vllm_venv,
+                                         replica_env=[{**env, **run.get("env", {})}],
                                          pythonpath=[selfspec_pythonpath()], log_path=out.parent / f"{run['name']}.log")
                 for run in runs}
     # the methods in the order given (a heads method's engine is named after its heads: vllm_hybrid:<heads>)

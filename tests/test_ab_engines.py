@@ -31,6 +31,12 @@ def test_an_unknown_method_is_one_error_line(capsys):
     assert len(err) == 1 and err[0].startswith("error: --methods") and "medusa_in_vllm" in err[0]
 
 
+def test_the_unspliced_hybrid_without_the_hybrid_is_one_error_line(capsys):
+    assert ab.main(["--methods", "vanilla,vllm_hybrid_unspliced"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "beside vllm_hybrid" in err[0]
+
+
 def test_the_default_decoder_without_heads_is_one_error_line(capsys):
     assert ab.main(["--methods", "selfspec,vllm"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

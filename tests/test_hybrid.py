@@ -17,7 +17,7 @@ from selfspec.decode.engine import SpeculativeDecoder
 from selfspec.decode.hybrid import HybridDrafter, accepted_from, merge_drafts
 from selfspec.decode.suffix import SuffixArray
 from selfspec.decode.tree import Tree
-from selfspec.decode.types import Draft
+from selfspec.decode.types import Draft, DrafterBase
 from test_suffix import suffix_drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,7 +104,7 @@ def hybrid(model, family: str, corpus=None) -> HybridDrafter:
         inner = EagleTreeDrafter(random_eagle_heads(model, seed=1, variant=family), depth=3, top_k=2, total_tokens=6)
     suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=FLAT)
     exclusive = False if family == "layerskip_merged" else None  # layer-skip: turns by default, or one merged tree
-    return HybridDrafter(inner, suffix, max_nodes=16, marginal=True, exclusive=exclusive)
+    return HybridDrafter(inner, suffix, max_nodes=16, marginal=True, exclusive=exclusive, splice=True)
 
 
 @pytest.mark.parametrize("family", ["medusa", "eagle", "eagle3", "layerskip", "layerskip_merged", "layerskip_adapter"])
@@ -172,7 +172,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     model = small_vocab_target()
     exact, corpus = own_samples_corpus(model)
     inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
-    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True)
+    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True, splice=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -224,7 +224,7 @@ def test_sampled_tokens_of_a_layerskip_hybrid_follow_the_target_distribution(exc
     exact, corpus = own_samples_corpus(model)
     inner = LayerSkipDrafter(model, exit_layer=1, threshold=0.0, max_depth=2)
     drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True,
-                            exclusive=exclusive)
+                            exclusive=exclusive, splice=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -287,7 +287,7 @@ def test_the_drafter_is_weighed_beside_the_suffix_and_skipped_where_the_suffix_h
         inner = OracleDrafter(own[len(prompt):], depth=3)  # the target's answer: every draft accepted
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(inner, suffix, max_nodes=16, marginal=marginal)
+        drafter = HybridDrafter(inner, suffix, max_nodes=16, marginal=marginal, splice=True)
         res = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=policy).generate(prompt,
                                                                                                  max_new_tokens=40)
         calls[marginal], outputs[marginal] = inner.calls, res.tokens
@@ -307,7 +307,7 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
     for marginal in (False, True):
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, max_nodes=16, marginal=marginal)
+        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, max_nodes=16, marginal=marginal, splice=True)
         steps, won = [], []
         record, observe = suffix.record, policy.observe
         suffix.record = lambda plan, accepted: won.append(accepted) or record(plan, accepted)
@@ -326,3 +326,76 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
             assert len(counted) == len(drafted)
         assert policy.tried.get(1, 0.0) == len(counted)  # acceptance counted on those steps only
         assert policy.full_depth == 3 and policy.nodes  # the draft's size learned on every drafted step
+
+
+def test_a_trained_first_token_is_continued_by_the_suffix_drafter_in_the_same_tree(tiny_llama):
+    """The suffix drafter's corpus holds the second half of the target's answer, but not the token before it: at the
+    half it has no match. A drafter that knows only the next token lets the suffix drafter continue that token in the
+    same tree (a spliced branch), so the half is crossed in one step, not two; the continuation learns from what was
+    accepted; the output is the target's either way."""
+    model, _ = tiny_llama
+    steep, prompt, own = half_known_answer(model)
+    answer = own[len(prompt):]
+    corpus = SuffixArray.build([answer[24:]])
+    steps, spliced = {}, []
+    for splice in (False, True):
+        policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
+        suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
+        drafter = HybridDrafter(OracleDrafter(answer, depth=1), suffix, max_nodes=16, marginal=True, splice=splice)
+        made, record, plans = [], suffix.record, drafter.spliced
+        drafter.spliced = lambda *a: (lambda out: made.append(out and out[2]) or out)(plans(*a))
+        suffix.record = lambda plan, accepted: (spliced.append(accepted) if any(plan is p for p in made) else
+                                                None) or record(plan, accepted)
+        res = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=policy).generate(prompt,
+                                                                                                 max_new_tokens=40)
+        assert res.tokens == answer[:40]
+        steps[splice] = res.stats.steps
+    assert max(spliced) >= 2  # a continuation of the known token was accepted beyond it
+    assert steps[True] < steps[False]
+
+
+class RandomChainDrafter(DrafterBase):
+    """Drafts one random token a step: right now and then, and seldom what the suffix drafter has first."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    @property
+    def max_draft_depth(self) -> int:
+        return 1
+
+    def propose(self, state, max_depth: int) -> Draft:
+        tokens = torch.tensor([state.next_token, self.rng.randrange(self.vocab)])
+        return Draft(tokens=tokens, tree=Tree.from_parents([-1, 0]))
+
+
+def test_sampled_tokens_with_spliced_branches_follow_the_target_distribution():
+    """Sampling stays lossless with spliced branches in the tree, and they are accepted: a drafter of random tokens,
+    the suffix drafter keeping one node of its own (so the random token is seldom among its nodes) with a corpus of
+    the target's own samples. Four tokens are decoded, so that the first step has room for a continuation; the
+    first three are counted."""
+    from test_engine import SAMPLING, small_vocab_target
+    from test_suffix import own_samples_corpus
+    from test_verify import chi_square_pvalue
+
+    model = small_vocab_target()
+    exact, corpus = own_samples_corpus(model)
+    suffix = suffix_drafter(model, corpus=corpus, max_nodes=1, cost_curve=FLAT, remember=0)
+    drafter = HybridDrafter(RandomChainDrafter(model.config.vocab_size), suffix, max_nodes=12, marginal=True,
+                            splice=True)
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=AdaptiveDepth(FLAT, measure_draft=False))
+    made, record, plans = [], suffix.record, drafter.spliced
+    drafter.spliced = lambda *a: (lambda out: made.append(out and out[2]) or out)(plans(*a))
+    continued = []
+    suffix.record = lambda plan, accepted: (continued.append(accepted) if any(plan is p for p in made) else
+                                            None) or record(plan, accepted)
+    v = model.config.vocab_size
+    counts = torch.zeros(v ** 3)
+    for seed in range(1500):
+        a, b, c = decoder.generate(torch.tensor([3, 5, 7, 1]), max_new_tokens=4, sampling=SAMPLING,
+                                   seed=seed).tokens[:3]
+        counts[(a * v + b) * v + c] += 1
+    assert sum(x is not None for x in made) > 300 and sum(x > 0 for x in continued) > 25
+    assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
+    assert chi_square_pvalue(counts, exact) > 1e-3
+

@@ -10,26 +10,27 @@ Each step (:class:`HybridDrafter`):
 2. the suffix drafter keeps those of its candidates whose expected tokens pay for what they add to the cost of the
    *whole* tree, the trained drafter's nodes included (:func:`selfspec.decode.adaptive.best_size` with that tree as its
    base);
-3. where the trained drafter's draft starts with a chain (one node a level, as a DFlash or EAGLE chain's), the suffix
-   drafter also looks up what would follow that chain's first m tokens had they been accepted
-   (:meth:`SuffixDrafter.rank_after`, which changes nothing): a *spliced* branch, those m nodes and the continuation
-   under them, each continuation node worth the depth policy's acceptance of level m times the suffix drafter's
-   calibrated chance, kept as far as it pays for its cost in the whole tree (:func:`selfspec.decode.adaptive.best_size`).
-   Where the text turns to a phrase seen before, the suffix drafter has no match until the phrase's first token is
-   decoded; a trained drafter that guesses it lets the phrase go in the same step;
+3. with ``splice`` (``draft.splice``, off by default: conf/decode/hybrid.yaml), where the trained drafter's draft
+   starts with a chain (one node a level, as a DFlash or EAGLE chain's), the suffix drafter also looks up what would
+   follow that chain's first m tokens had they been accepted (:meth:`SuffixDrafter.rank_after`, which changes
+   nothing): a *spliced* branch, those m nodes and the continuation under them, each continuation node worth the
+   depth policy's acceptance of level m times the suffix drafter's calibrated chance, kept as far as it pays for its
+   cost in the whole tree (:func:`selfspec.decode.adaptive.best_size`). Where the text turns to a phrase seen before,
+   the suffix drafter has no match until the phrase's first token is decoded; a trained drafter that guesses it lets
+   the phrase go in the same step;
 4. :func:`merge_drafts` merges them into one tree under one node budget (``merged_nodes``): a node's token under the
    same parent is one node, whichever drafter proposed it, so shared prefixes are verified once. The suffix's nodes
    come first (they were chosen by their calibrated acceptance), then the trained drafter's, then the spliced
-   continuation, each after its parent; what does not fit the budget is dropped with its subtree. A drafter with its own verify forward (layer-skip,
-   whose draft already ran the first layers on its chain and holds their KV rows in that order) comes first
-   instead, and verifies the merged tree: the suffix's nodes are the ones its draft did not run. By default such a
-   drafter and the suffix take turns instead (``exclusive``): the suffix drafts when it has candidates worth
-   verifying, the layer-skip chain only when it has none.
+   continuation, each after its parent; what does not fit the budget is dropped with its subtree. A drafter with its
+   own verify forward (layer-skip, whose draft already ran the first layers on its chain and holds their KV rows in
+   that order) comes first instead, and verifies the merged tree: the suffix's nodes are the ones its draft did not
+   run. By default such a drafter and the suffix take turns instead (``exclusive``): the suffix drafts when it has
+   candidates worth verifying, the layer-skip chain only when it has none.
 
 After the verify, each part learns from its own share of the accepted branch (the accepted nodes it proposed, from
 the root down): the suffix drafter's calibration (a spliced continuation's too, where its m trained nodes were
-accepted) and the depth policy's acceptance per level. The trained drafter's
-own hooks (an EAGLE draft cache) see the merged draft and the accepted branch, whichever part proposed it.
+accepted) and the depth policy's acceptance per level. The trained drafter's own hooks (an EAGLE draft cache) see
+the merged draft and the accepted branch, whichever part proposed it.
 
 Every part's draft is deterministic, so the merged draft is too (``probs=None``): greedy and sampling verification
 stay lossless, and merging keeps sibling tokens distinct, as point-mass verification expects.

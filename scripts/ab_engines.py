@@ -10,10 +10,11 @@ scripts/bench.py starts an engine per vLLM method and round, and on a 2-core CPU
 faster than the next with the same settings (docs/benchmarks.md): its ratios between two vLLM methods carry that. Here
 each engine is one process for all prompts and the methods alternate prompt by prompt, so a drift of the machine hits
 all alike. Methods: ``vanilla`` (selfspec's engine, plain), ``selfspec`` (its default decoder: ``--heads`` with the
-suffix drafter, as scripts/bench.py's ``hybrid`` row) and scripts/bench.py's vLLM methods (bench/vllm.py:
-``vllm``, ``vllm_ngram``, ``vllm_suffix``, ``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two
-with ``--heads``), each drafting what its bench row drafts, and ``vllm_hybrid_unspliced``: the hybrid with
-``SELFSPEC_VLLM_HYBRID_SPLICE=0`` (no spliced chains, serve/vllm_hybrid.py), beside ``vllm_hybrid``. Prompts: every ``--mt-every``-th MT-bench first turn from
+suffix drafter, as scripts/bench.py's ``hybrid`` row), ``selfspec_unspliced`` (that decoder with
+``draft.splice=false``), scripts/bench.py's vLLM methods (bench/vllm.py: ``vllm``, ``vllm_ngram``, ``vllm_suffix``,
+``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two with ``--heads``), each drafting what its
+bench row drafts, and ``vllm_hybrid_unspliced`` (the hybrid with ``SELFSPEC_VLLM_HYBRID_SPLICE=0``, no spliced
+chains: serve/vllm_hybrid.py) beside ``vllm_hybrid``. Prompts: every ``--mt-every``-th MT-bench first turn from
 the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
 tokens of every method are compared; any difference is reported and the script exits 1. Writes ``--out`` (JSON).
 """
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.decode.settings import decode_config
     from selfspec.serve.serving import needs_selfspec, proposer_env, served_target_dir
 
-    own = ("vanilla", "selfspec")  # selfspec's engine: plain, and its default decoder
+    own = ("vanilla", "selfspec", "selfspec_unspliced")  # selfspec's engine: plain, its default decoder, and that
+    # decoder without spliced branches (draft.splice=false)
     unspliced = "vllm_hybrid_unspliced"  # the hybrid's engine again, without spliced chains
     unknown = [m for m in names if m not in own and m not in VLLM_METHODS and m != unspliced]
     if unknown or len(names) < 2:
@@ -81,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     if unspliced in names and "vllm_hybrid" not in names:
         print(f"error: --methods {unspliced} goes beside vllm_hybrid (add it to --methods)", file=sys.stderr)
         return 2
-    if "selfspec" in names and not args.heads:
+    if ("selfspec" in names or "selfspec_unspliced" in names) and not args.heads:
         print("error: --methods selfspec: give --heads (its default decoder drafts with them)", file=sys.stderr)
         return 2
     session = load_session(decode_config({"max_new_tokens": args.max_new_tokens,
                                           **({"heads": args.heads} if args.heads else {"family": "vanilla"})}))
     plain = session.decoder_for("vanilla")
+    decoders = {"vanilla": plain, "selfspec": session.decoder}
+    if "selfspec_unspliced" in names:
+        decoders["selfspec_unspliced"] = session.decoder_for(draft={"splice": False})
     questions = load_prompts(args.mt_bench)[args.mt_start::args.mt_every]
     if args.humaneval:
         questions += load_prompts("humaneval", args.humaneval_start + args.humaneval)[args.humaneval_start:]
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch."), "max_model_len": min(context_limit(session.target.model.config),
                                         max(map(len, prompts)) + args.max_new_tokens + args.suffix_tokens + 8)}
     # selfspec's kernel plan and cost curve are timed on its first decode: before vLLM's engines start beside it
-    for decoder in [plain] + ([session.decoder] if "selfspec" in names else []):
+    for decoder in [decoders[n] for n in decoders if n == "vanilla" or n in names]:
         decoder.generate(prompts[0][:8], max_new_tokens=4)
     sessions = {run["name"]: VllmSession({**engine, "speculative_config": run["speculative_config"],
                                           **(run.get("engine") or {})}, args.vllm_venv,
@@ -126,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode(name: str, ids: list[int]) -> list[int]:
         if name in own:
-            decoder = plain if name == "vanilla" else session.decoder
-            return list(decoder.generate(ids, max_new_tokens=args.max_new_tokens).tokens)
+            return list(decoders[name].generate(ids, max_new_tokens=args.max_new_tokens).tokens)
         return list(sessions[name].generate([request(ids)])[0])
 
     try:

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.decode.session import load_session
     from selfspec.decode.settings import decode_config
     from selfspec.serve.serving import needs_selfspec, proposer_env, served_target_dir
+    from selfspec.serve.vllm_hybrid import SPLICE_ENV
 
     own = ("vanilla", "selfspec", "selfspec_unspliced")  # selfspec's engine: plain, its default decoder, and that
     # decoder without spliced branches (draft.splice=false)
@@ -104,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     runs = vllm_runs([m for m in names if m not in own and m != unspliced], heads, out.parent / (out.stem + "-exports"),
                      served_target_dir(session.target), args.speculative_tokens, args.suffix_tokens)
     if unspliced in names:
-        from selfspec.serve.vllm_hybrid import SPLICE_ENV
-
         hybrid = next(r for r in runs if r["name"].split(":")[0] == "vllm_hybrid")
         runs.append({**hybrid, "name": hybrid["name"].replace("vllm_hybrid", unspliced, 1), "env": {SPLICE_ENV: "0"}})
     env = (proposer_env(session.target.model, session.decoder.linear_kernel, args.suffix_tokens,

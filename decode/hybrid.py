@@ -102,7 +102,8 @@ def splice_draft(root: int, chain: Sequence[int], plan: SuffixPlan, device: torc
     parents = [-1] + list(range(m)) + [m if plan.cands.parents[n] < 0 else slot[plan.cands.parents[n]]
                                        for n in plan.chosen]
     tokens = [root, *chain] + [plan.cands.tokens[n] for n in plan.chosen]
-    return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device), tree=Tree.from_parents(parents).to(device))
+    return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                 tree=Tree.from_parents(parents).to(device))
 
 
 def accepted_from(path: Sequence[int], nodes: set[int]) -> int:
@@ -204,9 +205,10 @@ class HybridDrafter(DrafterBase):
         per-level acceptance says what the chain is worth, and where the suffix's own nodes do not already start with
         the chain's first token."""
         policy = self.control.policy
+        if not self.splice or policy is None or not hasattr(policy, "acceptance") or self.suffix.budget != "auto":
+            return None
         chain = chain_prefix(inner)[: max_depth - 1]
-        if not self.splice or policy is None or not hasattr(policy, "acceptance") or not chain \
-                or self.suffix.budget != "auto":
+        if not chain:
             return None
         if any(plan.depths[n] == 1 and plan.cands.tokens[n] == chain[0] for n in plan.chosen):
             return None
@@ -259,8 +261,8 @@ class HybridDrafter(DrafterBase):
 def build_hybrid(target, inner: Drafter, settings: dict) -> HybridDrafter:
     """``inner`` (built under ``settings``, a registry entry's with ``hybrid`` on) merged with a suffix drafter: the
     suffix family's settings, with the ``hybrid`` block's keys (its ``corpus``, ``remember``) as ``settings`` give
-    them; ``merged_nodes``, ``marginal`` and ``splice`` from ``settings``. ``target``: the ``selfspec.core.target.Target``
-    decoded with."""
+    them; ``merged_nodes``, ``marginal`` and ``splice`` from ``settings``. ``target``: the
+    ``selfspec.core.target.Target`` decoded with."""
     suffix_entry = registry.entry("suffix")
     passed = {k: settings.get(k) for k in registry.defaults_of("hybrid") if k in registry.defaults_of("suffix")}
     suffix = suffix_entry.build(None, target, suffix_entry.settings(None, passed))

@@ -53,11 +53,13 @@ The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for serve/vllm
 
 from __future__ import annotations
 
+import operator
 import os
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
@@ -109,16 +111,9 @@ class ChainCalibration:
 
 def expected_prefix(probs: Sequence[float], curve: CostCurve) -> tuple[int, float]:
     """The chain prefix length n (0 ... len(probs)) with the most expected tokens per verify cost, (1 + the
-    expected accepted drafted tokens) / cost(1 + n), and its expected accepted drafted tokens."""
-    best_n, best_expected, best_rate = 0, 0.0, 1.0 / curve.cost(1)
-    alive, expected = 1.0, 0.0
-    for n, p in enumerate(probs, start=1):
-        alive *= p
-        expected += alive
-        rate = (1.0 + expected) / curve.cost(1 + n)
-        if rate > best_rate:
-            best_n, best_expected, best_rate = n, expected, rate
-    return best_n, best_expected
+    expected accepted drafted tokens) / cost(1 + n), and its expected accepted drafted tokens. ``probs``: each
+    token's chance of being accepted given that the ones before it were."""
+    return best_prefix(list(accumulate(probs, operator.mul)), curve)
 
 
 def best_prefix(cumulative: Sequence[float], curve: CostCurve) -> tuple[int, float]:
@@ -198,8 +193,9 @@ class HybridRows:
         self.seconds = 0.0  # spent in the trained drafter (vLLM's proposer), all steps
         self.propose_seconds = 0.0  # spent in the whole proposer: the suffix plans, the trained drafter, the choice
         self.steps = 0  # proposer calls
-        # what running the trained drafter is worth and costs (needs_trained): its chain's rate each time it ran,
-        # and the recent seconds of a step that ran it, of one that skipped it, and of one verify cost unit
+        # what running the trained drafter is worth and costs (needs_trained): its chain's rate (or its spliced
+        # chain's) each time it ran, and the recent seconds of a step that ran it, of one that skipped it, and of one
+        # verify cost unit
         self.trained_rates: deque[float] = deque(maxlen=RATE_SAMPLES)
         self._ran_s: deque[float] = deque(maxlen=TIME_SAMPLES)
         self._skipped_s: deque[float] = deque(maxlen=TIME_SAMPLES)
@@ -252,7 +248,9 @@ class HybridRows:
     def needs_trained(self, pending: Pending, n: int) -> bool:
         """Whether running the trained drafter for ``n`` tokens is expected to pay over ``pending``'s suffix chain.
 
-        Never where no chain it could give would be chosen (:meth:`trained_bound`). Past that, once its chain's rate
+        Never where no trained chain it could give would be chosen (:meth:`trained_bound`; a spliced chain is not
+        bounded there: beside a suffix chain that strong, the suffix drafter's continuation of a trained token seldom
+        beats the suffix chain itself). Past that, once its chain's rate (or its spliced chain's, the better)
         has been seen on :data:`RATE_WARMUP` steps and its time measured: where what those rates would add to the
         suffix chain's (their mean of max(trained rate - suffix rate, 0): the better chain is sent) beats what the
         drafter's own time takes away, ``suffix rate * drafter cost / the suffix chain's verify cost``. (On code,
@@ -267,8 +265,9 @@ class HybridRows:
         return gain > rate * cost / self.curve.cost(1 + len(pending.suffix_tokens))
 
     def choose(self, pending: Pending, trained: list[int] | None, confidences: list[float] | None) -> list[int]:
-        """The chain to send for ``pending``'s request: the suffix drafter's or the trained drafter's prefix with
-        more expected tokens per verify cost. ``trained=None``: the trained drafter did not run this step."""
+        """The chain to send for ``pending``'s request: the suffix drafter's, the trained drafter's prefix or the
+        spliced chain (:meth:`spliced`), whichever has the most expected tokens per verify cost. ``trained=None``: the
+        trained drafter did not run this step."""
         trained, confidences = list(trained or []), list(confidences or [])
         probs = self.calibration.probs(confidences)
         n, trained_expected = expected_prefix(probs, self.curve)

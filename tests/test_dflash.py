@@ -330,7 +330,8 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab, top_k, hybri
     drafter = ContextCheck(heads, top_k=top_k)
     policy = adaptive_policy() if adaptive else None
     if hybrid:
-        drafter = HybridDrafter(drafter, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True, splice=True)
+        drafter = HybridDrafter(drafter, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True,
+                                splice=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500, depth_policy=policy)
     inner = drafter.inner if hybrid else drafter
     assert accept_rate > 0.3 and inner.accepted >= 0.3 * inner.proposed  # the block's own drafts were accepted often

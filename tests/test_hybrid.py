@@ -172,7 +172,8 @@ def test_sampled_tokens_follow_the_target_distribution():
     model = small_vocab_target()
     exact, corpus = own_samples_corpus(model)
     inner = MedusaDrafter(random_heads(model, num_heads=2, seed=3), SAMPLE_TREE)
-    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True, splice=True)
+    drafter = HybridDrafter(inner, suffix_drafter(model, corpus=corpus, budget=4), max_nodes=12, marginal=True,
+                            splice=True)
     counts, accept_rate = sampled_first_three(model, drafter, seeds=1500)
     assert accept_rate > 0.5
     assert 0.5 * (counts / counts.sum() - exact).abs().sum() < 0.1
@@ -307,7 +308,8 @@ def test_the_policy_learns_the_drafters_acceptance_only_where_the_suffix_missed(
     for marginal in (False, True):
         policy = AdaptiveDepth(steep, measure_draft=False, explore_every=1000)
         suffix = suffix_drafter(model, corpus=corpus, max_nodes=8, cost_curve=steep, remember=0)
-        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, max_nodes=16, marginal=marginal, splice=True)
+        drafter = HybridDrafter(OracleDrafter(own[len(prompt):], depth=3), suffix, max_nodes=16, marginal=marginal,
+                                splice=True)
         steps, won = [], []
         record, observe = suffix.record, policy.observe
         suffix.record = lambda plan, accepted: won.append(accepted) or record(plan, accepted)
@@ -383,7 +385,8 @@ def test_sampled_tokens_with_spliced_branches_follow_the_target_distribution():
     suffix = suffix_drafter(model, corpus=corpus, max_nodes=1, cost_curve=FLAT, remember=0)
     drafter = HybridDrafter(RandomChainDrafter(model.config.vocab_size), suffix, max_nodes=12, marginal=True,
                             splice=True)
-    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[], depth_policy=AdaptiveDepth(FLAT, measure_draft=False))
+    decoder = SpeculativeDecoder(model, drafter, eos_token_ids=[],
+                                 depth_policy=AdaptiveDepth(FLAT, measure_draft=False))
     made, record, plans = [], suffix.record, drafter.spliced
     drafter.spliced = lambda *a: (lambda out: made.append(out and out[2]) or out)(plans(*a))
     continued = []

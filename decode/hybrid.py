@@ -94,18 +94,6 @@ def chain_prefix(draft: Draft) -> list[int]:
         chain.append(int(tokens[node]))
 
 
-def splice_draft(root: int, chain: Sequence[int], plan: SuffixPlan, device: torch.device) -> Draft:
-    """The root, ``chain`` (another drafter's tokens) and under its last token ``plan``'s chosen continuation nodes
-    (each after its parent)."""
-    m = len(chain)
-    slot = {node: m + 1 + i for i, node in enumerate(plan.chosen)}
-    parents = [-1] + list(range(m)) + [m if plan.cands.parents[n] < 0 else slot[plan.cands.parents[n]]
-                                       for n in plan.chosen]
-    tokens = [root, *chain] + [plan.cands.tokens[n] for n in plan.chosen]
-    return Draft(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-                 tree=Tree.from_parents(parents).to(device))
-
-
 def accepted_from(path: Sequence[int], nodes: set[int]) -> int:
     """How many accepted nodes (``path``: root first) a part proposed, counted from the root down while they are
     its own (a part's nodes are closed under parents, so its share of the branch is a prefix)."""
@@ -188,12 +176,15 @@ class HybridDrafter(DrafterBase):
         if self._own_verify:  # the inner drafter verifies its chain itself: its nodes first, as its cache holds them
             merged, (inner_nodes, suffix_nodes) = merge_drafts([inner, suffix], self.max_nodes)
         else:
+            drafts = [suffix, inner]
             spliced = self.spliced(inner, plan, expected, max_depth)
-            drafts = [suffix, inner] + ([splice_draft(state.next_token, spliced[1], spliced[2], device)]
-                                        if spliced else [])
+            if spliced:
+                _, chain, splice_plan = spliced
+                drafts.append(candidates_draft(state.next_token, splice_plan.cands, sorted(splice_plan.chosen), device,
+                                               chain=chain))
             merged, (suffix_nodes, inner_nodes, *splice_nodes) = merge_drafts(drafts, self.max_nodes)
             if spliced:
-                self._splice = (len(spliced[1]), spliced[2], splice_nodes[0])
+                self._splice = (len(chain), splice_plan, splice_nodes[0])
         self._step = (asked, inner, plan, (suffix_nodes, inner_nodes), inner_seconds)
         return merged
 

@@ -69,26 +69,11 @@ class NgramIndex:
             for n in range(1, min(self.max_n, end) + 1):
                 self.follows.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
 
-    def _earlier(self, n: int) -> list[int]:
-        """Positions after earlier occurrences of the last n tokens (the occurrence at the end excluded)."""
-        hits = self.follows.get(tuple(self.tokens[-n:]), [])
-        return hits[:-1] if hits and hits[-1] == len(self.tokens) else hits
-
-    def longest_match(self) -> tuple[int, list[int]]:
-        """(n, positions) for the longest n whose last-n-gram occurred before; (0, []) if even the last token is new."""
-        lo, hi = 0, min(self.max_n, len(self.tokens) - 1)
-        while lo < hi:  # invariant: length lo matches (0 trivially); find the largest that does
-            mid = (lo + hi + 1) // 2
-            if self._earlier(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo, (self._earlier(lo) if lo else [])
-
-    def longest_match_after(self, extra: Sequence[int]) -> tuple[int, list[int]]:
-        """:meth:`longest_match` for the sequence followed by ``extra`` tokens it does not hold (another drafter's
-        guess), the index unchanged: positions after earlier occurrences of that sequence's last n tokens, the end of
-        the sequence itself excluded (nothing follows it yet)."""
+    def longest_match(self, extra: Sequence[int] = ()) -> tuple[int, list[int]]:
+        """(n, positions) for the longest n whose last-n-gram occurred before, with the positions right after those
+        occurrences; (0, []) if even the last token is new. ``extra``: for the sequence followed by these tokens,
+        which it does not hold (another drafter's guess); the index is unchanged, and an occurrence ending at the
+        sequence's own end is left out (nothing follows it yet)."""
         end = len(self.tokens)
         tail = self.tokens[-self.max_n:] + [int(t) for t in extra]
 
@@ -97,7 +82,7 @@ class NgramIndex:
             return hits[:-1] if hits and hits[-1] >= end else hits
 
         lo, hi = 0, min(self.max_n, end + len(extra) - 1)
-        while lo < hi:
+        while lo < hi:  # invariant: length lo matches (0 trivially); find the largest that does
             mid = (lo + hi + 1) // 2
             if earlier(mid):
                 lo = mid
@@ -295,11 +280,14 @@ class SuffixRanking:
     ranked: list[int]
 
 
-def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device) -> Draft:
-    """The root plus the ``chosen`` nodes (each after its parent) as a Draft."""
-    slot = {node: i + 1 for i, node in enumerate(chosen)}
-    parents = [-1] + [0 if cands.parents[n] < 0 else slot[cands.parents[n]] for n in chosen]
-    tokens = torch.tensor([root] + [cands.tokens[n] for n in chosen], dtype=torch.long, device=device)
+def candidates_draft(root: int, cands: Candidates, chosen: list[int], device: torch.device,
+                     chain: Sequence[int] = ()) -> Draft:
+    """The root, then ``chain`` (another drafter's tokens, one a level: a hybrid's spliced branch, decode/hybrid.py),
+    then the ``chosen`` nodes (each after its parent) under the chain's last token, as a Draft."""
+    m = len(chain)
+    slot = {node: m + 1 + i for i, node in enumerate(chosen)}
+    parents = [-1] + list(range(m)) + [m if cands.parents[n] < 0 else slot[cands.parents[n]] for n in chosen]
+    tokens = torch.tensor([root, *chain] + [cands.tokens[n] for n in chosen], dtype=torch.long, device=device)
     return Draft(tokens=tokens, tree=Tree.from_parents(parents).to(device))
 
 
@@ -381,12 +369,8 @@ class SuffixDrafter(DrafterBase):
 
     def _candidates(self, depth: int, extra: Sequence[int] = ()) -> tuple[int, Candidates]:
         """The match class and candidates after the indexed tokens, followed by ``extra`` (not indexed) if given."""
-        if extra:
-            n_local, positions = self.index.longest_match_after(extra)
-            context = self.index.tokens[-self.max_match:] + [int(t) for t in extra]
-        else:
-            n_local, positions = self.index.longest_match()
-            context = self.index.tokens
+        n_local, positions = self.index.longest_match(extra)
+        context = self.index.tokens[-self.max_match:] + [int(t) for t in extra]  # the indexes match at most max_match
         cands = Candidates()
         cands.add(self.index.continuations(positions, depth, self.max_occurrences), 1.0)
         n = n_local

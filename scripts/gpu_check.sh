@@ -10,7 +10,7 @@
 # Steps, each under its own time limit and the whole under GPU_CHECK_SECONDS (default 540), each writing a log (a
 # failed step is reported, the next one runs):
 #   1. the test suites on the GPU: pytest --device cuda -n 12 -m "not vllm_archs" (vLLM has no venv there), as
-#      long as the recipe runs (on 2026-12-04, 14 workers reached 60% of the suite in 255 s), and
+#      long as the recipe runs (how far it got last time: docs/journal/2026-12-04-gpu-check.md), and
 #      beside them, on the same GPU,
 #   2. the DFlash GPU recipe on the real SmolLM2-135M-Instruct (experiment=dflash_gpu_5m: all of ShareGPT, 1,024
 #      tokens, 4.5 minutes); its heads come back as OUT/heads.tar.part-*

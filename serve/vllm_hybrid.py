@@ -278,7 +278,7 @@ class HybridRows:
         suffix_rate = pending.suffix_rate if pending.suffix_tokens else 0.0
         if splice is not None and splice.rate > max(suffix_rate, trained_rate):
             kind, chain = "spliced", splice.tokens
-        elif pending.suffix_tokens and pending.suffix_rate > trained_rate:
+        elif suffix_rate > trained_rate:
             kind, chain, splice = "suffix", pending.suffix_tokens, None
         elif n:
             kind, chain, splice = "trained", trained[:n], None

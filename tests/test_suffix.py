@@ -56,7 +56,7 @@ def test_ngram_index_finds_what_a_scan_finds(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_a_match_after_tokens_not_yet_indexed_is_what_a_scan_finds_and_changes_nothing(seed):
-    """longest_match_after(extra): the longest n whose last n tokens of seq + extra occur ending inside seq before
+    """longest_match(extra): the longest n whose last n tokens of seq + extra occur ending inside seq before
     its end (so that something follows them), the positions after them; the index is left as it was."""
     rng = random.Random(seed)
     seq = [rng.randrange(5) for _ in range(rng.randrange(2, 100))]
@@ -71,7 +71,7 @@ def test_a_match_after_tokens_not_yet_indexed_is_what_a_scan_finds_and_changes_n
         if hits:
             expected = (n, hits)
             break
-    assert index.longest_match_after(extra) == expected
+    assert index.longest_match(extra) == expected
     assert (index.tokens, index.follows) == before
 
 

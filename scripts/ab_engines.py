@@ -13,9 +13,11 @@ all alike. Methods: ``vanilla`` (selfspec's engine, plain), ``selfspec`` (its de
 suffix drafter, as scripts/bench.py's ``hybrid`` row), ``selfspec_unspliced`` (that decoder with
 ``draft.splice=false``), scripts/bench.py's vLLM methods (bench/vllm.py: ``vllm``, ``vllm_ngram``, ``vllm_suffix``,
 ``vllm_selfspec_suffix``, ``vllm_heads``, ``vllm_hybrid``; the last two with ``--heads``), each drafting what its
-bench row drafts, and ``vllm_hybrid_unspliced`` (the hybrid with ``SELFSPEC_VLLM_HYBRID_SPLICE=0``, no spliced
-chains: serve/vllm_hybrid.py) beside ``vllm_hybrid``. Prompts: every ``--mt-every``-th MT-bench first turn from
-the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
+bench row drafts, and variants of a vLLM method, each an engine of its own beside that method's:
+``vllm_hybrid_unspliced`` (the hybrid with ``SELFSPEC_VLLM_HYBRID_SPLICE=0``, no spliced chains: serve/vllm_hybrid.py),
+``vllm_hybrid_unmeasured`` and ``vllm_selfspec_suffix_unmeasured`` (``SELFSPEC_VLLM_COST_MEASURE=0``: chains chosen by
+selfspec's own verify cost curve, not by the engine's measured one: serve/vllm_suffix.py). Prompts: every
+``--mt-every``-th MT-bench first turn from the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
 tokens of every method are compared; any difference is reported and the script exits 1. Writes ``--out`` (JSON).
 """
 
@@ -71,19 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     from selfspec.decode.settings import decode_config
     from selfspec.serve.serving import needs_selfspec, proposer_env, served_target_dir
     from selfspec.serve.vllm_hybrid import SPLICE_ENV
+    from selfspec.serve.vllm_suffix import MEASURE_ENV
 
     own = ("vanilla", "selfspec", "selfspec_unspliced")  # selfspec's engine: plain, its default decoder, and that
     # decoder without spliced branches (draft.splice=false)
-    unspliced = "vllm_hybrid_unspliced"  # the hybrid's engine again, without spliced chains
-    unknown = [m for m in names if m not in own and m not in VLLM_METHODS and m != unspliced]
+    variants = {"vllm_hybrid_unspliced": ("vllm_hybrid", {SPLICE_ENV: "0"}),  # a method's engine again, with its
+                "vllm_hybrid_unmeasured": ("vllm_hybrid", {MEASURE_ENV: "0"}),  # environment changed
+                "vllm_selfspec_suffix_unmeasured": ("vllm_selfspec_suffix", {MEASURE_ENV: "0"})}
+    unknown = [m for m in names if m not in own and m not in VLLM_METHODS and m not in variants]
     if unknown or len(names) < 2:
-        print(f"error: --methods: two or more of {', '.join(own + VLLM_METHODS + (unspliced,))} "
+        print(f"error: --methods: two or more of {', '.join(own + VLLM_METHODS + tuple(variants))} "
               f"(not {', '.join(unknown)})",
               file=sys.stderr)
         return 2
-    if unspliced in names and "vllm_hybrid" not in names:
-        print(f"error: --methods {unspliced} goes beside vllm_hybrid (add it to --methods)", file=sys.stderr)
-        return 2
+    for variant, (base, _) in variants.items():
+        if variant in names and base not in names:
+            print(f"error: --methods {variant} goes beside {base} (add it to --methods)", file=sys.stderr)
+            return 2
     if ("selfspec" in names or "selfspec_unspliced" in names) and not args.heads:
         print("error: --methods selfspec: give --heads (its default decoder drafts with them)", file=sys.stderr)
         return 2
@@ -102,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = Path(args.heads or ".").resolve()
     heads = {(folder.parent if folder.name == "heads" else folder).name: (session, args.heads)} if args.heads else {}
-    runs = vllm_runs([m for m in names if m not in own and m != unspliced], heads, out.parent / (out.stem + "-exports"),
-                     served_target_dir(session.target), args.speculative_tokens, args.suffix_tokens)
-    if unspliced in names:
-        hybrid = next(r for r in runs if r["name"].split(":")[0] == "vllm_hybrid")
-        runs.append({**hybrid, "name": hybrid["name"].replace("vllm_hybrid", unspliced, 1), "env": {SPLICE_ENV: "0"}})
+    runs = vllm_runs([m for m in names if m not in own and m not in variants], heads,
+                     out.parent / (out.stem + "-exports"), served_target_dir(session.target), args.speculative_tokens,
+                     args.suffix_tokens)
+    for variant, (base, variant_env) in variants.items():
+        if variant in names:
+            run = next(r for r in runs if r["name"].split(":")[0] == base)
+            runs.append({**run, "name": run["name"].replace(base, variant, 1), "env": variant_env})
     env = (proposer_env(session.target.model, session.decoder.linear_kernel, args.suffix_tokens,
                         args.speculative_tokens) if needs_selfspec(runs) else {})
     engine = {"model": str(served_target_dir(session.target)), "dtype": str(session.target.model.dtype).removeprefix(

@@ -48,7 +48,8 @@ Every chain is verified by vLLM's own rejection sampler: the output is the targe
 drafting (``draft_sample_method="greedy"``) a draft carries no probabilities, so a swapped row is a point-mass draft
 and stays lossless under sampling too.
 
-The verify cost curve comes from ``$SELFSPEC_VLLM_COST_CURVE`` as for serve/vllm_suffix.py.
+The verify cost of a chain is measured on the engine's own steps, as for serve/vllm_suffix.py (``MeasuredCurve``:
+``$SELFSPEC_VLLM_COST_CURVE`` until then).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from typing import Any, Sequence
 import torch
 from selfspec.decode.adaptive import CostCurve
 from selfspec.decode.suffix import SuffixPlan
-from selfspec.serve.vllm_suffix import SuffixProposer, curve_from_env, record_chain
+from selfspec.serve.vllm_suffix import MeasuredCurve, SuffixProposer, engine_curve, record_chain
 
 HOOK = "selfspec.serve.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
@@ -173,6 +174,7 @@ class Pending:
     suffix_tokens: list[int]
     suffix_rate: float  # (1 + its expected accepted tokens) / the verify cost of its chain
     row: Any = None  # the request's suffix row (serve/vllm_suffix.py), whose drafter continues a trained chain
+    continuing: bool = False  # the request was drafted for last step too
 
 
 class HybridRows:
@@ -182,7 +184,8 @@ class HybridRows:
     :meth:`needs_trained` says whether the trained drafter could beat that plan at all (when no row's can, the
     proposer does not run it); :meth:`choose` returns the chain to send. :meth:`step` is the three for one row."""
 
-    def __init__(self, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000, max_match: int = 24):
+    def __init__(self, k: int, max_model_len: int, curve: CostCurve | MeasuredCurve, remember: int = 200_000,
+                 max_match: int = 24):
         self.k, self.curve = k, curve
         self.splice = os.environ.get(SPLICE_ENV, "1") != "0"  # the spliced chain is weighed too (:meth:`spliced`)
         self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
@@ -217,7 +220,8 @@ class HybridRows:
         row.history = history
         plan = self.suffix.plan(row)
         tokens = [plan.cands.tokens[n] for n in plan.chosen]
-        return Pending(request, plan, tokens, (1.0 + plan.expected) / self.curve.cost(1 + len(tokens)), row)
+        return Pending(request, plan, tokens, (1.0 + plan.expected) / self.curve.cost(1 + len(tokens)), row,
+                       last is not None)
 
     def trained_bound(self, n: int) -> float:
         """The most tokens per verify cost any chain of ``n`` trained tokens could be expected to give: at each
@@ -374,17 +378,20 @@ class HybridHook:
     with ``llm.collective_rpc("selfspec_hybrid_counts")``, reports how many chains each drafter sent so far
     (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did, its
     context store on skipped steps included; ``propose_ms``: the whole proposer's, over ``steps`` calls;
-    ``drafter_cost_pct``: what drafting adds to a step, in percent of one verify cost unit, as last measured)."""
+    ``drafter_cost_pct``: what drafting adds to a step, in percent of one verify cost unit, as last measured;
+    ``cost_curve``: the verify cost of each chain length measured so far, {tokens verified: cost relative to one})."""
 
-    def selfspec_hybrid_counts(self) -> dict[str, int]:
+    def selfspec_hybrid_counts(self) -> dict[str, Any]:
         rows = getattr(self.model_runner.drafter, "_rows", None)
         if rows is None:
             raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
                                f"must be one of {', '.join(METHODS)}).")
         cost = rows.drafter_cost()
+        measured = getattr(rows.curve, "measured", {})
         return {**rows.counts, "trained_ms": round(rows.seconds * 1000),
                 "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps,
-                "drafter_cost_pct": None if cost is None else round(100 * cost)}
+                "drafter_cost_pct": None if cost is None else round(100 * cost),
+                "cost_curve": {n: round(measured[n], 3) for n in sorted(measured)}}
 
 
 def _hybrid(base: type) -> type:
@@ -405,7 +412,7 @@ def _hybrid(base: type) -> type:
                                  "tensor_parallel_size=1.")
             k = int(spec.num_speculative_tokens)
             self._own_k = trained_tokens(spec.method, spec.draft_model_config.hf_config, k)
-            self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), curve_from_env(k))
+            self._rows = HybridRows(k, int(vllm_config.model_config.max_model_len), engine_curve(k))
             self._confidences: list[torch.Tensor] = []
             self._last: tuple[float, float, float] | None = None  # the last step's start, drafter seconds, cost
             self._sampled: Any = None
@@ -463,6 +470,12 @@ def _hybrid(base: type) -> type:
                 out.append([] if p is None else rows.choose(
                     p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
             rows.finish(set(self._batch.req_ids[:len(pending)]))
+            one = pending[0] if len(pending) == 1 else None  # the batch's one request: its steps time the engine's
+            curve = rows.curve  # verify cost (MeasuredCurve)
+            if isinstance(curve, MeasuredCurve):
+                curve.began(begun, one is not None and one.continuing)
+                if one is not None and one.continuing:
+                    out[0] = curve.explore(out[0], one.row.history[-1])
             # a decode step's period, less the drafter's part, over the verify cost of the chains sent the step before
             unit = None
             if self._last is not None and all(p is not None for p in pending):
@@ -471,7 +484,10 @@ def _hybrid(base: type) -> type:
             rows.timed(ran, drafter_s, unit)
             self._last = (begun, drafter_s, rows.curve.cost(1 + max((len(c) for c in out), default=0)))
             rows.steps += 1
-            rows.propose_seconds += time.perf_counter() - begun
+            ended = time.perf_counter()
+            rows.propose_seconds += ended - begun
+            if isinstance(curve, MeasuredCurve):
+                curve.sent(ended, out[0] if one is not None else None)
             return out
 
         def _prepare(self, greedy: bool) -> list[Pending | None]:

@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -63,6 +66,86 @@ def curve_from_env(k: int) -> CostCurve:
     return CostCurve.from_relative({int(n): float(c) for n, c in json.loads(text).items()})
 
 
+MEASURE_ENV = "SELFSPEC_VLLM_COST_MEASURE"  # "0": keep the given (or default) curve, never time the engine's steps
+CURVE_SAMPLES = 64  # the recent steps per verified length whose median time is that length's cost
+CURVE_MIN = 8  # a length's cost is measured once this many of its steps, and of one-token steps, were timed
+EXPLORE_EVERY = 4  # until every length is measured, every 4th one-request step sends a chain of one that is not yet
+
+
+class MeasuredCurve:
+    """The verify cost of a chain in the engine the proposer runs in, measured on that engine's own steps: the median
+    time of a step that verified n tokens per row (the bonus token and n - 1 drafted ones), over the median of one that
+    verified one. Until n has :data:`CURVE_MIN` steps timed (and n = 1 too), ``prior``'s cost (``$SELFSPEC_VLLM_COST_
+    CURVE``, selfspec's own engine's curve, is an estimate: vLLM's kernels differ).
+
+    A step is timed from one ``propose`` call to the next, less the proposer's own time, where the batch held one
+    request and the same one both times (:meth:`began`, :meth:`sent`): a step of several requests costs by their
+    total, and the first step of a request holds its prefill. The proposer chooses chain lengths by this curve, so a
+    length the prior prices too high might never be sent and timed, nor the empty chain where drafts always pay: until
+    every length up to the longest has :data:`CURVE_MIN` steps timed, every :data:`EXPLORE_EVERY`-th one-request step
+    sends a chain of the unmeasured length nearest the one chosen, cut or padded with repeats of its last token
+    (:meth:`explore`; vLLM's verifier keeps the output the target's, and the padding is rejected or, where it happens
+    to be the target's token, accepted)."""
+
+    def __init__(self, prior: CostCurve, longest: int, measure: bool):
+        self.prior, self.longest, self.measure = prior, longest, measure
+        self.times: dict[int, deque[float]] = {n: deque(maxlen=CURVE_SAMPLES) for n in range(1, longest + 1)}
+        self.measured: dict[int, float] = {}  # n: measured relative cost
+        self._last: tuple[float, int] | None = None  # the last call's end and the length it sent, when timed
+        self._offered = 0  # one-request steps so far (the exploration's clock)
+
+    def cost(self, n: int) -> float:
+        return self.measured.get(n) or self.prior.cost(n)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A step that verified ``n`` tokens took ``seconds`` outside the proposer."""
+        if n not in self.times or seconds <= 0:
+            return
+        self.times[n].append(seconds)
+        one = self.times[1]
+        if len(one) < CURVE_MIN:
+            return
+        base = statistics.median(one)
+        for m in (self.times if n == 1 else (n,)):
+            if m > 1 and len(self.times[m]) >= CURVE_MIN:
+                self.measured[m] = statistics.median(self.times[m]) / base
+
+    def began(self, now: float, alone: bool) -> None:
+        """A ``propose`` call began at ``now``; ``alone``: its batch holds one request, the one the last call drafted
+        for (then the time since that call's end is one step's verify of what it sent)."""
+        if self.measure and alone and self._last is not None:
+            self.observe(self._last[1], now - self._last[0])
+        self._last = None
+
+    def sent(self, now: float, draft: list[int] | None) -> None:
+        """The call ends at ``now`` having sent ``draft`` to the batch's one request (None: the batch held another
+        number of requests, or none was timed)."""
+        if self.measure and draft is not None:
+            self._last = (now, 1 + len(draft))
+
+    def explore(self, draft: list[int], last_token: int) -> list[int]:
+        """The chain to send a batch's one request whose chosen chain is ``draft``: on every :data:`EXPLORE_EVERY`-th
+        such step while a length has fewer than :data:`CURVE_MIN` steps timed, the unmeasured length nearest its own
+        (the shorter of two): ``draft`` cut to it, or padded with repeats of its last token (of ``last_token``, the
+        request's last, where it is empty); else ``draft``."""
+        if not self.measure:
+            return draft
+        unmeasured = [n for n, times in self.times.items() if len(times) < CURVE_MIN]
+        if not unmeasured:
+            return draft
+        self._offered += 1
+        if self._offered % EXPLORE_EVERY:
+            return draft
+        wanted = min(unmeasured, key=lambda n: (abs(n - 1 - len(draft)), n)) - 1  # drafted tokens
+        return draft[:wanted] + [draft[-1] if draft else last_token] * (wanted - len(draft))
+
+
+def engine_curve(k: int) -> MeasuredCurve:
+    """The curve a proposer inside vLLM chooses chains of up to ``k`` tokens by: ``$SELFSPEC_VLLM_COST_CURVE`` (else
+    :func:`default_curve`) until the engine's own steps measure it, unless ``$SELFSPEC_VLLM_COST_MEASURE=0``."""
+    return MeasuredCurve(curve_from_env(k), k + 1, os.environ.get(MEASURE_ENV, "1") != "0")
+
+
 @dataclass
 class _Row:
     history: list[int]  # prompt + answer so far, as last seen
@@ -77,17 +160,18 @@ class SuffixProposer:
     def __init__(self, vllm_config: Any, remember: int = 200_000, max_match: int = 24):
         spec = vllm_config.speculative_config
         k = int(spec.num_speculative_tokens)
-        self._setup(k, int(vllm_config.model_config.max_model_len), curve_from_env(k), remember, max_match)
+        self._setup(k, int(vllm_config.model_config.max_model_len), engine_curve(k), remember, max_match)
 
     @classmethod
-    def standalone(cls, k: int, max_model_len: int, curve: CostCurve, remember: int = 200_000,
+    def standalone(cls, k: int, max_model_len: int, curve: CostCurve | MeasuredCurve, remember: int = 200_000,
                    max_match: int = 24) -> "SuffixProposer":
         """The proposer without a vLLM config (the hybrid's suffix part, serve/vllm_hybrid.py)."""
         out = cls.__new__(cls)
         out._setup(k, max_model_len, curve, remember, max_match)
         return out
 
-    def _setup(self, k: int, max_model_len: int, curve: CostCurve, remember: int, max_match: int) -> None:
+    def _setup(self, k: int, max_model_len: int, curve: CostCurve | MeasuredCurve, remember: int,
+               max_match: int) -> None:
         self.k, self.max_model_len, self.curve = k, max_model_len, curve
         self.remember, self.max_match = remember, max_match
         self.rows: dict[int, _Row] = {}
@@ -134,20 +218,30 @@ class SuffixProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings: Any = None) -> list[list[int]]:
+        begun = time.perf_counter()
+        alone = len(sampled_token_ids) == 1  # one request, the one the last call drafted for: the step is timed
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled or n >= self.max_model_len:
                 drafts.append([])
+                alone = False
                 continue
             history = [int(t) for t in token_ids_cpu[i, :n]]
+            last = self.rows.get(i)
             row = self.row(i, history, len(sampled))
+            alone = alone and row is last
             if row.plan is not None and history[: len(row.history)] == row.history:
                 record_chain(row.drafter, row.plan, len(sampled) - 1)
             row.history = history
             plan = self.plan(row)
             row.plan = plan if plan.chosen else None  # kept to learn from what vLLM accepts
             drafts.append([plan.cands.tokens[n] for n in plan.chosen])
+        if isinstance(self.curve, MeasuredCurve):  # the engine's verify cost, from its one-request steps
+            self.curve.began(begun, alone)
+            if alone:
+                drafts[0] = self.curve.explore(drafts[0], int(sampled_token_ids[0][-1]))
+            self.curve.sent(time.perf_counter(), drafts[0] if len(drafts) == 1 and sampled_token_ids[0] else None)
         return drafts
 
     def plan(self, row: _Row) -> SuffixPlan:

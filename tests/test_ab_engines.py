@@ -31,10 +31,13 @@ def test_an_unknown_method_is_one_error_line(capsys):
     assert len(err) == 1 and err[0].startswith("error: --methods") and "medusa_in_vllm" in err[0]
 
 
-def test_the_unspliced_hybrid_without_the_hybrid_is_one_error_line(capsys):
-    assert ab.main(["--methods", "vanilla,vllm_hybrid_unspliced"]) == 2
+@pytest.mark.parametrize("variant, base", [("vllm_hybrid_unspliced", "vllm_hybrid"),
+                                           ("vllm_hybrid_unmeasured", "vllm_hybrid"),
+                                           ("vllm_selfspec_suffix_unmeasured", "vllm_selfspec_suffix")])
+def test_a_variant_without_its_method_is_one_error_line(capsys, variant, base):
+    assert ab.main(["--methods", f"vanilla,{variant}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "beside vllm_hybrid" in err[0]
+    assert len(err) == 1 and f"beside {base} " in err[0]
 
 
 def test_the_default_decoder_without_heads_is_one_error_line(capsys):

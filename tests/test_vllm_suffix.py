@@ -1,15 +1,18 @@
-"""serve/vllm_suffix.py's proposer outside vLLM: what a verified chain teaches its calibration."""
+"""serve/vllm_suffix.py's proposer outside vLLM: what a verified chain teaches its calibration, and the verify cost
+curve it measures on the engine's steps."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from selfspec.serve.vllm_suffix import SuffixProposer, default_curve
+from selfspec.serve.vllm_suffix import (CURVE_MIN, EXPLORE_EVERY, MEASURE_ENV, MeasuredCurve, SuffixProposer,
+                                        default_curve, engine_curve)
 
 
 def call(proposer: SuffixProposer, history: list[int], new: int) -> list[int]:
     """One vLLM step for one row whose tokens are ``history``, the last ``new`` of them this step's."""
-    ids = np.zeros((1, 256), dtype=np.int64)
+    ids = np.zeros((1, max(256, len(history))), dtype=np.int64)
     ids[0, :len(history)] = history
     return proposer.propose([history[-new:]], np.array([len(history)]), ids)[0]
 
@@ -29,3 +32,73 @@ def test_a_chain_teaches_the_depths_up_to_its_first_rejected_token_only():
     assert all(v == 0 for d, v in learned.items() if d > 2)  # never reached: not counted as rejected
     accepted = {key[1]: calibration.accepted.get(key, 0.0) for key in calibration.accepted}
     assert accepted.get(1, 0) >= 1 and accepted.get(2, 0) == 0
+
+
+def test_the_measured_curve_is_the_prior_until_a_length_has_enough_steps_then_their_median_over_one_tokens():
+    prior = default_curve(4)
+    curve = MeasuredCurve(prior, 5, measure=True)
+    for _ in range(CURVE_MIN):
+        curve.observe(1, 0.010)
+    for _ in range(CURVE_MIN - 1):
+        curve.observe(3, 0.008)
+    assert curve.cost(3) == prior.cost(3)  # one step short
+    curve.observe(3, 0.500)  # an outlier (a step the machine was busy for): the median holds
+    assert curve.cost(3) == pytest.approx(0.8)
+    assert curve.cost(2) == prior.cost(2) and curve.cost(1) == 1.0
+    for _ in range(CURVE_MIN + 1):  # one-token steps slow down: every measured length is priced against them again
+        curve.observe(1, 0.016)
+    assert curve.cost(3) == pytest.approx(0.5)
+
+
+def test_a_step_is_timed_from_the_end_of_one_call_to_the_start_of_the_next_for_one_request_only():
+    curve = MeasuredCurve(default_curve(4), 5, measure=True)
+    curve.sent(10.0, [7, 8])
+    curve.began(10.25, alone=True)
+    assert list(curve.times[3]) == [0.25]
+    curve.sent(11.0, [7])
+    curve.began(11.5, alone=False)  # another request, or several: its period holds a prefill or their total
+    curve.sent(12.0, None)  # several requests were sent chains
+    curve.began(12.5, alone=True)
+    assert [len(t) for t in curve.times.values()] == [0, 0, 1, 0, 0]
+
+
+def history_of(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).permutation(np.arange(100, 50_000))[:n]]  # no repeats
+
+
+def test_until_every_length_is_measured_some_steps_send_a_chain_cut_or_padded_to_one_that_is_not():
+    k = 4
+    proposer = SuffixProposer.standalone(k, 1024, MeasuredCurve(default_curve(k), k + 1, measure=True))
+    history = history_of(700)  # no repeats: the drafter finds nothing, so only the exploration sends tokens
+    sent = []
+    for n in range(20, 700):
+        chain = call(proposer, history[:n], 1)
+        assert set(chain) <= {history[n - 1]}  # padding: the request's last token
+        sent.append(len(chain))
+    curve = proposer.curve
+    assert sorted(curve.measured) == [2, 3, 4, 5]  # every length, timed on the engine's (here: the loop's) steps
+    assert set(sent) == {0, 1, 2, 3, 4}
+    assert min(sent.count(n) for n in range(1, k + 1)) >= CURVE_MIN
+    explored = [i for i, n in enumerate(sent) if n]
+    assert all(b - a >= EXPLORE_EVERY for a, b in zip(explored, explored[1:]))  # never two exploring steps in a row
+    assert not any(sent[explored[-1] + 1:])  # once all are measured, no more padding
+    assert sent[:explored[0]] and len(explored) < len(sent) / 2
+
+
+def test_where_a_chain_is_always_drafted_the_empty_chain_is_timed_too():
+    k = 4
+    proposer = SuffixProposer.standalone(k, 1024, MeasuredCurve(default_curve(k), k + 1, measure=True))
+    pattern = history_of(30, seed=2)
+    history = pattern * 20  # the pattern repeats: a chain of k every step once it has been seen
+    sent = [call(proposer, history[:n], 1) for n in range(60, 600)]
+    assert [] in sent[40:]  # cut to the empty chain, to time one-token steps
+    assert 1 in proposer.curve.times and len(proposer.curve.times[1]) >= CURVE_MIN
+
+
+def test_measuring_off_keeps_the_given_curve_and_sends_only_what_the_drafter_drafts(monkeypatch):
+    monkeypatch.setenv(MEASURE_ENV, "0")
+    curve = engine_curve(4)
+    proposer = SuffixProposer.standalone(4, 1024, curve)
+    history = history_of(200, seed=1)
+    assert not any(call(proposer, history[:n], 1) for n in range(20, 200))
+    assert not curve.measured and curve.cost(5) == default_curve(4).cost(5)

@@ -17,8 +17,9 @@ bench row drafts, and variants of a vLLM method, each an engine of its own besid
 ``vllm_hybrid_unspliced`` (the hybrid with ``SELFSPEC_VLLM_HYBRID_SPLICE=0``, no spliced chains: serve/vllm_hybrid.py),
 ``vllm_hybrid_unmeasured`` and ``vllm_selfspec_suffix_unmeasured`` (``SELFSPEC_VLLM_COST_MEASURE=0``: chains chosen by
 selfspec's own verify cost curve, not by the engine's measured one: serve/vllm_suffix.py). Prompts: every
-``--mt-every``-th MT-bench first turn from the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the ``--humaneval-start``-th (0: the first). The
-tokens of every method are compared; any difference is reported and the script exits 1. Writes ``--out`` (JSON).
+``--mt-every``-th MT-bench first turn from the ``--mt-start``-th, and ``--humaneval`` HumanEval problems from the
+``--humaneval-start``-th (0: the first). The tokens of every method are compared; any difference is reported and the
+script exits 1. Writes ``--out`` (JSON).
 """
 
 from __future__ import annotations

@@ -379,7 +379,8 @@ class HybridHook:
     (``skipped``: rows on steps where the trained drafter did not run; ``trained_ms``: the time it did, its
     context store on skipped steps included; ``propose_ms``: the whole proposer's, over ``steps`` calls;
     ``drafter_cost_pct``: what drafting adds to a step, in percent of one verify cost unit, as last measured;
-    ``cost_curve``: the verify cost of each chain length measured so far, {tokens verified: cost relative to one})."""
+    ``cost_curve``: the verify cost of each chain length measured so far, {tokens verified: cost relative to one},
+    from ``timed_steps`` steps)."""
 
     def selfspec_hybrid_counts(self) -> dict[str, Any]:
         rows = getattr(self.model_runner.drafter, "_rows", None)
@@ -388,10 +389,12 @@ class HybridHook:
                                f"must be one of {', '.join(METHODS)}).")
         cost = rows.drafter_cost()
         measured = getattr(rows.curve, "measured", {})
+        timed = getattr(rows.curve, "times", {})
         return {**rows.counts, "trained_ms": round(rows.seconds * 1000),
                 "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps,
                 "drafter_cost_pct": None if cost is None else round(100 * cost),
-                "cost_curve": {n: round(measured[n], 3) for n in sorted(measured)}}
+                "cost_curve": {n: round(measured[n], 3) for n in sorted(measured)},
+                "timed_steps": sum(len(t) for t in timed.values())}
 
 
 def _hybrid(base: type) -> type:

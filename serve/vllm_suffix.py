@@ -15,10 +15,13 @@ token_ids_cpu, slot_mappings)`` once a step; it returns one draft per batch row,
   cut to its best branch (the most probable child at each level), whose length its adaptive budget chooses as in
   selfspec's engine (the k that maximises expected tokens per verify cost, acceptance probabilities calibrated online
   from what vLLM accepted).
-- **The verify cost** of a chain in vLLM is not measured inside vLLM: ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON
-  object {nodes: cost relative to one}); bench/vllm.py passes selfspec's measured curve for the same model
-  (vLLM's kernels differ, so that curve is an approximation). Without it, verifying up to 4 tokens is taken to cost
-  what one does, then 10% more per token.
+- **The verify cost** of a chain is measured on the engine's own steps (:class:`MeasuredCurve`): the median time
+  between the proposer's calls, less its own, by the length of the chain sent, over that of an empty chain, from the
+  steps where the batch holds one request; until a length has been timed often enough (and while it has not, every
+  fourth step sends a chain of that length), ``$SELFSPEC_VLLM_COST_CURVE`` gives it (a JSON object {nodes: cost
+  relative to one}; bench/vllm.py passes selfspec's measured curve for the same model; without it, verifying up to 4
+  tokens is taken to cost what one does, then 10% more per token). vLLM's kernels are not selfspec's, and the two
+  curves differ (docs/benchmarks.md has both). ``$SELFSPEC_VLLM_COST_MEASURE=0`` keeps the given curve.
 - **No request ids.** The proposer is not told when a request ends, so a row whose history no longer extends the one
   it saw holds a new request: the previous request's answer joins the memory of earlier answers (``remember``, as in
   selfspec's engine), which every row drafts from.

@@ -210,6 +210,9 @@ def test_the_hybrid_skips_its_trained_drafter_where_the_suffix_chain_must_win_an
     assert entry["loaded"] and entry["lossless"], entry["error"]
     sent = entry["sent"]
     assert sent["skipped"] > 0 and sent["trained"] > 0 and sent["suffix"] > 0, sent
+    # one request at a time: the proposer timed the engine's steps for its verify cost curve (exploring lengths not
+    # yet timed, cut or padded chains among them), and the output stayed the target's
+    assert sent["timed_steps"] > 0 and isinstance(sent["cost_curve"], dict), sent
 
 
 @pytest.mark.vllm

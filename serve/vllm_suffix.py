@@ -72,14 +72,14 @@ def curve_from_env(k: int) -> CostCurve:
 MEASURE_ENV = "SELFSPEC_VLLM_COST_MEASURE"  # "0": keep the given (or default) curve, never time the engine's steps
 CURVE_SAMPLES = 64  # the recent steps per verified length whose median time is that length's cost
 CURVE_MIN = 8  # a length's cost is measured once this many of its steps, and of one-token steps, were timed
-EXPLORE_EVERY = 4  # until every length is measured, every 4th one-request step sends a chain of one that is not yet
+EXPLORE_EVERY = 4  # until every length is timed enough, every 4th one-request step sends one that is not
 
 
 class MeasuredCurve:
     """The verify cost of a chain in the engine the proposer runs in, measured on that engine's own steps: the median
     time of a step that verified n tokens per row (the bonus token and n - 1 drafted ones), over the median of one that
-    verified one. Until n has :data:`CURVE_MIN` steps timed (and n = 1 too), ``prior``'s cost (``$SELFSPEC_VLLM_COST_
-    CURVE``, selfspec's own engine's curve, is an estimate: vLLM's kernels differ).
+    verified one. Until n has :data:`CURVE_MIN` steps timed (and n = 1 too), ``prior``'s cost (from
+    ``$SELFSPEC_VLLM_COST_CURVE``: selfspec's own engine's curve, an estimate, as vLLM's kernels differ).
 
     A step is timed from one ``propose`` call to the next, less the proposer's own time, where the batch held one
     request and the same one both times (:meth:`began`, :meth:`sent`): a step of several requests costs by their

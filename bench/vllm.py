@@ -7,15 +7,15 @@ method, its tokens checked against HF generate's with the others.
   archive; scripts/make_vllm_venv.sh builds its C++ suffix tree into vLLM's venv (docs/serving.md). Without it the
   row reports that it did not load;
 - ``vllm_selfspec_suffix``: selfspec's suffix drafter as a vLLM proposer (serve/vllm_suffix.py, vLLM's
-  ``custom_class``), chains of up to ``vllm_suffix_tokens`` with adaptive length, under selfspec's measured verify cost
-  curve for the model;
+  ``custom_class``), chains of up to ``vllm_suffix_tokens`` with adaptive length, priced by the verify cost it
+  measures on vLLM's own steps (selfspec's measured curve for the model until then);
 - ``vllm_heads``: each heads folder that has a vLLM format, exported (heads/export.py's default format) and drafting
   ``vllm_speculative_tokens`` tokens a step (at most a Medusa model's heads; a DFlash drafter its own block:
   :func:`selfspec.serve.serving.served_depth`);
 - ``vllm_hybrid``: each EAGLE-3 or DFlash heads folder as ``vllm_heads`` runs it, with selfspec's hybrid proposer
   around vLLM's (serve/vllm_hybrid.py): per request and step, the trained chain (as long as ``vllm_heads`` drafts)
-  or the suffix drafter's (up to ``vllm_suffix_tokens``, vLLM's ``num_speculative_tokens``), under selfspec's
-  measured verify cost curve as for ``vllm_selfspec_suffix``.
+  or the suffix drafter's (up to ``vllm_suffix_tokens``, vLLM's ``num_speculative_tokens``), priced by the verify
+  cost as for ``vllm_selfspec_suffix``.
 
 vLLM starts an engine per method (a worker process each, with the engine inside it: a slow start, serve/serving.py), so
 its rows cannot be interleaved prompt by prompt with the others: they run before them, each after a warm-up prompt;

@@ -130,8 +130,9 @@ def needs_selfspec(runs: list[dict]) -> bool:
 
 def proposer_env(model: torch.nn.Module, linear_kernel: str, longest: int, trained: int) -> dict[str, str]:
     """The environment selfspec's proposers read inside vLLM's worker: the target's verify cost curve as selfspec
-    measured it on this machine, for chains up to ``longest`` tokens (vLLM's is not measured inside vLLM:
-    serve/vllm_suffix.py), and the hybrid's EAGLE-3 chain length ``trained`` (serve/vllm_hybrid.py)."""
+    measured it on this machine, for chains up to ``longest`` tokens (the proposers' prior until they have measured
+    vLLM's own: serve/vllm_suffix.py's MeasuredCurve), and the hybrid's EAGLE-3 chain length ``trained``
+    (serve/vllm_hybrid.py)."""
     curve = measured_cost_curve(model, linear_kernel if model.device.type == "cpu" else "torch")
     return {COST_CURVE_ENV: json.dumps({n: curve.cost(n) for n in range(1, longest + 2)}),
             TRAINED_TOKENS_ENV: str(trained)}

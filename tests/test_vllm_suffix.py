@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from selfspec.decode.adaptive import CostCurve
 from selfspec.serve.vllm_suffix import (CURVE_MIN, EXPLORE_EVERY, MEASURE_ENV, MeasuredCurve, SuffixProposer,
                                         default_curve, engine_curve)
 
@@ -102,3 +103,21 @@ def test_measuring_off_keeps_the_given_curve_and_sends_only_what_the_drafter_dra
     history = history_of(200, seed=1)
     assert not any(call(proposer, history[:n], 1) for n in range(20, 200))
     assert not curve.measured and curve.cost(5) == default_curve(4).cost(5)
+
+
+def test_chains_are_priced_by_the_measured_costs_not_the_prior_once_measured():
+    k = 6
+    steep = CostCurve.from_relative({n: 1.0 + 0.5 * (n - 1) for n in range(1, k + 2)})  # every token half a step
+    flat = MeasuredCurve(steep, k + 1, measure=False)  # no exploration: only what is observed below
+    for n in range(1, k + 2):
+        for _ in range(CURVE_MIN):
+            flat.observe(n, 0.010)  # the engine verifies any chain up to k in the time of one token
+    assert all(flat.cost(n) == pytest.approx(1.0) for n in range(1, k + 2)) and steep.cost(k + 1) == 4.0
+    pattern = history_of(40, seed=3)
+    history = pattern * 3  # seen twice before: the suffix drafter proposes its continuation, with some doubt
+    lengths = {}
+    for name, curve in (("steep", steep), ("flat", flat)):
+        proposer = SuffixProposer.standalone(k, 1024, curve)
+        lengths[name] = [len(call(proposer, history[:n], 1)) for n in range(45, 115)]
+    assert sum(lengths["flat"]) > sum(lengths["steep"])
+    assert max(lengths["flat"]) == k

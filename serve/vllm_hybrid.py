@@ -66,7 +66,7 @@ from typing import Any, Sequence
 import torch
 from selfspec.decode.adaptive import CostCurve
 from selfspec.decode.suffix import SuffixPlan
-from selfspec.serve.vllm_suffix import MeasuredCurve, SuffixProposer, engine_curve, record_chain
+from selfspec.serve.vllm_suffix import MeasuredCurve, SuffixProposer, engine_curve, measured, record_chain
 
 HOOK = "selfspec.serve.vllm_hybrid.HybridHook"
 METHODS = ("eagle3", "dflash")  # vLLM's methods whose proposer the hybrid extends (heads/export.py's formats)
@@ -186,9 +186,9 @@ class HybridRows:
 
     def __init__(self, k: int, max_model_len: int, curve: CostCurve | MeasuredCurve, remember: int = 200_000,
                  max_match: int = 24):
-        self.k, self.curve = k, curve
+        self.k, self.curve = k, measured(curve, k + 1)
         self.splice = os.environ.get(SPLICE_ENV, "1") != "0"  # the spliced chain is weighed too (:meth:`spliced`)
-        self.suffix = SuffixProposer.standalone(k, max_model_len, curve, remember=remember, max_match=max_match)
+        self.suffix = SuffixProposer.standalone(k, max_model_len, self.curve, remember=remember, max_match=max_match)
         self.calibration = ChainCalibration()
         self.sent: dict[str, _Sent] = {}
         # chains sent, by kind; "skipped": rows on steps where no row needed the trained chain, so it did not run
@@ -388,13 +388,12 @@ class HybridHook:
             raise RuntimeError("selfspec's hybrid proposer is not this engine's drafter (speculative_config method "
                                f"must be one of {', '.join(METHODS)}).")
         cost = rows.drafter_cost()
-        measured = getattr(rows.curve, "measured", {})
-        timed = getattr(rows.curve, "times", {})
+        curve = rows.curve
         return {**rows.counts, "trained_ms": round(rows.seconds * 1000),
                 "propose_ms": round(rows.propose_seconds * 1000), "steps": rows.steps,
                 "drafter_cost_pct": None if cost is None else round(100 * cost),
-                "cost_curve": {n: round(measured[n], 3) for n in sorted(measured)},
-                "timed_steps": sum(len(t) for t in timed.values())}
+                "cost_curve": {n: round(curve.measured[n], 3) for n in sorted(curve.measured)},
+                "timed_steps": sum(len(t) for t in curve.times.values())}
 
 
 def _hybrid(base: type) -> type:
@@ -474,11 +473,10 @@ def _hybrid(base: type) -> type:
                     p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
             rows.finish(set(self._batch.req_ids[:len(pending)]))
             one = pending[0] if len(pending) == 1 else None  # the batch's one request: its steps time the engine's
-            curve = rows.curve  # verify cost (MeasuredCurve)
-            if isinstance(curve, MeasuredCurve):
-                curve.began(begun, one is not None and one.continuing)
-                if one is not None and one.continuing:
-                    out[0] = curve.explore(out[0], one.row.history[-1])
+            if one is not None:  # verify cost (MeasuredCurve)
+                out[0] = rows.curve.step(begun, out[0], one.continuing, one.row.history[-1])
+            else:
+                rows.curve.step(begun, None, False, 0)
             # a decode step's period, less the drafter's part, over the verify cost of the chains sent the step before
             unit = None
             if self._last is not None and all(p is not None for p in pending):
@@ -487,10 +485,7 @@ def _hybrid(base: type) -> type:
             rows.timed(ran, drafter_s, unit)
             self._last = (begun, drafter_s, rows.curve.cost(1 + max((len(c) for c in out), default=0)))
             rows.steps += 1
-            ended = time.perf_counter()
-            rows.propose_seconds += ended - begun
-            if isinstance(curve, MeasuredCurve):
-                curve.sent(ended, out[0] if one is not None else None)
+            rows.propose_seconds += time.perf_counter() - begun
             return out
 
         def _prepare(self, greedy: bool) -> list[Pending | None]:

@@ -38,9 +38,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
+from time import perf_counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -82,7 +82,7 @@ class MeasuredCurve:
     ``$SELFSPEC_VLLM_COST_CURVE``: selfspec's own engine's curve, an estimate, as vLLM's kernels differ).
 
     A step is timed from one ``propose`` call to the next, less the proposer's own time, where the batch held one
-    request and the same one both times (:meth:`began`, :meth:`sent`): a step of several requests costs by their
+    request and the same one both times (:meth:`step`): a step of several requests costs by their
     total, and the first step of a request holds its prefill. The proposer chooses chain lengths by this curve, so a
     length the prior prices too high might never be sent and timed, nor the empty chain where drafts always pay: until
     every length up to the longest has :data:`CURVE_MIN` steps timed, every :data:`EXPLORE_EVERY`-th one-request step
@@ -113,18 +113,17 @@ class MeasuredCurve:
             if m > 1 and len(self.times[m]) >= CURVE_MIN:
                 self.measured[m] = statistics.median(self.times[m]) / base
 
-    def began(self, now: float, alone: bool) -> None:
-        """A ``propose`` call began at ``now``; ``alone``: its batch holds one request, the one the last call drafted
-        for (then the time since that call's end is one step's verify of what it sent)."""
+    def step(self, begun: float, draft: list[int] | None, alone: bool, last_token: int) -> list[int] | None:
+        """A ``propose`` call that began at ``begun`` chose ``draft`` for its batch's one request (None: the batch held
+        another number of requests); ``alone``: that request is the one the last call drafted for, so the time from
+        that call's end to ``begun`` is one step's verify of what it sent. Returns the chain to send
+        (:meth:`explore`); the call ends now."""
         if self.measure and alone and self._last is not None:
-            self.observe(self._last[1], now - self._last[0])
-        self._last = None
-
-    def sent(self, now: float, draft: list[int] | None) -> None:
-        """The call ends at ``now`` having sent ``draft`` to the batch's one request (None: the batch held another
-        number of requests, or none was timed)."""
-        if self.measure and draft is not None:
-            self._last = (now, 1 + len(draft))
+            self.observe(self._last[1], begun - self._last[0])
+        if draft is not None and alone:
+            draft = self.explore(draft, last_token)
+        self._last = (perf_counter(), 1 + len(draft)) if self.measure and draft is not None else None
+        return draft
 
     def explore(self, draft: list[int], last_token: int) -> list[int]:
         """The chain to send a batch's one request whose chosen chain is ``draft``: on every :data:`EXPLORE_EVERY`-th
@@ -141,6 +140,11 @@ class MeasuredCurve:
             return draft
         wanted = min(unmeasured, key=lambda n: (abs(n - 1 - len(draft)), n)) - 1  # drafted tokens
         return draft[:wanted] + [draft[-1] if draft else last_token] * (wanted - len(draft))
+
+
+def measured(curve: CostCurve | MeasuredCurve, longest: int) -> MeasuredCurve:
+    """``curve`` as a :class:`MeasuredCurve` (a plain curve: one that never measures, as tests and what-ifs give)."""
+    return curve if isinstance(curve, MeasuredCurve) else MeasuredCurve(curve, longest, measure=False)
 
 
 def engine_curve(k: int) -> MeasuredCurve:
@@ -175,7 +179,7 @@ class SuffixProposer:
 
     def _setup(self, k: int, max_model_len: int, curve: CostCurve | MeasuredCurve, remember: int,
                max_match: int) -> None:
-        self.k, self.max_model_len, self.curve = k, max_model_len, curve
+        self.k, self.max_model_len, self.curve = k, max_model_len, measured(curve, k + 1)
         self.remember, self.max_match = remember, max_match
         self.rows: dict[int, _Row] = {}
         self.answers: list[list[int]] = []  # finished answers, oldest first
@@ -221,7 +225,7 @@ class SuffixProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec, token_ids_cpu,
                 slot_mappings: Any = None) -> list[list[int]]:
-        begun = time.perf_counter()
+        begun = perf_counter()
         alone = len(sampled_token_ids) == 1  # one request, the one the last call drafted for: the step is timed
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -240,12 +244,9 @@ class SuffixProposer:
             plan = self.plan(row)
             row.plan = plan if plan.chosen else None  # kept to learn from what vLLM accepts
             drafts.append([plan.cands.tokens[n] for n in plan.chosen])
-        if isinstance(self.curve, MeasuredCurve):  # the engine's verify cost, from its one-request steps
-            self.curve.began(begun, alone)
-            if alone:
-                drafts[0] = self.curve.explore(drafts[0], int(sampled_token_ids[0][-1]))
-            self.curve.sent(time.perf_counter(), drafts[0] if len(drafts) == 1 and sampled_token_ids[0] else None)
-        return drafts
+        one = len(drafts) == 1 and bool(sampled_token_ids[0])  # the engine's verify cost, from one-request steps
+        chain = self.curve.step(begun, drafts[0] if one else None, alone, int(sampled_token_ids[0][-1]) if one else 0)
+        return [chain] if one else drafts
 
     def plan(self, row: _Row) -> SuffixPlan:
         """The row's drafter's plan for its history, one chain (``SuffixDrafter(chain=True)``)."""

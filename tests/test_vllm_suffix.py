@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from selfspec.decode.adaptive import CostCurve
+from selfspec.serve import vllm_suffix
 from selfspec.serve.vllm_suffix import (CURVE_MIN, EXPLORE_EVERY, MEASURE_ENV, MeasuredCurve, SuffixProposer,
                                         default_curve, engine_curve)
 
@@ -51,15 +52,15 @@ def test_the_measured_curve_is_the_prior_until_a_length_has_enough_steps_then_th
     assert curve.cost(3) == pytest.approx(0.5)
 
 
-def test_a_step_is_timed_from_the_end_of_one_call_to_the_start_of_the_next_for_one_request_only():
+def test_a_step_is_timed_from_the_end_of_one_call_to_the_start_of_the_next_for_one_request_only(monkeypatch):
     curve = MeasuredCurve(default_curve(4), 5, measure=True)
-    curve.sent(10.0, [7, 8])
-    curve.began(10.25, alone=True)
+    ends = iter([10.0, 11.0, 12.0])  # each call's end, as the proposer's clock reads it
+    monkeypatch.setattr(vllm_suffix, "perf_counter", lambda: next(ends))
+    curve.step(9.5, [7, 8], alone=False, last_token=0)
+    curve.step(10.25, [7], alone=True, last_token=0)
     assert list(curve.times[3]) == [0.25]
-    curve.sent(11.0, [7])
-    curve.began(11.5, alone=False)  # another request, or several: its period holds a prefill or their total
-    curve.sent(12.0, None)  # several requests were sent chains
-    curve.began(12.5, alone=True)
+    curve.step(11.5, None, alone=False, last_token=0)  # several requests: their period holds their total
+    curve.step(12.5, [7], alone=True, last_token=0)  # (or another request's: its prefill)
     assert [len(t) for t in curve.times.values()] == [0, 0, 1, 0, 0]
 
 

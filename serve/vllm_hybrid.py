@@ -157,7 +157,8 @@ class _Sent:
     """What a request was sent last step: the trained and suffix chains (whichever was sent, ``kind``)."""
 
     kind: str  # "trained", "suffix", "spliced" (:class:`Splice`) or "" (nothing)
-    length: int  # tokens sent
+    length: int  # the chain's tokens, as chosen
+    sent: int  # the tokens sent: fewer or more where the curve's exploration cut or padded it (HybridRows.sent_chain)
     trained: list[int]
     confidences: list[float]
     suffix: SuffixPlan | None
@@ -290,9 +291,22 @@ class HybridRows:
             kind, chain, splice = "", [], None
         self.counts[kind] += 1
         plan = pending.plan
-        self.sent[pending.request] = _Sent(kind, len(chain), trained, confidences, plan if plan.chosen else None,
-                                           pending.suffix_tokens, splice)
+        self.sent[pending.request] = _Sent(kind, len(chain), len(chain), trained, confidences,
+                                           plan if plan.chosen else None, pending.suffix_tokens, splice)
         return list(chain)
+
+    def sent_chain(self, begun: float, pending: Sequence[Pending | None], chains: list[list[int]]) -> list[list[int]]:
+        """The step's chains (:meth:`choose`'s, one per batch row) as sent, in a step whose ``propose`` call began at
+        ``begun``: where the batch holds one request, the curve times the engine's last step and may explore, cutting
+        or padding its chain (:meth:`MeasuredCurve.step`), and the request remembers how much of it was sent, so that
+        only what was verified learns."""
+        one = pending[0] if len(pending) == 1 else None
+        if one is None:
+            self.curve.step(begun, None, False, 0)
+            return chains
+        chains[0] = self.curve.step(begun, chains[0], one.continuing, one.row.history[-1])
+        self.sent[one.request].sent = len(chains[0])
+        return chains
 
     def spliced(self, pending: Pending, trained: list[int], probs: Sequence[float]) -> Splice | None:
         """The best chain that starts with the trained chain's first m tokens and goes on with what the suffix
@@ -338,14 +352,14 @@ class HybridRows:
                 row.drafter.record(splice.plan, *matched(splice.tokens[splice.m:], new[splice.m:]))
         elif splice is not None:  # the trained part learns up to what was seen of it, the continuation if reached
             n = min(accepted, splice.m)
-            self.calibration.record(last.confidences, n, min(accepted + 1, splice.m))
+            self.calibration.record(last.confidences, n, min(accepted + 1, splice.m, last.sent))
             if accepted >= splice.m:
-                record_chain(row.drafter, splice.plan, accepted - splice.m)
+                record_chain(row.drafter, splice.plan, accepted - splice.m, last.sent - splice.m)
         elif last.kind == "trained":
             n = min(accepted, last.length)
-            self.calibration.record(last.confidences, n, min(n + 1, last.length))
+            self.calibration.record(last.confidences, n, min(n + 1, last.length, last.sent))
         elif last.kind == "suffix" and last.suffix is not None:
-            record_chain(row.drafter, last.suffix, accepted)
+            record_chain(row.drafter, last.suffix, accepted, last.sent)
 
     def finish(self, live: set[str]) -> None:
         """Forget what was sent to requests no longer in the batch."""
@@ -472,11 +486,7 @@ def _hybrid(base: type) -> type:
                 out.append([] if p is None else rows.choose(
                     p, None if trained is None else trained[i], None if confidences is None else confidences[i]))
             rows.finish(set(self._batch.req_ids[:len(pending)]))
-            one = pending[0] if len(pending) == 1 else None  # the batch's one request: its steps time the engine's
-            if one is not None:  # verify cost (MeasuredCurve)
-                out[0] = rows.curve.step(begun, out[0], one.continuing, one.row.history[-1])
-            else:
-                rows.curve.step(begun, None, False, 0)
+            out = rows.sent_chain(begun, pending, out)
             # a decode step's period, less the drafter's part, over the verify cost of the chains sent the step before
             unit = None
             if self._last is not None and all(p is not None for p in pending):

@@ -52,10 +52,12 @@ from selfspec.decode.suffix import SuffixDrafter, SuffixPlan
 COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
 
 
-def record_chain(drafter: SuffixDrafter, plan: SuffixPlan, accepted: int) -> None:
+def record_chain(drafter: SuffixDrafter, plan: SuffixPlan, accepted: int, sent: int | None = None) -> None:
     """``plan``'s chain was verified and its first ``accepted`` tokens accepted: the depths up to the first rejected
-    one learn (all of them when the whole chain was accepted)."""
-    drafter.record(plan, accepted, min(accepted + 1, len(plan.chosen)))
+    one learn (all of them when the whole chain was accepted). ``sent``: the tokens of the chain that were sent, where
+    fewer (:meth:`MeasuredCurve.explore` cut it); the depths past them were never verified, so they learn nothing."""
+    observed = min(accepted + 1, len(plan.chosen))
+    drafter.record(plan, accepted, observed if sent is None else min(observed, sent))
 
 
 def default_curve(k: int) -> CostCurve:
@@ -159,6 +161,7 @@ class _Row:
     prompt_length: int
     drafter: SuffixDrafter
     plan: SuffixPlan | None = None  # the chain last proposed, to learn from what vLLM accepted
+    sent: int = 0  # the tokens sent for it (fewer where the curve's exploration cut the chain)
 
 
 class SuffixProposer:
@@ -228,10 +231,12 @@ class SuffixProposer:
         begun = perf_counter()
         alone = len(sampled_token_ids) == 1  # one request, the one the last call drafted for: the step is timed
         drafts: list[list[int]] = []
+        drafted: list[_Row | None] = []  # each batch row's drafter, where it drafted
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled or n >= self.max_model_len:
                 drafts.append([])
+                drafted.append(None)
                 alone = False
                 continue
             history = [int(t) for t in token_ids_cpu[i, :n]]
@@ -239,14 +244,20 @@ class SuffixProposer:
             row = self.row(i, history, len(sampled))
             alone = alone and row is last
             if row.plan is not None and history[: len(row.history)] == row.history:
-                record_chain(row.drafter, row.plan, len(sampled) - 1)
+                record_chain(row.drafter, row.plan, len(sampled) - 1, row.sent)
             row.history = history
             plan = self.plan(row)
             row.plan = plan if plan.chosen else None  # kept to learn from what vLLM accepts
             drafts.append([plan.cands.tokens[n] for n in plan.chosen])
+            row.sent = len(drafts[-1])
+            drafted.append(row)
         one = len(drafts) == 1 and bool(sampled_token_ids[0])  # the engine's verify cost, from one-request steps
         chain = self.curve.step(begun, drafts[0] if one else None, alone, int(sampled_token_ids[0][-1]) if one else 0)
-        return [chain] if one else drafts
+        if not one:
+            return drafts
+        if drafted[0] is not None:
+            drafted[0].sent = len(chain)
+        return [chain]
 
     def plan(self, row: _Row) -> SuffixPlan:
         """The row's drafter's plan for its history, one chain (``SuffixDrafter(chain=True)``)."""

@@ -374,3 +374,43 @@ def test_the_proposer_runs_the_trained_drafter_only_where_its_chain_could_be_sen
         assert h.calls == [("set_inputs_first_pass", [[2.0] * 3] * 2), ("store_context", 5)]
     else:
         assert h.calls == [("propose", 1)]
+
+
+
+@pytest.mark.parametrize("kind", ["suffix", "trained"])
+def test_under_sampling_a_chain_cut_by_exploration_teaches_only_what_was_sent(kind):
+    """The curve's exploration may cut the chosen chain (serve/vllm_suffix.py's MeasuredCurve): where all the tokens
+    sent were accepted, the positions cut off were never verified and are not counted as rejected, neither in the
+    suffix drafter's calibration nor in the trained drafter's."""
+    from selfspec.serve.vllm_suffix import CURVE_MIN, EXPLORE_EVERY, MeasuredCurve
+
+    k = 4
+    curve = MeasuredCurve(CostCurve.from_relative({1: 1.0, 9: 1.0}), k + 1, measure=True)
+    for n in (1, 3, 4, 5):  # every length timed but 2 (one drafted token): exploration cuts chains to one token
+        for _ in range(CURVE_MIN):
+            curve.observe(n, 0.010)
+    rows = HybridRows(k=k, max_model_len=512, curve=curve)
+    # the suffix chain: a text that repeats, the trained drafter not run; the trained chain: new text, drafted right
+    target = [40 + (7 * i) % 23 for i in range(80)] if kind == "suffix" else [100 + i for i in range(80)]
+    done = 26
+    for step in range(3 * EXPLORE_EVERY):
+        pending = rows.prepare(0, "r", target[:done], target[done - 1:done], greedy=False)
+        trained = (target[done:done + 3], [0.95] * 3) if kind == "trained" else (None, None)
+        chosen = rows.choose(pending, *trained)
+        sent = rows.sent_chain(time.perf_counter(), [pending], [chosen])[0]
+        if len(sent) == 1 < len(chosen):
+            break
+        done += 1  # nothing accepted: the bonus token only
+    else:
+        pytest.fail("no step was cut by exploration")
+    last = rows.sent["r"]
+    assert last.kind == kind and last.sent == 1 and last.length == len(chosen)
+    drafter = rows.suffix.rows[0].drafter
+    suffix_before, trained_before = dict(drafter.calibration.scored), dict(rows.calibration.seen)
+    rows.prepare(0, "r", target[:done + 2], target[done:done + 2], greedy=False)  # the token sent, then the bonus
+    if kind == "suffix":
+        learned = {key[1]: v - suffix_before.get(key, 0.0) for key, v in drafter.calibration.scored.items()}
+    else:
+        learned = {key[0] + 1: v - trained_before.get(key, 0.0) for key, v in rows.calibration.seen.items()}
+    assert learned.get(1, 0) > 0  # the position sent learned
+    assert all(v == 0 for d, v in learned.items() if d > 1)  # the positions cut off were not counted as rejected

@@ -122,3 +122,31 @@ def test_chains_are_priced_by_the_measured_costs_not_the_prior_once_measured():
         lengths[name] = [len(call(proposer, history[:n], 1)) for n in range(45, 115)]
     assert sum(lengths["flat"]) > sum(lengths["steep"])
     assert max(lengths["flat"]) == k
+
+
+def test_a_chain_cut_by_exploration_teaches_only_the_depths_it_sent():
+    """Where the curve's exploration sends fewer tokens than the plan holds, the depths past them were never verified:
+    the whole cut chain accepted is not a rejection at the next depth."""
+    k = 4
+    curve = MeasuredCurve(default_curve(k), k + 1, measure=True)
+    for n in (1, 3, 4, 5):  # every length timed but 2 (one drafted token): exploration cuts chains to one token
+        for _ in range(CURVE_MIN):
+            curve.observe(n, 0.010)
+    proposer = SuffixProposer.standalone(k, 1024, curve)
+    pattern = history_of(30, seed=4)
+    history = pattern + pattern[:3]  # the pattern seen once: its continuation is the chain
+    for _ in range(3 * EXPLORE_EVERY):
+        chain = call(proposer, history, 1)
+        row = proposer.rows[0]
+        if len(chain) == 1 and len(row.plan.chosen) > 1:
+            break
+        history = history + [pattern[len(history) % len(pattern)]]  # nothing accepted: the target's next token
+    else:
+        pytest.fail("no step was cut by exploration")
+    calibration = row.drafter.calibration
+    before = dict(calibration.scored)
+    nxt = len(history) % len(pattern)
+    call(proposer, history + pattern[nxt:nxt + 2], 2)  # the one token sent accepted, then the bonus token
+    learned = {key[1]: calibration.scored[key] - before.get(key, 0.0) for key in calibration.scored}
+    assert learned.get(1, 0) > 0  # the depth sent learned
+    assert all(v == 0 for d, v in learned.items() if d > 1)  # the depths cut off were not counted as rejected

@@ -5,6 +5,8 @@ where the text repeats."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from selfspec.decode.adaptive import CostCurve

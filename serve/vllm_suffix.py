@@ -52,12 +52,12 @@ from selfspec.decode.suffix import SuffixDrafter, SuffixPlan
 COST_CURVE_ENV = "SELFSPEC_VLLM_COST_CURVE"
 
 
-def record_chain(drafter: SuffixDrafter, plan: SuffixPlan, accepted: int, sent: int | None = None) -> None:
+def record_chain(drafter: SuffixDrafter, plan: SuffixPlan, accepted: int, sent: int) -> None:
     """``plan``'s chain was verified and its first ``accepted`` tokens accepted: the depths up to the first rejected
-    one learn (all of them when the whole chain was accepted). ``sent``: the tokens of the chain that were sent, where
-    fewer (:meth:`MeasuredCurve.explore` cut it); the depths past them were never verified, so they learn nothing."""
-    observed = min(accepted + 1, len(plan.chosen))
-    drafter.record(plan, accepted, observed if sent is None else min(observed, sent))
+    one learn (all of them when the whole chain was accepted). ``sent``: the tokens that were sent, fewer than the
+    chain's where :meth:`MeasuredCurve.explore` cut it; the depths past them were never verified, so they learn
+    nothing."""
+    drafter.record(plan, accepted, min(accepted + 1, len(plan.chosen), sent))
 
 
 def default_curve(k: int) -> CostCurve:
@@ -231,12 +231,10 @@ class SuffixProposer:
         begun = perf_counter()
         alone = len(sampled_token_ids) == 1  # one request, the one the last call drafted for: the step is timed
         drafts: list[list[int]] = []
-        drafted: list[_Row | None] = []  # each batch row's drafter, where it drafted
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled or n >= self.max_model_len:
                 drafts.append([])
-                drafted.append(None)
                 alone = False
                 continue
             history = [int(t) for t in token_ids_cpu[i, :n]]
@@ -250,13 +248,12 @@ class SuffixProposer:
             row.plan = plan if plan.chosen else None  # kept to learn from what vLLM accepts
             drafts.append([plan.cands.tokens[n] for n in plan.chosen])
             row.sent = len(drafts[-1])
-            drafted.append(row)
         one = len(drafts) == 1 and bool(sampled_token_ids[0])  # the engine's verify cost, from one-request steps
         chain = self.curve.step(begun, drafts[0] if one else None, alone, int(sampled_token_ids[0][-1]) if one else 0)
         if not one:
             return drafts
-        if drafted[0] is not None:
-            drafted[0].sent = len(chain)
+        if alone:  # the curve explores only then, and the batch's one row (``row``) drafted
+            row.sent = len(chain)
         return [chain]
 
     def plan(self, row: _Row) -> SuffixPlan:
